@@ -1,0 +1,153 @@
+"""The recipe of Micikevicius et al. as two fastai callbacks: a 16-bit model, and FP32 masters with loss scaling."""
+from __future__ import annotations
+import torch
+from torch import nn
+from fastai.callback.core import Callback, CancelStepException
+from fastcore.meta import delegates
+
+from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_slow_half
+from .master import MasterWeights
+from .overflow import OverflowCheck
+from .scalers import make_scaler, check_positive
+
+__all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
+
+def model_device(model:nn.Module) -> torch.device:
+    "The device of `model`'s first parameter (or buffer); CPU for a model without any."
+    for t in model.parameters(): return t.device
+    for t in model.buffers(): return t.device
+    return torch.device('cpu')
+
+class ModelToHalf(Callback):
+    "Run the model in 16-bit during a fit (BatchNorm stays FP32); floating inputs go in 16-bit, predictions come out FP32."
+    order = -50  # before every other callback: the model is 16-bit when they see it
+    def __init__(self,
+        dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
+    ):
+        self.dtype = resolve_dtype(dtype)
+        self.originals, self.masters = None, {}
+
+    @property
+    def converted(self) -> bool:
+        "Whether the model is in 16-bit now (from `before_fit` until `after_fit` or `restore`)."
+        return self.originals is not None
+
+    def before_fit(self):
+        self.restore()  # a fit interrupted by an exception (fastai then skips after_fit) left the model converted
+        warn_slow_half(self.dtype, model_device(self.learn.model))
+        self.originals = convert_network_keeping(self.learn.model, self.dtype)
+
+    def before_batch(self):
+        if self.converted: self.learn.xb = cast_floats(self.learn.xb, self.dtype)
+
+    def after_pred(self):
+        if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
+
+    def after_fit(self): self.restore()
+
+    def fp32_of(self, p) -> torch.Tensor:
+        "The exact FP32 value `p` had when it was converted (`p.data` itself for what was not converted)."
+        rec = self.originals.get(id(p)) if self.converted else None
+        return p.data if rec is None else rec[3]
+
+    def link_masters(self, fp32_views:dict):
+        "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
+        self.masters = {id(p): t for p, t in fp32_views.items()}
+
+    def restore(self):
+        "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
+        if not self.converted: return
+        for module, name, is_param, orig in self.originals.values():
+            cur = (module._parameters if is_param else module._buffers).get(name)
+            if cur is None: continue
+            master = self.masters.get(id(cur)) if is_param else None
+            if master is not None: new = master.clone() if master._base is not None else master
+            elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = orig  # unchanged: exact original
+            else: new = cur.to(orig.dtype)  # trained in 16-bit without master: nothing better than its value
+            if is_param: cur.data = new
+            else: module._buffers[name] = new
+        for m in self.learn.model.modules():
+            if isinstance(m, nn.RNNBase): m.flatten_parameters()
+        self.originals, self.masters = None, {}
+
+def _check_clip(clip):
+    return check_positive('clip', clip, allow_none=True)
+
+class MixedPrecision(Callback):
+    "FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads."
+    order = 10
+    def __init__(self,
+        loss_scale:float=512, # the scale when not `dynamic` (static loss scaling)
+        flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
+        dynamic:bool=True, # dynamic (backoff) loss scaling: start at `max_loss_scale`, halve on overflow, grow back
+        max_loss_scale:float=2.**24, # start and ceiling of the dynamic scale
+        div_factor:float=2., # the dynamic scale is divided by this on overflow and multiplied after `scale_wait` clean steps
+        scale_wait:int=500, # clean steps in a row before the dynamic scale grows
+        clip:float=None, # clip each param group's global norm of unscaled FP32 master grads to this
+        *,
+        dtype=torch.float16, # the model's 16-bit dtype (bf16 has FP32's range: use loss_scale=1, dynamic=False)
+        scaler=None, # None (seed behaviour), 'backoff', 'static' or a `LossScaler`
+        min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
+        max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
+    ):
+        self.dtype = resolve_dtype(dtype)
+        self.flat_master, self.clip = bool(flat_master), _check_clip(clip)
+        check_positive('loss_scale', loss_scale)
+        self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
+                                  div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
+                                  max_skipped=max_skipped)
+        self.master, self.check, self.skipped = None, OverflowCheck(), False
+        self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
+
+    @property
+    def loss_scale(self) -> float: return self.scaler.scale
+    @property
+    def model_pgs(self): return None if self.master is None else self.master.model_pgs
+    @property
+    def master_pgs(self): return None if self.master is None else self.master.master_pgs
+    @property
+    def n_skipped(self) -> int: return self.scaler.n_skipped
+
+    def _model_to_half(self):
+        return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
+
+    def before_fit(self):
+        self.restore()  # an interrupted fit left the optimizer on the masters
+        if self.learn.opt is None: self.learn.create_opt()
+        mth = self._model_to_half()
+        half = mth is not None and mth.converted
+        self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None)
+        if half: mth.link_masters(self.master.fp32_views())
+
+    def before_backward(self):
+        if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
+
+    def before_step(self):
+        self.skipped = False
+        grads = self.master.grads_to_master()
+        if not grads: return
+        scale = self.loss_scale
+        stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad).tolist()  # the one host sync
+        found = stats[0] > 0
+        self.scales.append(scale); self.skips.append(found)
+        self.scaler.update(found, stats[1] if len(stats) > 1 else None)
+        if found:
+            self.skipped = True
+            raise CancelStepException()
+        if self.clip is not None:
+            for pg in self.master.master_pgs:
+                if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
+
+    def after_step(self):
+        "fastai calls this even for a cancelled step: copy the masters only when they moved."
+        if not self.skipped: self.master.master_to_model()
+        self.master.zero_model_grads()
+        self.skipped = False
+
+    def after_fit(self): self.restore()
+
+    def restore(self):
+        "Point the optimizer at the model's own params again, with its state."
+        if self.master is None: return
+        self.master.restore_opt()
+        self.master = None

@@ -1,0 +1,68 @@
+"""Dtype policy: which 16-bit dtypes we train in, which layers stay FP32, and how tensors are cast."""
+from __future__ import annotations
+import warnings
+import torch
+from torch import nn
+
+__all__ = ['HALF_DTYPES', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
+           'has_fast_half_math', 'warn_slow_half']
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_ALIASES = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
+            'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
+
+def resolve_dtype(dtype, allowed=HALF_DTYPES) -> torch.dtype:
+    "`dtype` as a `torch.dtype` (accepts 'fp16', 'bf16', ...); `ValueError` if it is not one of `allowed`."
+    res = _ALIASES.get(dtype.lower(), None) if isinstance(dtype, str) else dtype
+    if res not in allowed:
+        names = ', '.join(str(o).replace('torch.', '') for o in allowed)
+        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {names} (or 'fp16'/'bf16')")
+    return res
+
+def keeps_fp32(module:nn.Module) -> bool:
+    "BatchNorm layers (torch's and fastai's `BatchNorm`, which builds them) keep FP32 parameters and statistics."
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+def _floating(t): return t is not None and torch.is_floating_point(t)
+
+def convert_network_keeping(model:nn.Module, dtype:torch.dtype) -> dict:
+    """Convert `model`'s floating parameters and buffers to `dtype`, BatchNorm layers excepted, in place.
+    Returns `{id(tensor): (module, name, is_param, original)}` with the original tensor of everything converted,
+    so the exact values can be restored later (the originals are kept, not copied)."""
+    converted, seen = {}, set()
+    for module in model.modules():
+        if keeps_fp32(module): continue
+        for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
+            for name, t in tensors.items():
+                if not _floating(t) or t.dtype == dtype or id(t) in seen: continue
+                seen.add(id(t))
+                converted[id(t)] = (module, name, is_param, t.data if is_param else t)
+                if is_param: t.data = t.data.to(dtype)
+                else: tensors[name] = t.to(dtype)
+        if isinstance(module, nn.RNNBase): module.flatten_parameters()
+    return converted
+
+def convert_network(model:nn.Module, dtype:torch.dtype) -> nn.Module:
+    "Convert `model`'s parameters and buffers to `dtype`, except BatchNorm layers, which stay FP32. Returns `model`."
+    convert_network_keeping(model, dtype)
+    return model
+
+def cast_floats(b, dtype:torch.dtype):
+    "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
+    if isinstance(b, torch.Tensor): return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype else b
+    if isinstance(b, dict): return {k: cast_floats(v, dtype) for k, v in b.items()}
+    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype) for o in b))
+    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
+    return b
+
+def has_fast_half_math(dtype:torch.dtype, device) -> bool:
+    "Whether `device` computes `dtype` natively; a CPU has no native fp16 matrix math."
+    return torch.device(device).type != 'cpu' or dtype != torch.float16
+
+_warned = set()
+def warn_slow_half(dtype:torch.dtype, device):
+    "Warn once per process when training in fp16 on a device without fp16 math."
+    if has_fast_half_math(dtype, device) or (dtype, str(device)) in _warned: return
+    _warned.add((dtype, str(device)))
+    warnings.warn("fp16 training on the CPU is correct but very slow: this CPU has no native fp16 math. "
+                  "Use `learn.to_bf16()` on a CPU instead.", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,67 @@
+"""`Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32`, replacing fastai's own patches."""
+from __future__ import annotations
+import torch
+from fastai.learner import Learner
+import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
+from fastcore.basics import patch
+from fastcore.meta import delegates
+
+from .callbacks import ModelToHalf, MixedPrecision
+from .native import NativeMixedPrecision
+
+__all__ = ['precision_callbacks']
+
+_FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
+                 if hasattr(_fastai_fp16, n))
+_OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
+
+@patch
+def precision_callbacks(self:Learner) -> list:
+    "The mixed-precision callbacks of this learner (ours and fastai's)."
+    return [cb for cb in self.cbs if isinstance(cb, _OURS + _FOREIGN)]
+
+@patch
+def _set_precision(self:Learner, cbs:list):
+    "Replace whatever precision callbacks the learner has with `cbs`, restoring the FP32 model and optimizer first."
+    old = self.precision_callbacks()
+    for cb in old:
+        if hasattr(cb, 'restore'): cb.restore()
+    self.remove_cbs(old)
+    if cbs: self.add_cbs(cbs)
+    return self
+
+@patch
+@delegates(MixedPrecision)
+def to_fp16(self:Learner, **kwargs):
+    "Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling."
+    dtype = kwargs.pop('dtype', torch.float16)
+    return self._set_precision([ModelToHalf(dtype), MixedPrecision(dtype=dtype, **kwargs)])
+
+@patch
+@delegates(MixedPrecision)
+def to_bf16(self:Learner, **kwargs):
+    "Train in mixed precision with bfloat16: FP32 master weights; no loss scaling unless asked (bf16 has FP32's range)."
+    kwargs = {'dynamic': False, 'loss_scale': 1., **kwargs}
+    return self.to_fp16(dtype=torch.bfloat16, **kwargs)
+
+@patch
+def to_fp32(self:Learner):
+    "Back to plain FP32 training: removes the precision callbacks; the model holds the exact FP32 master weights."
+    return self._set_precision([])
+
+@patch
+@delegates(NativeMixedPrecision)
+def to_native_fp16(self:Learner, **kwargs):
+    "Train with PyTorch's autocast + GradScaler (fp16 by default; `dtype=torch.bfloat16` for bf16)."
+    return self._set_precision([NativeMixedPrecision(**kwargs)])
+
+@patch
+@delegates(NativeMixedPrecision)
+def to_native_bf16(self:Learner, **kwargs):
+    "Train with PyTorch's autocast in bfloat16 (no loss scaling)."
+    return self.to_native_fp16(dtype=torch.bfloat16, **kwargs)
+
+@patch
+def to_native_fp32(self:Learner):
+    "Back to plain FP32 training (removes any precision callback)."
+    return self._set_precision([])

@@ -1,0 +1,81 @@
+"""torch.amp (autocast + GradScaler) as a fastai callback, on whatever device the model is."""
+from __future__ import annotations
+import torch
+from torch.amp import GradScaler
+from fastai.callback.core import Callback, CancelStepException
+
+from .dtypes import resolve_dtype, cast_floats, warn_slow_half
+from .callbacks import model_device
+from .scalers import check_positive
+
+__all__ = ['NativeMixedPrecision']
+
+class NativeMixedPrecision(Callback):
+    "Mixed precision with PyTorch's autocast and GradScaler, on the model's device (CPU included)."
+    order = 10
+    _stateattrs = ('_autocast',)  # not pickled (export): an autocast context belongs to one fit
+    def __init__(self,
+        init_scale:float=2.**16, # GradScaler's initial scale
+        growth_factor:float=2., # multiply the scale by this after `growth_interval` clean steps
+        backoff_factor:float=.5, # multiply the scale by this on overflow
+        growth_interval:int=2000, # clean steps before the scale grows
+        enabled:bool=True, # False: plain FP32 training
+        *,
+        dtype=torch.float16, # autocast dtype: fp16 (with GradScaler) or bf16 (no scaling needed)
+    ):
+        self.dtype = resolve_dtype(dtype)
+        check_positive('init_scale', init_scale); check_positive('growth_factor', growth_factor, strict_min=1.)
+        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
+            raise ValueError(f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"`growth_interval` must be an integer >= 1, got {growth_interval!r}")
+        self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval, self.enabled = growth_interval, bool(enabled)
+        self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
+
+    @property
+    def loss_scale(self) -> float:
+        "The GradScaler's current scale (1. when scaling is off)."
+        return self.scaler.get_scale() if self.scaler is not None and self.scaler.is_enabled() else 1.
+
+    def _make_scaler(self, device_type):
+        return GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor,
+                          backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+                          enabled=self.enabled and self.dtype == torch.float16)
+
+    def before_fit(self):
+        self._exit_autocast()
+        device_type = model_device(self.learn.model).type
+        if self.enabled: warn_slow_half(self.dtype, device_type)
+        if self.scaler is None or device_type != self.device_type:  # kept across fits: its scale is learned state
+            self.scaler, self.device_type = self._make_scaler(device_type), device_type
+
+    def before_batch(self):
+        self._autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+        self._autocast.__enter__()
+
+    def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
+    def after_loss(self): self._exit_autocast()
+    def after_batch(self): self._exit_autocast()
+    def after_fit(self): self._exit_autocast()
+
+    def _exit_autocast(self):
+        if getattr(self, '_autocast', None) is not None:
+            self._autocast.__exit__(None, None, None)
+            self._autocast = None
+
+    def before_backward(self): self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
+
+    def before_step(self):
+        "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
+        self.skipped, self._stepped = True, True
+        self.scaler.step(self)
+        if self.skipped: raise CancelStepException()
+
+    def after_step(self):
+        if self._stepped: self.scaler.update()
+        self._stepped = False
+
+    @property
+    def param_groups(self): return self.learn.opt.param_groups
+    def step(self, *args, **kwargs): self.skipped = False

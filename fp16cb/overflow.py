@@ -1,0 +1,53 @@
+"""Overflow check: is any gradient inf/NaN? Fused with unscaling, one host synchronisation per step."""
+from __future__ import annotations
+import torch
+from torch import Tensor
+
+__all__ = ['test_overflow', 'grad_overflow', 'OverflowCheck']
+
+def test_overflow(x:Tensor) -> bool:
+    "Whether `x` holds an inf, -inf or NaN anywhere."
+    return not bool(torch.isfinite(x).all())
+
+def _by_device(tensors) -> dict:
+    res = {}
+    for t in tensors: res.setdefault((t.device, t.dtype), []).append(t)
+    return res
+
+def _max_abs(tensors) -> Tensor:
+    "Largest |value| over `tensors` (NaN if any is NaN), as a 0-dim FP32 tensor on their device; no host sync."
+    return torch.stack(torch._foreach_norm(tensors, float('inf'))).float().max()
+
+def grad_overflow(pgs:list) -> bool:
+    "Whether any gradient of any param of the groups `pgs` holds an inf or NaN; a single host sync."
+    grads = [p.grad for pg in pgs for p in pg if p.grad is not None]
+    if not grads: return False
+    maxes = [_max_abs(ts).to(grads[0].device) for ts in _by_device(grads).values()]
+    return not bool(torch.isfinite(torch.stack(maxes)).all())
+
+class OverflowCheck:
+    "Unscale gradients in place and detect inf/NaN in the same fused pass; optionally the largest |grad| too."
+    def __init__(self): self._bufs = {}
+
+    def _buf(self, device):
+        if device not in self._bufs:
+            self._bufs[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        return self._bufs[device]
+
+    def __call__(self,
+        grads:list, # FP32 master gradients, unscaled in place
+        inv_scale:float, # 1/loss_scale
+        with_max:bool=False, # also return the largest |unscaled grad|
+    ) -> Tensor: # `[found_inf]` or `[found_inf, max_abs_grad]` on the first grad's device; read it once per step
+        groups = _by_device(grads)
+        first = grads[0].device if grads else torch.device('cpu')
+        founds, maxes = [], []
+        for (device, _), ts in groups.items():
+            found, inv = self._buf(device)
+            found.zero_(); inv.fill_(inv_scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
+            founds.append(found.to(first))
+            if with_max: maxes.append(_max_abs(ts).to(first).reshape(1))
+        found = sum(founds[1:], founds[0].clone()) if founds else torch.zeros(1, device=first)
+        if not with_max: return found
+        return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])
