@@ -9,6 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
+from .guards import BNStatsGuard, reject_gradient_clip
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
 
@@ -76,6 +77,7 @@ def _check_clip(clip):
 class MixedPrecision(Callback):
     "FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads."
     order = 10
+    bn_stats = None  # a `BNStatsGuard` during a fit
     def __init__(self,
         loss_scale:float=512, # the scale when not `dynamic` (static loss scaling)
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
@@ -113,11 +115,16 @@ class MixedPrecision(Callback):
 
     def before_fit(self):
         self.restore()  # an interrupted fit left the optimizer on the masters
+        reject_gradient_clip(self.learn)
         if self.learn.opt is None: self.learn.create_opt()
         mth = self._model_to_half()
         half = mth is not None and mth.converted
         self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None)
         if half: mth.link_masters(self.master.fp32_views())
+        self.bn_stats = BNStatsGuard(self.learn.model)
+
+    def before_batch(self):
+        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()  # a skipped step must not leave its batch in BatchNorm's statistics
 
     def before_backward(self):
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
@@ -129,6 +136,7 @@ class MixedPrecision(Callback):
         scale = self.loss_scale
         stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad).tolist()  # the one host sync
         found = stats[0] > 0
+        if found: self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
         self.scaler.update(found, stats[1] if len(stats) > 1 else None)
         if found:
@@ -143,6 +151,7 @@ class MixedPrecision(Callback):
         if not self.skipped: self.master.master_to_model()
         self.master.zero_model_grads()
         self.skipped = False
+        self.bn_stats.arm()
 
     def after_fit(self): self.restore()
 
@@ -150,4 +159,4 @@ class MixedPrecision(Callback):
         "Point the optimizer at the model's own params again, with its state."
         if self.master is None: return
         self.master.restore_opt()
-        self.master = None
+        self.master, self.bn_stats = None, None

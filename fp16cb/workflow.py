@@ -1,0 +1,68 @@
+"""The fastai workflow around the precision callbacks: faults that skip `after_fit`, and `lr_find`'s save/load."""
+from __future__ import annotations
+import functools
+from fastai.learner import Learner
+from fastai.callback.schedule import LRFinder
+from fastcore.basics import patch
+
+from .callbacks import ModelToHalf, MixedPrecision
+from .native import NativeMixedPrecision
+
+__all__ = ['restore_precision']
+
+_OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
+
+def _ours(cbs): return sorted((cb for cb in cbs if isinstance(cb, _OURS)), key=lambda cb: cb.order)
+
+@patch
+def restore_precision(self:Learner):
+    "Put the learner back in its between-fits state: exact FP32 model, optimizer on the model's params, no autocast."
+    for cb in _ours(self.cbs): cb.restore()
+    return self
+
+_fit = getattr(Learner.fit, '__wrapped__', Learner.fit)
+
+@functools.wraps(_fit)
+def _fit_restoring(self, *args, **kwargs):
+    # fastai calls `after_fit` only when the fit ends or is cancelled; any other exception (KeyboardInterrupt, an
+    # error in a callback, `LossScaleError`) skips it. Restore right away, so that the learner is consistent at once.
+    try: return _fit(self, *args, **kwargs)
+    except BaseException:
+        self.restore_precision()
+        raise
+Learner.fit = _fit_restoring
+
+_remove_cb = getattr(Learner.remove_cb, '__wrapped__', Learner.remove_cb)
+
+@functools.wraps(_remove_cb)
+def _remove_cb_restoring(self, cb):
+    # a precision callback given to `fit(cbs=...)` is removed when an exception leaves the fit: restore it first
+    if isinstance(cb, _OURS) and getattr(cb, 'learn', None) is self: cb.restore()
+    return _remove_cb(self, cb)
+Learner.remove_cb = _remove_cb_restoring
+
+def _scaler_states(cbs) -> list:
+    return [(cb, cb.scaler.state_dict()) for cb in cbs if getattr(cb, 'scaler', None) is not None]
+
+_lrf_before_fit = getattr(LRFinder.before_fit, '__wrapped__', LRFinder.before_fit)
+_lrf_after_fit = getattr(LRFinder.after_fit, '__wrapped__', LRFinder.after_fit)
+
+@functools.wraps(_lrf_before_fit)
+def _lrf_before_fit_fp32(self):
+    # LRFinder (order 60) saves the model and optimizer after our `before_fit` made the model 16-bit and pointed the
+    # optimizer at the masters: it would save fp16-rounded weights and the masters' state. Save the FP32 learner.
+    pcs = _ours(self.learn.cbs)
+    self._fp16cb_scalers = _scaler_states(pcs)  # lr_find's huge lrs overflow and lower the loss scale: undone after
+    for cb in pcs: cb.restore()
+    try: _lrf_before_fit(self)
+    finally:
+        for cb in pcs: cb.before_fit()
+LRFinder.before_fit = _lrf_before_fit_fp32
+
+@functools.wraps(_lrf_after_fit)
+def _lrf_after_fit_scalers(self):
+    # our `after_fit` ran first (lower order): the model is FP32 again and `learn.load` restores it exactly
+    _lrf_after_fit(self)
+    for cb, sd in getattr(self, '_fp16cb_scalers', []): cb.scaler.load_state_dict(sd)
+    self._fp16cb_scalers = []
+LRFinder.after_fit = _lrf_after_fit_scalers
