@@ -9,7 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
-from .guards import BNStatsGuard, reject_gradient_clip
+from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
 
@@ -138,7 +138,7 @@ class MixedPrecision(Callback):
         found = stats[0] > 0
         if found: self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
-        self.scaler.update(found, stats[1] if len(stats) > 1 else None)
+        with lr_find_stops_on(self.learn): self.scaler.update(found, stats[1] if len(stats) > 1 else None)
         if found:
             self.skipped = True
             raise CancelStepException()

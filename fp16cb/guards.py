@@ -1,9 +1,10 @@
 """Guards for the fastai workflow: BatchNorm statistics that survive a skipped step, callbacks that cannot work."""
 from __future__ import annotations
+from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip']
+__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on']
 
 class BNStatsGuard:
     "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
@@ -48,3 +49,14 @@ def count_skip(n_in_a_row:int, skipped:bool, max_skipped:int, what:str) -> int:
         raise LossScaleError(f"Mixed-precision training stopped: {n} steps in a row had inf/NaN gradients "
                              f"and were skipped ({what}). {_HINT}")
     return n
+
+@contextmanager
+def lr_find_stops_on(learn):
+    "In `lr_find`, steps that keep overflowing mean the growing lr diverged: end the search (as `stop_div` does), not raise."
+    from fastai.callback.core import CancelFitException
+    from fastai.callback.schedule import LRFinder
+    from .scalers import LossScaleError
+    try: yield
+    except LossScaleError:
+        if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
+        raise

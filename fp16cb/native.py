@@ -7,7 +7,7 @@ from fastai.callback.core import Callback, CancelStepException
 from .dtypes import resolve_dtype, cast_floats, warn_slow_half
 from .callbacks import model_device
 from .scalers import check_positive
-from .guards import BNStatsGuard, count_skip
+from .guards import BNStatsGuard, count_skip, lr_find_stops_on
 
 __all__ = ['NativeMixedPrecision']
 
@@ -77,8 +77,9 @@ class NativeMixedPrecision(Callback):
         self.skipped, self._stepped = True, True
         if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
         if self.skipped: self.bn_stats.restore()  # the skipped batch leaves no trace in BatchNorm's statistics
-        self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
-                                           f"{self.dtype} autocast, loss scale {self.loss_scale:g}")
+        with lr_find_stops_on(self.learn):
+            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
+                                               f"{self.dtype} autocast, loss scale {self.loss_scale:g}")
         if self.skipped: raise CancelStepException()
 
     def _grads_finite(self) -> bool:

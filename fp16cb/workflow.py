@@ -1,14 +1,16 @@
 """The fastai workflow around the precision callbacks: faults that skip `after_fit`, and `lr_find`'s save/load."""
 from __future__ import annotations
-import functools
+import functools, inspect
 from fastai.learner import Learner
+from fastcore.foundation import L
 from fastai.callback.schedule import LRFinder
 from fastcore.basics import patch
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
+from .learner import _FOREIGN
 
-__all__ = ['restore_precision']
+__all__ = ['restore_precision', 'check_precision_cbs']
 
 _OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
 
@@ -20,10 +22,23 @@ def restore_precision(self:Learner):
     for cb in _ours(self.cbs): cb.restore()
     return self
 
+def check_precision_cbs(cbs):
+    "Raise a `ValueError` unless `cbs` (callbacks or their classes) hold at most one precision setup."
+    kinds = [c if isinstance(c, type) else type(c) for c in cbs]
+    kinds = [k for k in kinds if issubclass(k, _OURS + _FOREIGN)]
+    names = [k.__name__ for k in kinds]
+    native, ours, foreign = (sum(issubclass(k, t) for k in kinds) for t in (NativeMixedPrecision, (ModelToHalf, MixedPrecision), _FOREIGN))
+    if len(set(kinds)) < len(kinds) or (native and ours) or (foreign and (native or ours)) or foreign > 1:
+        raise ValueError(f"two precision setups would be stacked in this fit ({', '.join(names)}): set the precision "
+                         f"once with `learn.to_fp16()`, `to_bf16()`, `to_native_fp16()` or `to_fp32()` (the last call "
+                         f"wins) and do not pass precision callbacks to `fit(cbs=...)` as well.")
+
 _fit = getattr(Learner.fit, '__wrapped__', Learner.fit)
+_fit_sig = inspect.signature(_fit)
 
 @functools.wraps(_fit)
 def _fit_restoring(self, *args, **kwargs):
+    check_precision_cbs(list(self.cbs) + list(L(_fit_sig.bind(self, *args, **kwargs).arguments.get('cbs'))))
     # fastai calls `after_fit` only when the fit ends or is cancelled; any other exception (KeyboardInterrupt, an
     # error in a callback, `LossScaleError`) skips it. Restore right away, so that the learner is consistent at once.
     try: return _fit(self, *args, **kwargs)
