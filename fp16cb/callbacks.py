@@ -9,7 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
-from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on
+from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, fit_begins, fit_ends
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
 
@@ -34,6 +34,7 @@ class ModelToHalf(Callback):
         return self.originals is not None
 
     def before_fit(self):
+        if not fit_begins(self): return  # get_preds/validate inside a fit: the model is 16-bit already
         self.restore()  # a fit interrupted by an exception (fastai then skips after_fit) left the model converted
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
@@ -44,7 +45,8 @@ class ModelToHalf(Callback):
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
 
-    def after_fit(self): self.restore()
+    def after_fit(self):
+        if fit_ends(self): self.restore()
 
     def fp32_of(self, p) -> torch.Tensor:
         "The exact FP32 value `p` had when it was converted (`p.data` itself for what was not converted)."
@@ -114,6 +116,7 @@ class MixedPrecision(Callback):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
 
     def before_fit(self):
+        if not fit_begins(self): return  # get_preds/validate inside a fit: keep the running masters
         self.restore()  # an interrupted fit left the optimizer on the masters
         reject_gradient_clip(self.learn)
         if self.learn.opt is None: self.learn.create_opt()
@@ -153,7 +156,8 @@ class MixedPrecision(Callback):
         self.skipped = False
         self.bn_stats.arm()
 
-    def after_fit(self): self.restore()
+    def after_fit(self):
+        if fit_ends(self): self.restore()
 
     def restore(self):
         "Point the optimizer at the model's own params again, with its state."

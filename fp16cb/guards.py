@@ -4,7 +4,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on']
+__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on', 'fit_begins', 'fit_ends']
 
 class BNStatsGuard:
     "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
@@ -60,3 +60,13 @@ def lr_find_stops_on(learn):
     except LossScaleError:
         if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
         raise
+
+def fit_begins(cb) -> bool:
+    "In `before_fit`: True for a real fit; False for the `before_fit` that `get_preds`/`validate` fire inside a running fit."
+    cb._fits = cb.__dict__.get('_fits', 0) + 1
+    return cb._fits == 1
+
+def fit_ends(cb) -> bool:
+    "In `after_fit`: True when the outermost fit ends (then restore), False at the end of a nested `get_preds`/`validate`."
+    cb._fits = max(cb.__dict__.get('_fits', 0) - 1, 0)
+    return cb._fits == 0

@@ -7,7 +7,7 @@ from fastai.callback.core import Callback, CancelStepException
 from .dtypes import resolve_dtype, cast_floats, warn_slow_half
 from .callbacks import model_device
 from .scalers import check_positive
-from .guards import BNStatsGuard, count_skip, lr_find_stops_on
+from .guards import BNStatsGuard, count_skip, lr_find_stops_on, fit_begins, fit_ends
 
 __all__ = ['NativeMixedPrecision']
 
@@ -48,6 +48,7 @@ class NativeMixedPrecision(Callback):
                           enabled=self.enabled and self.dtype == torch.float16)
 
     def before_fit(self):
+        if not fit_begins(self): return  # get_preds/validate inside a fit
         self._exit_autocast()
         device_type = model_device(self.learn.model).type
         if self.enabled: warn_slow_half(self.dtype, device_type)
@@ -63,7 +64,8 @@ class NativeMixedPrecision(Callback):
     def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
     def after_loss(self): self._exit_autocast()
     def after_batch(self): self._exit_autocast()
-    def after_fit(self): self.restore()
+    def after_fit(self):
+        if fit_ends(self): self.restore()
 
     def _exit_autocast(self):
         if getattr(self, '_autocast', None) is not None:

@@ -19,7 +19,7 @@ def _ours(cbs): return sorted((cb for cb in cbs if isinstance(cb, _OURS)), key=l
 @patch
 def restore_precision(self:Learner):
     "Put the learner back in its between-fits state: exact FP32 model, optimizer on the model's params, no autocast."
-    for cb in _ours(self.cbs): cb.restore()
+    for cb in _ours(self.cbs): cb.restore(); cb._fits = 0
     return self
 
 def check_precision_cbs(cbs):
@@ -41,10 +41,15 @@ def _fit_restoring(self, *args, **kwargs):
     check_precision_cbs(list(self.cbs) + list(L(_fit_sig.bind(self, *args, **kwargs).arguments.get('cbs'))))
     # fastai calls `after_fit` only when the fit ends or is cancelled; any other exception (KeyboardInterrupt, an
     # error in a callback, `LossScaleError`) skips it. Restore right away, so that the learner is consistent at once.
+    outer = not self.__dict__.get('_fp16cb_fitting', False)
+    if outer: self.restore_precision()  # whatever a fit that ended without `after_fit` (and without us) left behind
+    self._fp16cb_fitting = True
     try: return _fit(self, *args, **kwargs)
     except BaseException:
         self.restore_precision()
         raise
+    finally:
+        if outer: self._fp16cb_fitting = False
 Learner.fit = _fit_restoring
 
 _remove_cb = getattr(Learner.remove_cb, '__wrapped__', Learner.remove_cb)
@@ -68,7 +73,7 @@ def _lrf_before_fit_fp32(self):
     # optimizer at the masters: it would save fp16-rounded weights and the masters' state. Save the FP32 learner.
     pcs = _ours(self.learn.cbs)
     self._fp16cb_scalers = _scaler_states(pcs)  # lr_find's huge lrs overflow and lower the loss scale: undone after
-    for cb in pcs: cb.restore()
+    for cb in pcs: cb.restore(); cb._fits = 0
     try: _lrf_before_fit(self)
     finally:
         for cb in pcs: cb.before_fit()
