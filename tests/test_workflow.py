@@ -62,9 +62,9 @@ def _loss(pred, y):
 
 def splitter(m): return [params(m.body) + (params(m.emb) if m.emb is not None else []), params(m.head)]
 
-def make_learner(mode=None, seed=0, out='tensor', tokens=False, opt_func=Adam, dls=None, **kw):
+def make_learner(mode=None, seed=0, out='tensor', tokens=False, opt_func=Adam, dls=None, loss_func=_loss, **kw):
     torch.manual_seed(seed)
-    learn = Learner(dls or make_dls(tokens), Net(out, tokens), loss_func=_loss, opt_func=opt_func, splitter=splitter,
+    learn = Learner(dls or make_dls(tokens), Net(out, tokens), loss_func=loss_func, opt_func=opt_func, splitter=splitter,
                     metrics=[mae] if out == 'tensor' else None)
     learn.recorder.train_metrics = False
     if mode is not None:
