@@ -63,7 +63,8 @@ def lr_find_stops_on(learn):
 
 def fit_begins(cb) -> bool:
     "In `before_fit`: True for a real fit; False for the `before_fit` that `get_preds`/`validate` fire inside a running fit."
-    cb._fits = cb.__dict__.get('_fits', 0) + 1
+    fitting = getattr(cb, 'learn', None) is not None and cb.learn.__dict__.get('_fp16cb_fitting', False)  # set by `fit`
+    cb._fits = cb.__dict__.get('_fits', 0) + 1 if fitting else 1  # outside `fit` nothing can be nested
     return cb._fits == 1
 
 def fit_ends(cb) -> bool:

@@ -103,6 +103,17 @@ def test_exception_with_precision_callbacks_given_to_fit():
     for p in learn.model.parameters(): assert torch.equal(p.data, spy.last[id(p)])
     fit(learn, 'fit', 1, 1e-2)
 
+def test_stale_state_is_restored_at_the_next_before_fit():
+    "Without our `fit` (events fired by hand, as an interrupted fit of another tool would leave them): still clean."
+    learn = clean_learner('fp16'); learn.create_opt()
+    start = clone_state(learn.model)
+    for cb in learn.precision_callbacks(): cb.before_fit()
+    for cb in learn.precision_callbacks(): cb.before_fit()  # no after_fit in between: the stale state is restored first
+    assert learn.model.head.weight.dtype == torch.float16 and learn.mixed_precision.master is not None
+    for cb in learn.precision_callbacks(): cb.after_fit()
+    assert_same_state(start, clone_state(learn.model))
+    assert_fp32_between_fits(learn)
+
 def test_loss_scale_error_leaves_learner_usable():
     learn = make_learner(loss_func=lambda p, y: F.mse_loss(p, y) * float('nan')).to_fp16(max_skipped=3, dynamic=False)
     with pytest.raises(LossScaleError): fit(learn, 'fit', 1, 1e-2)
