@@ -158,8 +158,9 @@ def test_discriminative_lrs_reach_the_masters():
     assert (b16 - b32).norm() < 0.05 * b32.norm() and (h16 - h32).norm() < 0.05 * h32.norm()
 
 @pytest.mark.parametrize('flat_master', [False, True])
-def test_frozen_params_come_back_bit_identical(flat_master):
-    learn = make_learner('fp16', flat_master=flat_master)
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_frozen_params_come_back_bit_identical(mode, flat_master):
+    learn = make_learner(mode, flat_master=flat_master)
     learn.model.head.bias.requires_grad_(False); learn.model.body[0].weight.requires_grad_(False)
     start = clone_state(learn.model)
     fit(learn, 'fit', 1, 1e-2)
@@ -187,9 +188,9 @@ def test_param_groups_change_between_fits(mode):
     assert math.isfinite(valid_loss(learn))
 
 # ---- lr_find ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'native'])
-def test_lr_find_restores_model_and_optimizer(mode):
-    learn = make_learner(mode)
+@pytest.mark.parametrize('mode,kw', [('fp16', {}), ('fp16', {'flat_master': True}), ('bf16', {}), ('native', {})])
+def test_lr_find_restores_model_and_optimizer(mode, kw):
+    learn = make_learner(mode, **kw)
     learn.freeze()  # some params frozen: the optimizer state must still load back
     fit(learn, 'fit', 1, 1e-2)
     model0, opt0 = clone_state(learn.model), opt_state(learn)
