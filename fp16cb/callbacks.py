@@ -127,7 +127,8 @@ class MixedPrecision(Callback):
         self.bn_stats = BNStatsGuard(self.learn.model)
 
     def before_batch(self):
-        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()  # a skipped step must not leave its batch in BatchNorm's statistics
+        # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
+        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
 
     def before_backward(self):
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale

@@ -7,6 +7,7 @@ from fastai.callback.core import Callback, CancelStepException
 from .dtypes import resolve_dtype, cast_floats, warn_slow_half
 from .callbacks import model_device
 from .scalers import check_positive
+from .overflow import OverflowCheck
 from .guards import BNStatsGuard, count_skip, lr_find_stops_on, fit_begins, fit_ends
 
 __all__ = ['NativeMixedPrecision']
@@ -34,7 +35,7 @@ class NativeMixedPrecision(Callback):
         self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
         self.growth_interval, self.enabled = growth_interval, bool(enabled)
         self.max_skipped = int(check_positive('max_skipped', max_skipped, strict_min=0))
-        self.bn_stats, self.skipped_in_a_row = None, 0
+        self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
 
     @property
@@ -87,13 +88,7 @@ class NativeMixedPrecision(Callback):
     def _grads_finite(self) -> bool:
         "Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the weights."
         grads = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
-        found = []
-        for device in {g.device for g in grads}:
-            f = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_([g for g in grads if g.device == device], f,
-                                                            torch.ones(1, device=device))
-            found.append(f.to(grads[0].device))
-        return not found or not bool(torch.stack(found).sum() > 0)
+        return not grads or not self._check(grads, 1.).item() > 0  # inv_scale 1: the grads are left as they are
 
     def restore(self):
         "Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`)."
