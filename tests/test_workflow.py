@@ -11,6 +11,7 @@ from fastai.metrics import mae
 from fastai.torch_core import params
 import fastai.callback.schedule  # fit_one_cycle, fine_tune, lr_find
 from fastai.callback.training import GradientAccumulation, GradientClip
+from fastai.callback.tracker import EarlyStoppingCallback
 from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 training on the CPU:RuntimeWarning")
@@ -185,6 +186,16 @@ def test_param_groups_change_between_fits(mode):
     fit(learn, 'fit', 1, 1e-2)
     assert_fp32_between_fits(learn)
     assert not torch.equal(new, learn.model.head.weight)
+    assert math.isfinite(valid_loss(learn))
+
+@pytest.mark.parametrize('mode', ['fp16', 'native'])
+def test_early_stopping_cancels_cleanly(mode):
+    "EarlyStopping ends the fit with CancelFitException: after_fit still runs, the model is FP32 again."
+    learn = make_learner(mode)
+    fit(learn, 'fit', 10, 1e-2, cbs=EarlyStoppingCallback(monitor='valid_loss', min_delta=1e3, patience=1))
+    assert learn.epoch == 1  # stopped after patience + 1 epochs
+    assert_fp32_between_fits(learn)
+    fit(learn, 'fit', 1, 1e-2)
     assert math.isfinite(valid_loss(learn))
 
 # ---- lr_find ----------------------------------------------------------------------------------------------------
