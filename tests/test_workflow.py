@@ -1,5 +1,5 @@
 "Mixed precision in the whole fastai workflow: schedules, freezing, lr_find, accumulation, clipping, inference."
-import math, warnings
+import math, random, warnings
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ def _loss(pred, y):
 def splitter(m): return [params(m.body) + (params(m.emb) if m.emb is not None else []), params(m.head)]
 
 def make_learner(mode=None, seed=0, out='tensor', tokens=False, opt_func=Adam, dls=None, loss_func=_loss, **kw):
-    torch.manual_seed(seed)
+    torch.manual_seed(seed); random.seed(seed)  # fastai's DataLoader shuffles with `random`
     learn = Learner(dls or make_dls(tokens), Net(out, tokens), loss_func=loss_func, opt_func=opt_func, splitter=splitter,
                     metrics=[mae] if out == 'tensor' else None)
     learn.recorder.train_metrics = False
