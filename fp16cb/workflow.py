@@ -14,6 +14,10 @@ __all__ = ['restore_precision', 'check_precision_cbs']
 
 _OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
 
+def _unwrapped(f):
+    "`f` without the wrapper this module put around it (a reloaded module must not wrap twice; others' wrappers stay)."
+    return f.__wrapped__ if getattr(f, '_fp16cb', False) else f
+
 def _ours(cbs): return sorted((cb for cb in cbs if isinstance(cb, _OURS)), key=lambda cb: cb.order)
 
 @patch
@@ -33,7 +37,7 @@ def check_precision_cbs(cbs):
                          f"once with `learn.to_fp16()`, `to_bf16()`, `to_native_fp16()` or `to_fp32()` (the last call "
                          f"wins) and do not pass precision callbacks to `fit(cbs=...)` as well.")
 
-_fit = getattr(Learner.fit, '__wrapped__', Learner.fit)
+_fit = _unwrapped(Learner.fit)
 _fit_sig = inspect.signature(_fit)
 
 @functools.wraps(_fit)
@@ -50,22 +54,24 @@ def _fit_restoring(self, *args, **kwargs):
         raise
     finally:
         if outer: self._fp16cb_fitting = False
+_fit_restoring._fp16cb = True
 Learner.fit = _fit_restoring
 
-_remove_cb = getattr(Learner.remove_cb, '__wrapped__', Learner.remove_cb)
+_remove_cb = _unwrapped(Learner.remove_cb)
 
 @functools.wraps(_remove_cb)
 def _remove_cb_restoring(self, cb):
     # a precision callback given to `fit(cbs=...)` is removed when an exception leaves the fit: restore it first
     if isinstance(cb, _OURS) and getattr(cb, 'learn', None) is self: cb.restore()
     return _remove_cb(self, cb)
+_remove_cb_restoring._fp16cb = True
 Learner.remove_cb = _remove_cb_restoring
 
 def _scaler_states(cbs) -> list:
     return [(cb, cb.scaler.state_dict()) for cb in cbs if getattr(cb, 'scaler', None) is not None]
 
-_lrf_before_fit = getattr(LRFinder.before_fit, '__wrapped__', LRFinder.before_fit)
-_lrf_after_fit = getattr(LRFinder.after_fit, '__wrapped__', LRFinder.after_fit)
+_lrf_before_fit = _unwrapped(LRFinder.before_fit)
+_lrf_after_fit = _unwrapped(LRFinder.after_fit)
 
 @functools.wraps(_lrf_before_fit)
 def _lrf_before_fit_fp32(self):
@@ -77,6 +83,7 @@ def _lrf_before_fit_fp32(self):
     try: _lrf_before_fit(self)
     finally:
         for cb in pcs: cb.before_fit()
+_lrf_before_fit_fp32._fp16cb = True
 LRFinder.before_fit = _lrf_before_fit_fp32
 
 @functools.wraps(_lrf_after_fit)
@@ -85,4 +92,5 @@ def _lrf_after_fit_scalers(self):
     _lrf_after_fit(self)
     for cb, sd in getattr(self, '_fp16cb_scalers', []): cb.scaler.load_state_dict(sd)
     self._fp16cb_scalers = []
+_lrf_after_fit_scalers._fp16cb = True
 LRFinder.after_fit = _lrf_after_fit_scalers
