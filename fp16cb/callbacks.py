@@ -147,9 +147,7 @@ class MixedPrecision(Callback):
         self.master.zero_model_grads()
         self.skipped = False
 
-    def after_fit(self):
-        self.restore()
-        remove_precision_metrics(self.learn)
+    def after_fit(self): self.restore()
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the loss scaler's state."
@@ -159,7 +157,8 @@ class MixedPrecision(Callback):
         self.scaler.load_state_dict(sd['scaler'])
 
     def restore(self):
-        "Point the optimizer at the model's own params again, with its state."
+        "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
+        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
         if self.master is None: return
         self.master.restore_opt()
         self.master = None

@@ -84,7 +84,8 @@ class NativeMixedPrecision(Callback):
         sc = sd.get('scaler')
         if not sc: return
         if self.scaler is None:  # not fitted yet: create it now, on the model's device, so the state is kept
-            self.device_type = model_device(self.learn.model).type if getattr(self, 'learn', None) is not None else 'cpu'
+            learn = self.__dict__.get('learn')
+            self.device_type = model_device(learn.model).type if learn is not None else 'cpu'
             self.scaler = self._make_scaler(self.device_type)
         if self.scaler.is_enabled(): self.scaler.load_state_dict(sc)
 

@@ -5,6 +5,7 @@ import pytest, torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, MSELossFlat, set_seed, Callback, load_learner
 from fastai.callback.tracker import SaveModelCallback
+from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, LogNormalScaler, BackoffScaler
 
 warnings.filterwarnings('ignore', message='fp16 training on the CPU')
@@ -41,26 +42,33 @@ class SaveAt(Callback):
         self.learn.save(self.fname)
     def epoch_idx(self): return self.learn.epoch
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_save_mid_fit_writes_fp32_masters_and_loads_into_plain_fp32(flat):
-    learn = make_learner().to_fp16(flat_master=flat, max_loss_scale=2.**10)
+def torch_adamw(params, **kw): return OptimWrapper(params, opt=torch.optim.AdamW, **kw)
+
+@pytest.mark.parametrize('flat,opt_func', [(False, None), (True, None), (False, torch_adamw), (True, torch_adamw)])
+def test_save_mid_fit_writes_fp32_masters_and_loads_into_plain_fp32(flat, opt_func):
+    learn = make_learner()
+    if opt_func: learn.opt_func = opt_func  # a torch optimizer keeps its state in `opt.opt.state`
+    learn.to_fp16(flat_master=flat, max_loss_scale=2.**10)
     cb = SaveAt(0)
     fit(learn, 1, cbs=cb)
-    assert not all(learn.mixed_precision.skips) and learn.opt.state[learn.model[0].weight]
+    assert not all(learn.mixed_precision.skips)
     assert cb.dtypes['0.weight'] == torch.float16  # it was saved mid-fit, from a 16-bit model
     sd = torch.load(learn.path/'models/mid.pth', weights_only=False)
     assert all(v.dtype == torch.float32 for k, v in sd['model'].items() if v.is_floating_point())
     for k, v in cb.expected.items(): assert torch.equal(sd['model'][k], v), k  # the exact masters, not fp16-rounded
     for k, v in learn.model.state_dict().items(): assert torch.equal(sd['model'][k], v), k  # = the FP32 model after the fit
     plain = make_learner(seed=1, path=learn.path)
+    if opt_func: plain.opt_func = opt_func
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
         plain.load('mid', with_opt=True)
     assert not [w for w in ws if 'optimizer' in str(w.message)]  # "Could not load the optimizer state"
     for (k, v), w in zip(learn.model.state_dict().items(), plain.model.state_dict().values()): assert torch.equal(v, w), k
     # optimizer state keyed as for the model's own params: equal to the fp16 learner's after its fit
+    ost = lambda l: l.opt.opt.state if opt_func else l.opt.state
     for p, q in zip(learn.model.parameters(), plain.model.parameters()):
-        s, t = learn.opt.state[p], plain.opt.state[q]
+        s, t = ost(learn)[p], ost(plain)[q]
+        assert s
         assert s.keys() == t.keys() and all(torch.equal(s[k], t[k]) if torch.is_tensor(s[k]) else s[k] == t[k] for k in s)
 
 def test_load_into_fp16_learner_restores_scaler_state():
