@@ -88,7 +88,7 @@ class MixedPrecision(Callback):
         clip:float=None, # clip each param group's global norm of unscaled FP32 master grads to this
         *,
         dtype=torch.float16, # the model's 16-bit dtype (bf16 has FP32's range: use loss_scale=1, dynamic=False)
-        scaler=None, # None (seed behaviour), 'backoff', 'static' or a `LossScaler`
+        scaler=None, # None (seed behaviour), 'backoff', 'lognormal', 'static' or a `LossScaler`
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
     ):

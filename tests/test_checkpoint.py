@@ -159,3 +159,13 @@ def test_export_and_load_learner():
     kept.dls = learn.dls
     fit(kept, 1)  # and it trains on in mixed precision
     assert kept.mixed_precision.scaler.n_steps == 8 and len(kept.mixed_precision.scales) == 8
+
+def test_lr_find_restores_model_and_scaler():
+    "lr_find saves in its before_fit (mid-fit for us) and loads in after_fit: weights and the scaler come back."
+    from fastai.callback.schedule import lr_find  # noqa: F401 (patches Learner.lr_find)
+    learn = make_learner(n=128).to_fp16(scaler='lognormal', flat_master=True)
+    fit(learn, 1)
+    before, sc = flat_state(learn.model.state_dict()), learn.mixed_precision.scaler.state_dict()
+    with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=10, show_plot=False)
+    for k, v in learn.model.state_dict().items(): assert torch.equal(v, before[k]), k
+    assert learn.mixed_precision.scaler.state_dict() == sc and len(learn.metrics) == 0
