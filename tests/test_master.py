@@ -187,7 +187,7 @@ def test_optimizer_back_on_model_params_with_state():
     learn.to_fp16(**NO_OVERFLOW)
     quiet_fit(learn, 1, lr=1e-2)
     params = list(learn.model.parameters())
-    in_opt, expect = [p for pg in learn.opt.param_lists for p in pg], two_groups(learn.model)
+    in_opt, expect = [p for pg in learn.opt.param_lists for p in pg], flat_pgs(two_groups(learn.model))
     assert len(in_opt) == len(expect) and all(p is q for p, q in zip(in_opt, expect))  # the very same objects
     ids = {id(p) for p in params}
     assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)
