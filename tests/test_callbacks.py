@@ -211,3 +211,21 @@ def test_good_arguments_accepted():
     mp = MixedPrecision(loss_scale=1, div_factor=1.5, scale_wait=1, clip=1e-3, max_loss_scale=4., dtype='bf16')
     assert mp.dtype == torch.bfloat16 and mp.clip == 1e-3 and mp.loss_scale == 4.
     assert MixedPrecision(dynamic=False, loss_scale=3).loss_scale == 3.
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_validate_and_get_preds_leave_model_fp32_untouched(flat):
+    "validate/get_preds run before_fit/after_fit too: the model goes 16-bit and comes back bit-identical."
+    learn = make_learner().to_fp16(flat_master=flat, **NO_OVERFLOW)
+    quiet_fit(learn, 1, lr=1e-2)
+    w = [p.detach().clone() for p in learn.model.parameters()]
+    lin = []
+    learn.model[0].register_forward_hook(lambda m, i, o: lin.append(o.dtype))
+    with learn.no_bar(), learn.no_logging():
+        loss = learn.validate()[0]
+        preds, targs = learn.get_preds()
+    assert set(lin) == {torch.float16}  # they did run in fp16
+    assert preds.dtype == torch.float32 and preds.shape == (32, 1)
+    assert loss == pytest.approx(float(MSELossFlat()(preds, targs)), rel=1e-6)
+    for a, b in zip(w, learn.model.parameters()): assert b.dtype == torch.float32 and torch.equal(a, b)
+    ids = {id(p) for p in learn.model.parameters()}
+    assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)

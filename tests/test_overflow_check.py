@@ -176,3 +176,60 @@ def test_clip_unscaled_master_grads_per_group(clip):
     if clip == 1e-3:  # grads of this regression are ~0.1-10: the small clip must have acted on every step
         assert all(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in pg])) > 1e-3 * 128
                    for g16 in rec.log['after_backward'] for pg in g16)
+
+# ---- one host synchronisation per step ---------------------------------------------------------------------------
+
+_SYNCS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'numpy')
+
+@pytest.mark.parametrize('kwargs', [dict(), dict(clip=1.), dict(flat_master=True, clip=.1), dict(dynamic=False)])
+def test_one_host_sync_per_step(monkeypatch, kwargs):
+    "MixedPrecision's step work reads one value back from the device per step, whatever the number of params."
+    from fp16cb import MixedPrecision
+    calls, active = [], [False]
+    for name in _SYNCS:
+        orig = getattr(torch.Tensor, name)
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            if active[0]: calls.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for event in ('before_step', 'after_step', 'before_backward'):
+        orig = getattr(MixedPrecision, event)
+        def wrapped(self, _orig=orig):
+            active[0] = True
+            try: return _orig(self)
+            finally: active[0] = False
+        monkeypatch.setattr(MixedPrecision, event, wrapped)
+    learn = make_learner().to_fp16(max_loss_scale=2.**8, **kwargs)
+    quiet_fit(learn, 1, lr=1e-2, cbs=Inject([2]))
+    monkeypatch.undo()
+    assert len(learn.mixed_precision.skips) == 4
+    assert len(calls) == 4, calls  # one per step (the skipped one included), for 6 params in 2 groups
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('flat', [False, True])
+def test_cuda_one_sync_per_step_and_exact_weights(flat):
+    "On CUDA: the fit works (no device asserts), the step syncs once, the model comes back FP32 on the GPU."
+    import warnings
+    from fp16cb import MixedPrecision
+    learn = make_learner().to_fp16(max_loss_scale=2.**8, flat_master=flat, clip=1.)
+    learn.model.cuda(); learn.dls.to(torch.device('cuda'))
+    syncs = []
+    orig = MixedPrecision.before_step
+    def before_step(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode('warn')
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                try: return orig(self)
+                finally: syncs.append(len([o for o in w if 'synchroniz' in str(o.message)]))
+        finally: torch.cuda.set_sync_debug_mode('default')
+    MixedPrecision.before_step = before_step
+    try: quiet_fit(learn, 1, lr=1e-2, cbs=Inject([1]))
+    finally: MixedPrecision.before_step = orig
+    assert syncs == [1]*4
+    assert learn.mixed_precision.skips == [False, True, False, False]
+    assert all(p.dtype == torch.float32 and p.is_cuda and torch.isfinite(p).all() for p in learn.model.parameters())
+    learn.to_native_fp16(init_scale=2.**8)
+    quiet_fit(learn, 1, lr=1e-2)
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
