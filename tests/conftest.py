@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, MSELossFlat, Callback
 from fastai.layers import BatchNorm
+import fastai.callback.schedule  # Learner.fit_one_cycle
 
 import fp16cb  # patches Learner.to_fp16 & co.
 import fp16cb.dtypes as _dtypes

@@ -92,21 +92,31 @@ def _step_recorder():
                                mp(l).loss_scale, [h['lr'] for h in l.opt.hypers], [len(pg) for pg in mp(l).master_pgs]),
         after_step=lambda l: (clones(flat_pgs(mp(l).master_pgs)), clones(flat_pgs(mp(l).model_pgs))))
 
-@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
-def test_master_update_is_fp32_sgd_of_unscaled_grads(dtype):
-    learn = make_learner()
+@pytest.mark.parametrize('dtype,wd,one_cycle', [(torch.float16, 0., False), (torch.bfloat16, 0., False),
+                                                (torch.float16, .1, False), (torch.float16, .1, True)])
+def test_master_update_is_fp32_sgd_of_unscaled_grads(dtype, wd, one_cycle):
+    learn = make_learner(wd=wd)
     learn.to_fp16(dtype=dtype, dynamic=False, loss_scale=64.)  # a fixed scale: the grads are 64x the true ones
     rec = _step_recorder()
-    quiet_fit(learn, 1, lr=slice(1e-3, 1e-1), cbs=rec)  # discriminative lrs: two different lrs per group
+    wd_of = Record(before_fit=lambda l: [l.opt.state[p].get('do_wd', True) for p in flat_pgs(l.mixed_precision.master_pgs)])
+    kw = dict(one_cycle=True, moms=(0., 0., 0.)) if one_cycle else {}  # one cycle: lr (and mom, kept 0) scheduled
+    quiet_fit(learn, 1, lr=slice(1e-3, 1e-1), cbs=[rec, wd_of], **kw)  # discriminative lrs: a different lr per group
+    do_wd = wd_of.log['before_fit'][0]
+    assert do_wd == [True, False, False, False, True, False]  # fastai: no wd on BatchNorm and biases
     assert len(rec.log['before_step']) == 4 == len(rec.log['after_step'])
+    all_lrs = set()
     for (g16, before, scale, lrs, sizes), (after, model) in zip(rec.log['before_step'], rec.log['after_step']):
         assert scale == 64. and lrs[0] < lrs[1]
+        all_lrs.add(tuple(lrs))
         lr_of = [lr for lr, n in zip(lrs, sizes) for _ in range(n)]
-        for g, m0, m1, p, lr in zip(g16, before, after, model, lr_of):
+        for g, m0, m1, p, lr, dwd in zip(g16, before, after, model, lr_of, do_wd):
             assert m0.dtype == m1.dtype == torch.float32
-            # FP32 SGD (mom=0, wd=0) of the unscaled grad: g (16-bit, scaled) -> FP32 exactly, / 64 exactly
-            assert torch.equal(m1, m0.add(g.float() / scale, alpha=-lr))
+            # FP32 SGD (mom=0; decoupled wd on the FP32 master, where the param's flag allows) of the unscaled
+            # grad: g (16-bit, scaled) -> FP32 exactly, / 64 exactly
+            m = m0.mul(1 - lr*wd) if wd and dwd else m0
+            assert torch.equal(m1, m.add(g.float() / scale, alpha=-lr))
             assert torch.equal(p, m1.to(p.dtype))  # the model holds the master rounded once
+    assert len(all_lrs) == (4 if one_cycle else 1)  # the scheduler's lrs reached the optimizer of the masters
 
 def test_master_update_keeps_small_steps():
     "An update far below fp16's resolution of the weight accumulates in the FP32 master (problem 1 of the seed)."
@@ -251,3 +261,22 @@ def test_flat_master_adam_state_merged_and_split_per_flag():
         if n != '0.bias': torch.testing.assert_close(q, r, atol=2e-3, rtol=0)
     # wrongly shared flags would decay the biases by wd*lr per step (0.5%): the per-param run would then differ
     assert len(learn.opt.state) == len(list(learn.model.parameters()))
+
+def _freeze_run(flat):
+    learn = make_learner(opt_func=Adam, wd=.1)
+    learn.to_fp16(flat_master=flat, **NO_OVERFLOW)
+    learn.freeze(); quiet_fit(learn, 1, lr=1e-2)
+    learn.unfreeze(); quiet_fit(learn, 1, lr=slice(1e-3, 1e-2))
+    return learn
+
+def test_flat_master_freeze_unfreeze_matches_per_param():
+    "Flat masters through freeze -> fit -> unfreeze -> fit (discriminative lrs) train like per-param masters."
+    a, b = _freeze_run(False), _freeze_run(True)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert q.dtype == torch.float32
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        sa, sb = a.opt.state[p], b.opt.state[q]
+        assert set(sa) == set(sb) and sa['step'] == sb['step']
+        for k in ('grad_avg', 'sqr_avg'): torch.testing.assert_close(sb[k], sa[k], rtol=1e-5, atol=1e-7)
+    # fastai's freeze_to clears the optimizer state: every param's Adam step count restarted at unfreeze
+    assert all(b.opt.state[p]['step'] == 4 for p in b.model.parameters())
