@@ -148,11 +148,18 @@ def _set_param_lists(opt, pgs):
         opt.param_lists = L(L(pg) for pg in pgs) if not hasattr(opt, 'opt') else [list(pg) for pg in pgs]
     except ImportError: opt.param_lists = [list(pg) for pg in pgs]
 
+def _opt_states(opt) -> list:
+    "The per-param state dicts of `opt`: fastai's, and the wrapped torch optimizer's for an `OptimWrapper`."
+    inner = getattr(getattr(opt, 'opt', None), 'state', None)
+    return [opt.state] + ([inner] if isinstance(inner, dict) and inner is not opt.state else [])
+
 def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None):
     """Point `opt` at `to_pgs` and move the per-param state from `from_pgs` along (no copy when already FP32).
     `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse."""
-    state = opt.state
     _set_param_lists(opt, to_pgs)
+    for state in _opt_states(opt): _move_state(state, from_pgs, to_pgs, flat)
+
+def _move_state(state:dict, from_pgs, to_pgs, flat):
     for src, dst in zip(from_pgs, to_pgs):
         if flat == 'merge':
             for part, m in zip(_split_like(src, dst), dst):

@@ -280,3 +280,23 @@ def test_flat_master_freeze_unfreeze_matches_per_param():
         for k in ('grad_avg', 'sqr_avg'): torch.testing.assert_close(sb[k], sa[k], rtol=1e-5, atol=1e-7)
     # fastai's freeze_to clears the optimizer state: every param's Adam step count restarted at unfreeze
     assert all(b.opt.state[p]['step'] == 4 for p in b.model.parameters())
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_optim_wrapper_torch_state_follows_the_params(flat):
+    "With a torch optimizer (`OptimWrapper`), its own state too must go to the masters and come back."
+    from fastai.optimizer import OptimWrapper
+    def run(precision):
+        learn = make_learner(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
+        if precision: learn.to_fp16(flat_master=flat, **NO_OVERFLOW)
+        quiet_fit(learn, 1, lr=1e-2)
+        return learn
+    learn, ref = run(True), run(False)
+    st = learn.opt.opt.state
+    ids = {id(p) for p in learn.model.parameters()}
+    assert len(st) == 6 and all(id(k) in ids for k in st)  # keyed by the model's params, no master left behind
+    for p, q in zip(learn.model.parameters(), ref.model.parameters()):
+        assert float(st[p]['step']) == 4 and st[p]['exp_avg'].shape == p.shape and st[p]['exp_avg'].dtype == torch.float32
+        # same tolerance as test_freeze_unfreeze_matches_fp32_run (4 AdamW steps of lr 1e-2 on fp16 grads)
+        torch.testing.assert_close(st[p]['exp_avg_sq'], ref.opt.opt.state[q]['exp_avg_sq'], rtol=2e-2, atol=1e-6)
+    quiet_fit(learn, 1, lr=1e-2)
+    assert len(st) == 6 and all(float(st[p]['step']) == 8 for p in learn.model.parameters())  # state went on
