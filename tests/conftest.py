@@ -13,6 +13,10 @@ import fastai.callback.schedule  # Learner.fit_one_cycle
 import fp16cb  # patches Learner.to_fp16 & co.
 import fp16cb.dtypes as _dtypes
 
+# The tests use batches of 16x8: with several threads each tiny op pays OpenMP fork/join (measured: a 6-batch fit
+# takes 0.5 s with 2 threads on a busy 2-core machine, 0.03 s with 1).
+torch.set_num_threads(1)
+
 def seed_all(seed=42):
     random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
 
@@ -39,7 +43,8 @@ def make_learner(model=None, opt_func=None, lr=1e-2, n_train=64, n_valid=32, bs=
     seed_all(seed)
     model = tiny_model() if model is None else model
     train, valid = synth_data(n_train, seed=1), synth_data(n_valid, seed=2)
-    dls = DataLoaders(DataLoader(train, bs=bs, shuffle=False, drop_last=False), DataLoader(valid, bs=bs),
+    dls = DataLoaders(DataLoader(train, bs=bs, shuffle=False, drop_last=False, num_workers=0),
+                      DataLoader(valid, bs=bs, num_workers=0),
                       device=torch.device('cpu'))
     opt_func = partial(SGD, mom=0.) if opt_func is None else opt_func
     learn = Learner(dls, model, loss_func=MSELossFlat(), opt_func=opt_func, lr=lr, splitter=splitter, cbs=cbs, **kwargs)
