@@ -233,3 +233,29 @@ def test_cuda_one_sync_per_step_and_exact_weights(flat):
     learn.to_native_fp16(init_scale=2.**8)
     quiet_fit(learn, 1, lr=1e-2)
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
+
+# ---- property: the fused check agrees with a plain one -----------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
+
+_floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(arrays('float32', st.integers(1, 6), elements=_floats), min_size=1, max_size=4),
+       st.integers(-4, 12))
+def test_overflow_check_matches_reference(arrs, log2_scale):
+    grads = [torch.from_numpy(a.copy()) for a in arrs]
+    expect_found = any(ov.test_overflow(g) for g in grads)
+    assert grad_overflow([[_p(g)] for g in grads]) == expect_found
+    inv = 2.**-log2_scale
+    ref = [g * inv for g in grads]
+    found = OverflowCheck()(grads, inv, with_max=True).tolist()
+    assert (found[0] > 0) == expect_found
+    if not expect_found:  # unscaled in place, exactly (a power of 2), and the max |grad| of the unscaled grads
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref))
+        assert found[1] == max(float(r.abs().max()) for r in ref)
+
+def _p(g):
+    p = nn.Parameter(torch.zeros_like(g)); p.grad = g
+    return p
