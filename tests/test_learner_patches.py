@@ -100,3 +100,11 @@ def test_to_fp32_after_interrupted_fit_restores_fp32():
     assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)
     quiet_fit(learn, 1, lr=1e-2)  # and it trains in FP32
     assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in learn.model.parameters())
+
+def test_signatures_show_the_callback_arguments():
+    import inspect
+    for name, args in [('to_fp16', ['loss_scale', 'flat_master', 'dynamic', 'max_loss_scale', 'div_factor', 'scale_wait', 'clip']),
+                       ('to_bf16', ['loss_scale', 'clip']),
+                       ('to_native_fp16', ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled'])]:
+        params = inspect.signature(getattr(Learner, name)).parameters
+        assert all(a in params for a in args), (name, list(params))
