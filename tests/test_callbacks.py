@@ -100,8 +100,8 @@ def test_recorded_loss_is_unscaled_and_matches_fp32():
     assert learn.recorder.values[-1][0] == pytest.approx(smooth[-1], rel=1e-5)
     # and close to FP32 training: the losses are ~1-5 and the fp16 forward has relative error ~1e-3 (11-bit
     # mantissa, 4-8 term dot products), the weights differ by ~1e-4 after a few steps (see test_master)
-    for a, b in zip(fp32.recorder.values, learn.recorder.values):
-        assert [float(o) for o in b] == pytest.approx([float(o) for o in a], rel=1e-2)
+    for a, b in zip(fp32.recorder.values, learn.recorder.values):  # train and valid loss (extra columns ignored)
+        assert [float(o) for o in b[:2]] == pytest.approx([float(o) for o in a[:2]], rel=1e-2)
     for a, b in zip(fp32.recorder.losses, learn.recorder.losses):  # smoothed per-batch losses
         assert float(a) == pytest.approx(float(b), rel=1e-2)
 

