@@ -94,7 +94,7 @@ class MixedPrecision(Callback):
     ):
         self.dtype = resolve_dtype(dtype)
         self.flat_master, self.clip = bool(flat_master), _check_clip(clip)
-        check_positive('loss_scale', loss_scale)
+        check_positive('loss_scale', loss_scale); check_positive('max_loss_scale', max_loss_scale)
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped)
