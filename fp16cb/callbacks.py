@@ -35,7 +35,7 @@ class ModelToHalf(Callback):
         return self.originals is not None
 
     def before_fit(self):
-        if not fit_begins(self): return  # get_preds/validate inside a fit: the model is 16-bit already
+        if not fit_begins(self, self.converted): return  # get_preds/validate inside a fit: the model is 16-bit already
         self.restore()  # a fit interrupted by an exception (fastai then skips after_fit) left the model converted
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
@@ -118,7 +118,7 @@ class MixedPrecision(Callback):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
 
     def before_fit(self):
-        if not fit_begins(self): return  # get_preds/validate inside a fit: keep the running masters
+        if not fit_begins(self, self.master is not None): return  # get_preds/validate inside a fit: keep the masters
         self.restore()  # an interrupted fit left the optimizer on the masters
         reject_gradient_clip(self.learn)
         if self.learn.opt is None: self.learn.create_opt()

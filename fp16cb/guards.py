@@ -61,11 +61,17 @@ def lr_find_stops_on(learn):
         if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
         raise
 
-def fit_begins(cb) -> bool:
-    "In `before_fit`: True for a real fit; False for the `before_fit` that `get_preds`/`validate` fire inside a running fit."
+def fit_begins(cb, set_up:bool) -> bool:
+    '''In `before_fit`: False for the `before_fit` that `get_preds`/`validate` fire inside a running fit, while `cb` is
+    `set_up` for it (then `after_fit` must not restore either); True when `cb` must set itself up: a fit begins, or
+    `cb` was restored in the middle of one to be set up again (as `checkpoint.fp32_view` and `lr_find` do).'''
     fitting = getattr(cb, 'learn', None) is not None and cb.learn.__dict__.get('_fp16cb_fitting', False)  # set by `fit`
-    cb._fits = cb.__dict__.get('_fits', 0) + 1 if fitting else 1  # outside `fit` nothing can be nested
-    return cb._fits == 1
+    n = cb.__dict__.get('_fits', 0)
+    if fitting and set_up:
+        cb._fits = n + 1
+        return False
+    cb._fits = max(n, 1) if fitting else 1  # outside `fit` nothing can be nested
+    return True
 
 def fit_ends(cb) -> bool:
     "In `after_fit`: True when the outermost fit ends (then restore), False at the end of a nested `get_preds`/`validate`."

@@ -49,7 +49,7 @@ class NativeMixedPrecision(Callback):
                           enabled=self.enabled and self.dtype == torch.float16)
 
     def before_fit(self):
-        if not fit_begins(self): return  # get_preds/validate inside a fit
+        if not fit_begins(self, self.bn_stats is not None): return  # get_preds/validate inside a fit
         self._exit_autocast()
         device_type = model_device(self.learn.model).type
         if self.enabled: warn_slow_half(self.dtype, device_type)
