@@ -1,9 +1,11 @@
-"""The fastai workflow around the precision callbacks: faults that skip `after_fit`, and `lr_find`'s save/load."""
+"""The fastai workflow around the precision callbacks: a fit that raises (fastai then skips `after_fit`) leaves the
+learner restored at once, and two precision setups are never stacked in one fit. (`lr_find` needs nothing here:
+`checkpoint`'s `learn.save`/`load` keep the FP32 learner and the scaler state; `guards.lr_find_stops_on` ends a
+diverging search.)"""
 from __future__ import annotations
 import functools, inspect
 from fastai.learner import Learner
 from fastcore.foundation import L
-from fastai.callback.schedule import LRFinder
 from fastcore.basics import patch
 
 from .callbacks import ModelToHalf, MixedPrecision
@@ -66,31 +68,3 @@ def _remove_cb_restoring(self, cb):
     return _remove_cb(self, cb)
 _remove_cb_restoring._fp16cb = True
 Learner.remove_cb = _remove_cb_restoring
-
-def _scaler_states(cbs) -> list:
-    return [(cb, cb.scaler.state_dict()) for cb in cbs if getattr(cb, 'scaler', None) is not None]
-
-_lrf_before_fit = _unwrapped(LRFinder.before_fit)
-_lrf_after_fit = _unwrapped(LRFinder.after_fit)
-
-@functools.wraps(_lrf_before_fit)
-def _lrf_before_fit_fp32(self):
-    # LRFinder (order 60) saves the model and optimizer after our `before_fit` made the model 16-bit and pointed the
-    # optimizer at the masters: it would save fp16-rounded weights and the masters' state. Save the FP32 learner.
-    pcs = _ours(self.learn.cbs)
-    self._fp16cb_scalers = _scaler_states(pcs)  # lr_find's huge lrs overflow and lower the loss scale: undone after
-    for cb in pcs: cb.restore(); cb._fits = 0
-    try: _lrf_before_fit(self)
-    finally:
-        for cb in pcs: cb.before_fit()
-_lrf_before_fit_fp32._fp16cb = True
-LRFinder.before_fit = _lrf_before_fit_fp32
-
-@functools.wraps(_lrf_after_fit)
-def _lrf_after_fit_scalers(self):
-    # our `after_fit` ran first (lower order): the model is FP32 again and `learn.load` restores it exactly
-    _lrf_after_fit(self)
-    for cb, sd in getattr(self, '_fp16cb_scalers', []): cb.scaler.load_state_dict(sd)
-    self._fp16cb_scalers = []
-_lrf_after_fit_scalers._fp16cb = True
-LRFinder.after_fit = _lrf_after_fit_scalers
