@@ -64,7 +64,7 @@ def lr_find_stops_on(learn):
 def fit_begins(cb, set_up:bool) -> bool:
     '''In `before_fit`: False for the `before_fit` that `get_preds`/`validate` fire inside a running fit, while `cb` is
     `set_up` for it (then `after_fit` must not restore either); True when `cb` must set itself up: a fit begins, or
-    `cb` was restored in the middle of one to be set up again (as `checkpoint.fp32_view` and `lr_find` do).'''
+    `cb` was restored in the middle of one to be set up again (`checkpoint.fp32_view`: `learn.save` mid-fit, lr_find).'''
     fitting = getattr(cb, 'learn', None) is not None and cb.learn.__dict__.get('_fp16cb_fitting', False)  # set by `fit`
     n = cb.__dict__.get('_fits', 0)
     if fitting and set_up:
