@@ -173,6 +173,7 @@ class MixedPrecision(Callback):
     def restore(self):
         "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
         if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
+        self.bn_stats = None
         if self.master is None: return
         self.master.restore_opt()
-        self.master, self.bn_stats = None, None
+        self.master = None
