@@ -9,7 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
-from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, fit_begins, fit_ends
+from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, in_fit, fit_begins, fit_ends
 from .monitor import add_precision_metrics, remove_precision_metrics
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
@@ -126,7 +126,7 @@ class MixedPrecision(Callback):
         half = mth is not None and mth.converted
         self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None)
         if half: mth.link_masters(self.master.fp32_views())
-        if self.log_scale: add_precision_metrics(self.learn, self)
+        if self.log_scale and in_fit(self.learn): add_precision_metrics(self.learn, self)  # not in validate()'s result
         self.bn_stats = BNStatsGuard(self.learn.model)
 
     def before_batch(self):

@@ -4,7 +4,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on', 'fit_begins', 'fit_ends']
+__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on', 'in_fit', 'fit_begins', 'fit_ends']
 
 class BNStatsGuard:
     "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
@@ -61,11 +61,15 @@ def lr_find_stops_on(learn):
         if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
         raise
 
+def in_fit(learn) -> bool:
+    "Whether `learn` is inside `Learner.fit` (a flag set by `workflow`'s patch of `fit`), not a bare `validate`/`get_preds`."
+    return learn is not None and learn.__dict__.get('_fp16cb_fitting', False)
+
 def fit_begins(cb, set_up:bool) -> bool:
     '''In `before_fit`: False for the `before_fit` that `get_preds`/`validate` fire inside a running fit, while `cb` is
     `set_up` for it (then `after_fit` must not restore either); True when `cb` must set itself up: a fit begins, or
     `cb` was restored in the middle of one to be set up again (`checkpoint.fp32_view`: `learn.save` mid-fit, lr_find).'''
-    fitting = getattr(cb, 'learn', None) is not None and cb.learn.__dict__.get('_fp16cb_fitting', False)  # set by `fit`
+    fitting = in_fit(getattr(cb, 'learn', None))
     n = cb.__dict__.get('_fits', 0)
     if fitting and set_up:
         cb._fits = n + 1
