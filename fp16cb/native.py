@@ -32,6 +32,7 @@ class NativeMixedPrecision(Callback):
         self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
         self.growth_interval, self.enabled = growth_interval, bool(enabled)
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
+        self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
     def loss_scale(self) -> float:
@@ -69,7 +70,9 @@ class NativeMixedPrecision(Callback):
     def before_step(self):
         "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
         self.skipped, self._stepped = True, True
+        scale = self.loss_scale
         self.scaler.step(self)
+        self.scales.append(scale); self.skips.append(self.skipped)
         if self.skipped: raise CancelStepException()
 
     def after_step(self):
