@@ -144,6 +144,10 @@ class MixedPrecision(Callback):
         self.master.zero_model_grads()
         self.skipped = False
 
+    def after_epoch(self):
+        from .diagnostics import scale_health  # warns once: scale stuck at its floor, many skipped steps
+        scale_health(self)
+
     def after_fit(self): self.restore()
 
     def restore(self):

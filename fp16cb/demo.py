@@ -170,6 +170,7 @@ def main(argv=None) -> int:
             rows.append((m, run_many(m, args.seeds, 'digits', args.device, args.epochs)))
             print(f"  {m}: {MODES[m][0]}", flush=True)
         print(format_table(rows))
+        if args.plot: _plot_default(args.plot, rows)
         ok = True
     if args.plot: print(f"figure saved to {args.plot}")
     print(f"total {time.perf_counter() - t0:.0f} s")

@@ -59,15 +59,20 @@ class GradientReport:
     def summary(self) -> str:
         "A few lines of text: the fractions at scale 1, at the current scale and at the suggested scale."
         rows = [f"{'':18}{'kind':>11}{'lost <2^-24':>13}{'subnormal':>11}{'overflow':>10}"]
-        for name, fr in (('scale 1', self.at_1), (f'scale {self.loss_scale:g}', self.at_scale),
-                         (f'suggested {self.suggested_scale:g}', self.at_suggested)):
+        for name, fr in (('scale 1', self.at_1), (f'scale {_fmt(self.loss_scale)}', self.at_scale),
+                         (f'suggested {_fmt(self.suggested_scale)}', self.at_suggested)):
             for kind in ('activation', 'weight'):
                 lost, sub, over = fr[kind]
                 rows.append(f"{name:18}{kind:>11}{lost:13.2%}{sub:11.2%}{over:10.2%}")
         mx = ', '.join(f"{k} {v:.3g}" for k, v in self.max_abs.items())
-        return '\n'.join(rows + [f"max |grad|: {mx}; suggested loss scale: {self.suggested_scale:g}"])
+        return '\n'.join(rows + [f"max |grad|: {mx}; suggested loss scale: {_fmt(self.suggested_scale)}"])
 
     def __repr__(self): return f"GradientReport(suggested_scale={self.suggested_scale:g})\n{self.summary()}"
+
+def _fmt(s:float) -> str:
+    "A loss scale as text: powers of two as `2^k`."
+    e = math.log2(s) if s > 0 else 0.
+    return f"2^{e:g}" if e == int(e) and abs(e) >= 4 else f"{s:g}"
 
 def _log2_hist(t:torch.Tensor, lo:int, hi:int) -> torch.Tensor:
     "Counts of the nonzero |t| in the log2 bins `lo..hi` (clamped), and the number of zeros, as one tensor."
@@ -135,7 +140,8 @@ def gradient_report(
                 if p.grad is not None: hists['weight'].add_(_log2_hist(p.grad, lo, hi))
     finally:
         for h in handles: h.remove()
-        for p, g in old_grads.items(): p.grad = g
+        for p, g in old_grads.items():  # a grad left in another dtype (a 16-bit fit) cannot go back
+            p.grad = g if g is None or g.dtype == p.dtype else None
         model.load_state_dict(buffers, strict=False)
         model.train(was_training)
     counts = {k: v[:-1].tolist() for k, v in hists.items()}
@@ -169,17 +175,17 @@ def plot_gradient_range(
         ax.stairs([c / n for c in counts], rep.edges + [hi], label=f'|{kind} grad|', linewidth=1.5)
     if rep.suggested_scale != 1:
         ax.axvline(-24 - math.log2(rep.suggested_scale), color='k', ls='--', lw=1,
-                   label=f'lost below this at scale {rep.suggested_scale:g}')
+                   label=f'lost below this at scale {_fmt(rep.suggested_scale)}')
     ax.set_xlabel('log2 |grad|  (FP32, unscaled)'); ax.set_ylabel('fraction'); ax.set_xlim(lo, hi)
     ax.set_title(f"lost at scale 1: act {rep.at_1['activation'][0]:.1%}, weight {rep.at_1['weight'][0]:.1%}; "
-                 f"suggested scale {rep.suggested_scale:g}", fontsize='small')
+                 f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
     ax.legend(fontsize='x-small', loc='upper left')
     return ax
 
 def _calibration_end(skips) -> int:
     "Steps at the start of the history spent finding the scale (the leading overflows of a dynamic scale)."
     i = 0
-    while i < len(skips) and (skips[i] or (i + 1 < len(skips) and skips[i + 1] and i < 64)): i += 1
+    while i < len(skips) and skips[i]: i += 1
     return i
 
 def scale_health(
@@ -199,7 +205,8 @@ def scale_health(
         warned.add('skips')
     scaler = getattr(cb, 'scaler', None)
     floor = getattr(scaler, 'min_scale', 1.)
-    dynamic = getattr(scaler, 'wait', None) is not None or type(cb).__name__ == 'NativeMixedPrecision'
+    if hasattr(scaler, 'is_enabled'): dynamic = scaler.is_enabled()  # torch's GradScaler (off for bf16)
+    else: dynamic = getattr(scaler, 'wait', None) is not None  # a growing `LossScaler` such as `BackoffScaler`
     if dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
         out.append(f"the dynamic loss scale sits at its floor ({floor:g}) for most of the last {len(scales)} steps: "
                    "the gradients (or the loss) are too large for fp16 even unscaled. Check the learning rate and "

@@ -59,6 +59,9 @@ class NativeMixedPrecision(Callback):
     def after_loss(self): self._exit_autocast()
     def after_batch(self): self._exit_autocast()
     def after_fit(self): self._exit_autocast()
+    def after_epoch(self):
+        from .diagnostics import scale_health  # warns once: scale stuck at its floor, many skipped steps
+        scale_health(self)
 
     def _exit_autocast(self):
         if getattr(self, '_autocast', None) is not None:
