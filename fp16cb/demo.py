@@ -10,14 +10,14 @@ __all__ = ['parse_args', 'format_table', 'format_experiments', 'main']
 
 def _device(s:str) -> torch.device:
     try: d = torch.device(s)
-    except (RuntimeError, ValueError): raise argparse.ArgumentTypeError(f"not a torch device: {s!r}")
+    except (RuntimeError, ValueError): raise argparse.ArgumentTypeError(f"not a torch device: {s!r} (expected cpu, cuda, cuda:N or mps)")
     if d.type == 'cuda' and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{s!r}: CUDA is not available on this machine (try --device cpu)")
     if d.type == 'cuda' and d.index is not None and d.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{s!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if d.type == 'mps' and not (hasattr(torch.backends, 'mps') and torch.backends.mps.is_available()):
         raise argparse.ArgumentTypeError(f"{s!r}: MPS is not available on this machine")
-    if d.type not in ('cpu', 'cuda', 'mps'): raise argparse.ArgumentTypeError(f"unsupported device type: {s!r}")
+    if d.type not in ('cpu', 'cuda', 'mps'): raise argparse.ArgumentTypeError(f"unsupported device type: {s!r} (expected cpu, cuda, cuda:N or mps)")
     return d
 
 def _modes(s:str) -> list:
@@ -151,7 +151,12 @@ def _plot_experiments(path, res, device):
 def main(argv=None) -> int:
     "Entry point of `python -m fp16cb` and of the `fp16cb` console script."
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try: return _main(args)
+    finally: torch.set_num_threads(threads)
+
+def _main(args) -> int:
     if args.device.type == 'cpu' and (args.experiments or any('fp16' in m or m == 'native' for m in args.modes)):
         print("note: this CPU computes fp16 in software: fp16 modes are correct but slow here (bf16 is the CPU choice)")
     warnings.filterwarnings('ignore', message='.*fp16 training on the CPU.*')

@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize('argv, msg', [
     (['--modes', 'fp32,fp8'], "unknown mode(s) 'fp8'"),
-    (['--device', 'tpu'], "unsupported device type"),
+    (['--device', 'meta'], "unsupported device type"),
+    (['--device', 'tpu'], "not a torch device: 'tpu' (expected cpu, cuda, cuda:N or mps)"),
     (['--device', 'not a device'], "not a torch device"),
     (['--epochs', '0'], "expected an integer >= 1"),
     (['--seeds', '1,x'], "seeds must be integers"),
