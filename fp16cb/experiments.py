@@ -46,9 +46,6 @@ class HalfLossScale(Callback):
         self.scales.append(self.scale); self.skips.append(found and self.check)
         if found and self.check: raise CancelStepException()
 
-    def after_step(self):
-        for p in self.learn.model.parameters(): p.grad = None
-
 # name -> (what it is, how to set up a learner)
 MODES = {
     'fp32':        ("FP32 training", lambda learn: learn.to_fp32()),
@@ -158,6 +155,7 @@ class Run:
     valid_acc:list=field(default_factory=list) # validation accuracy after each epoch
     weights_moved:float=float('nan') # fraction of the weights that changed during training
     error:str|None=None # why training stopped early, if it did
+    finite:bool=True # whether every weight is finite after training
 
 def _scaling_cb(learn):
     return next((cb for cb in learn.cbs if hasattr(cb, 'scales') and hasattr(cb, 'loss_scale')), None)
@@ -186,7 +184,8 @@ def train(learn:Learner, epochs:int=None, lr:float=None) -> Run:
     moved = sum(int(c.sum()) for c in changed) / max(1, sum(b.numel() for b in before))
     acc = vals[-1] if vals else float('nan')
     return Run('', 0, float(acc), secs, float(cb.loss_scale) if cb is not None else None, int(sum(cb.skips)) if cb else 0,
-               list(cb.scales) if cb else [], list(cb.skips) if cb else [], [float(v) for v in vals], moved, err)
+               list(cb.scales) if cb else [], list(cb.skips) if cb else [], [float(v) for v in vals], moved, err,
+               all(bool(torch.isfinite(a).all()) for a in after))
 
 def run_mode(mode, seed:int=0, task='digits', device='cpu', epochs:int=None, label:str=None) -> Run:
     "Train `task` in `mode` with `seed`: a `Run`."

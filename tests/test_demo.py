@@ -70,10 +70,11 @@ def test_unchecked_overflow_poisons_the_weights():
     learn = make_learner('digits', 'fp16_unchecked', 0)
     run = train(learn, epochs=1)
     assert any(not torch.isfinite(p).all() for p in learn.model.parameters())
-    assert run.accuracy < .2 and run.skipped == 0
+    assert run.accuracy < .2 and run.skipped == 0 and not run.finite
     checked = make_learner('digits', lambda l: l.add_cbs([ModelToHalf(), HalfLossScale(2.**24)]), 0)
     run = train(checked, epochs=1)
     assert all(torch.isfinite(p).all() for p in checked.model.parameters()) and run.skipped == len(run.skips)
+    assert run.finite
 
 def test_format_table_handles_stopped_runs():
     from fp16cb.experiments import Run
