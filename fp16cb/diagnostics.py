@@ -59,8 +59,9 @@ class GradientReport:
     def summary(self) -> str:
         "A few lines of text: the fractions at scale 1, at the current scale and at the suggested scale."
         rows = [f"{'':18}{'kind':>11}{'lost <2^-24':>13}{'subnormal':>11}{'overflow':>10}"]
-        for name, fr in (('scale 1', self.at_1), (f'scale {_fmt(self.loss_scale)}', self.at_scale),
-                         (f'suggested {_fmt(self.suggested_scale)}', self.at_suggested)):
+        scales = [('scale 1', self.at_1)] + ([(f'current {_fmt(self.loss_scale)}', self.at_scale)]
+                                             if self.loss_scale != 1 else [])
+        for name, fr in scales + [(f'suggested {_fmt(self.suggested_scale)}', self.at_suggested)]:
             for kind in ('activation', 'weight'):
                 lost, sub, over = fr[kind]
                 rows.append(f"{name:18}{kind:>11}{lost:13.2%}{sub:11.2%}{over:10.2%}")
@@ -137,7 +138,9 @@ def gradient_report(
             loss = learn.loss_func(model(*xb), *yb)
             loss.backward()
             for p in model.parameters():
-                if p.grad is not None: hists['weight'].add_(_log2_hist(p.grad, lo, hi))
+                if p.grad is None: continue
+                hists['weight'].add_(_log2_hist(p.grad, lo, hi))
+                mx['weight'] = max(mx['weight'], p.grad.detach().abs().max().item())
     finally:
         for h in handles: h.remove()
         for p, g in old_grads.items():  # a grad left in another dtype (a 16-bit fit) cannot go back
@@ -145,10 +148,7 @@ def gradient_report(
         model.load_state_dict(buffers, strict=False)
         model.train(was_training)
     counts = {k: v[:-1].tolist() for k, v in hists.items()}
-    for kind in counts:
-        top = max((e for e, c in zip(edges, counts[kind]) if c), default=None)
-        mx[kind] = 0. if top is None else 2.**(top + 1)
-    mx['activation'] = max([v[1] for v in per_layer.values()], default=mx['activation'])
+    mx['activation'] = max([v[1] for v in per_layer.values()], default=0.)
     biggest = max(mx.values())
     scale = _current_scale(learn) if loss_scale is None else float(loss_scale)
     suggested = 1. if biggest == 0 else 2.**min(24, max(0, math.floor(math.log2(FP16_MAX / (biggest * headroom)))))

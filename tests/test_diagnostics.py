@@ -63,6 +63,14 @@ def test_gradient_report_finds_underflow_and_suggests_a_scale():
     plain = gradient_report(synth_learner())
     assert plain.at_1['activation'][0] < .01 and plain.suggested_scale < rep.suggested_scale
     assert 'suggested loss scale' in plain.summary() and isinstance(plain, GradientReport)
+    assert 'current' not in plain.summary()  # at scale 1 there is no separate 'current scale' row
+    fixed = synth_learner(); fixed.dls.train.shuffle = False  # the same first batch for both
+    assert gradient_report(fixed).max_abs['weight'] == max(p.grad.abs().max().item() for p in _grads_of(fixed))
+
+def _grads_of(learn):
+    xb, yb = learn.dls.train.one_batch()
+    learn.loss_func(learn.model(xb), yb).backward()
+    return [p for p in learn.model.parameters()]
 
 def test_gradient_report_uses_the_current_scale():
     learn = synth_learner(factor=2.**-30).to_fp16(max_loss_scale=2.**24)
@@ -71,6 +79,7 @@ def test_gradient_report_uses_the_current_scale():
     assert rep.loss_scale == learn.mixed_precision.loss_scale > 1
     assert rep.at_scale['activation'][0] < rep.at_1['activation'][0]
     assert gradient_report(learn, loss_scale=1.).at_scale == rep.at_1
+    assert f"current 2^{int(math.log2(rep.loss_scale))}" in rep.summary()
     ax = plot_gradient_range(rep)
     assert len(ax.patches) >= 2 and 'suggested scale' in ax.get_title()
     plot_gradient_range(learn, n_batches=1); plt.close('all')
