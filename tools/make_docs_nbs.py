@@ -309,7 +309,15 @@ from fp16cb.diagnostics import plot_loss_scale
 plot_loss_scale(good); plt.show()"""),
 md("""## The full run
 `python -m fp16cb --experiments --plot experiments.png` on 2 CPU cores (one torch thread) trains every row on seeds
-0, 1 and 2 (the failing rows on seed 0) and ends with `recipe within 0.5 accuracy points of FP32 everywhere: yes`."""),
+0, 1 and 2 (the failing rows on seed 0) and ends with `recipe within 0.5 accuracy points of FP32 everywhere: yes`.
+Measured (93 s; validation accuracy %, mean of 3 seeds):
+
+| experiment | FP32 | where it breaks | with the recipe |
+|---|---|---|---|
+| seed 002's table | 98.33 | pure fp16 98.11, fp16 + scale 1000 98.11 | to_fp16 98.00, to_bf16 98.39, native 98.39 |
+| 1. vanishing updates | 93.06 | pure fp16: 10.00, 96% of the weights never move | FP32 masters: 93.11 |
+| 2. gradient underflow | 98.00 | scale 1: 10.83, no weight moves | dynamic scale: 97.89 |
+| 3. overflow | 98.33 | scale 2^24 unchecked: 8.83, inf/NaN weights | dynamic scale, 10 steps skipped: 97.89 |"""),
 ]
 
 if __name__ == '__main__':
