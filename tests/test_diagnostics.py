@@ -110,3 +110,13 @@ def test_mixed_precision_warns_during_a_fit():
     learn = synth_learner(n=400).to_fp16(max_loss_scale=2.**24, scale_wait=1)
     with learn.no_bar(), learn.no_logging(), pytest.warns(RuntimeWarning, match="optimizer steps were skipped"):
         learn.fit(1)
+
+def test_no_16bit_grads_left_on_fp32_params():
+    "A 16-bit fit must not leave fp16 `.grad`s on the restored FP32 params: later FP32 training would accumulate in fp16."
+    learn = synth_learner().to_fp16()
+    quiet_fit(learn)
+    assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+               for p in learn.model.parameters())
+    learn.to_fp32()
+    quiet_fit(learn)
+    assert all(p.grad.dtype == torch.float32 for p in learn.model.parameters())
