@@ -13,3 +13,6 @@ from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 mas
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision']
+
+from .diagnostics import plot_loss_scale, gradient_report, plot_gradient_range, GradientReport
+__all__ += ['plot_loss_scale', 'gradient_report', 'plot_gradient_range', 'GradientReport']
