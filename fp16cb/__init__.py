@@ -16,3 +16,6 @@ __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision',
            'BNStatsGuard']
+
+from .diagnostics import plot_loss_scale, gradient_report, plot_gradient_range, GradientReport
+__all__ += ['plot_loss_scale', 'gradient_report', 'plot_gradient_range', 'GradientReport']

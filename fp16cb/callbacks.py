@@ -68,7 +68,9 @@ class ModelToHalf(Callback):
             if master is not None: new = master.clone() if master._base is not None else master
             elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = orig  # unchanged: exact original
             else: new = cur.to(orig.dtype)  # trained in 16-bit without master: nothing better than its value
-            if is_param: cur.data = new
+            if is_param:
+                cur.data = new
+                if cur.grad is not None and cur.grad.dtype != cur.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
             else: module._buffers[name] = new
         for m in self.learn.model.modules():
             if isinstance(m, nn.RNNBase): m.flatten_parameters()
@@ -159,6 +161,10 @@ class MixedPrecision(Callback):
         self.master.zero_model_grads()
         self.skipped = False
         self.bn_stats.arm()
+
+    def after_epoch(self):
+        from .diagnostics import scale_health  # warns once: scale stuck at its floor, many skipped steps
+        scale_health(self)
 
     def after_fit(self):
         if fit_ends(self): self.restore()

@@ -37,6 +37,7 @@ class NativeMixedPrecision(Callback):
         self.max_skipped = int(check_positive('max_skipped', max_skipped, strict_min=0))
         self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
+        self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
     def loss_scale(self) -> float:
@@ -67,6 +68,9 @@ class NativeMixedPrecision(Callback):
     def after_batch(self): self._exit_autocast()
     def after_fit(self):
         if fit_ends(self): self.restore()
+    def after_epoch(self):
+        from .diagnostics import scale_health  # warns once: scale stuck at its floor, many skipped steps
+        scale_health(self)
 
     def _exit_autocast(self):
         if getattr(self, '_autocast', None) is not None:
@@ -78,7 +82,9 @@ class NativeMixedPrecision(Callback):
     def before_step(self):
         "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
         self.skipped, self._stepped = True, True
+        scale = self.loss_scale
         if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
+        self.scales.append(scale); self.skips.append(self.skipped)
         if self.skipped: self.bn_stats.restore()  # the skipped batch leaves no trace in BatchNorm's statistics
         with lr_find_stops_on(self.learn):
             self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,

@@ -1,0 +1,216 @@
+"""Diagnostics: the loss-scale history of a fit, where the gradients live relative to fp16's range, and warnings."""
+from __future__ import annotations
+import math, warnings
+from dataclasses import dataclass, field
+import torch
+from torch import nn
+
+__all__ = ['FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
+           'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
+
+FP16_MAX = 65504.  # largest finite fp16
+FP16_MIN_NORMAL = 2.**-14  # smallest normal fp16 (full 11-bit precision above it)
+FP16_MIN_SUBNORMAL = 2.**-24  # smallest subnormal fp16: anything smaller is lost
+
+def scaling_callback(obj):
+    "The callback of `obj` (a `Learner`, or the callback itself) that records `scales` and `skips` per step."
+    if hasattr(obj, 'scales') and hasattr(obj, 'skips'): return obj
+    for cb in getattr(obj, 'cbs', []):
+        if hasattr(cb, 'scales') and hasattr(cb, 'skips'): return cb
+    raise ValueError(f"{type(obj).__name__} has no loss-scale history: expected a Learner set up with `to_fp16()` "
+                     "(or `to_native_fp16()`), or its `MixedPrecision` callback")
+
+def plot_loss_scale(
+    obj, # a `Learner` after a fit in mixed precision, or its `MixedPrecision`/`NativeMixedPrecision` callback
+    ax=None, # matplotlib axes to draw on (a new figure when None)
+    title:str|None=None, # the axes' title
+):
+    "Draw the loss scale at each optimizer step (log2 axis) with the skipped (overflowing) steps marked. Returns `ax`."
+    import matplotlib.pyplot as plt
+    cb = scaling_callback(obj)
+    scales, skips = list(cb.scales), list(cb.skips)
+    if ax is None: _, ax = plt.subplots(figsize=(6, 3))
+    steps = range(len(scales))
+    ax.step(steps, scales, where='post', label='loss scale')
+    over = [i for i, s in enumerate(skips) if s]
+    if over: ax.scatter(over, [scales[i] for i in over], marker='x', color='red', zorder=3,
+                        label=f'overflow: step skipped ({len(over)})')
+    if scales and min(scales) > 0: ax.set_yscale('log', base=2)
+    ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale')
+    ax.set_title(title or f'{type(cb).__name__}: {len(over)} of {len(scales)} steps skipped')
+    ax.legend(loc='best', fontsize='small')
+    return ax
+
+@dataclass
+class GradientReport:
+    "Where |gradients| live on a log2 axis, against fp16's normal, subnormal and overflow ranges."
+    edges:list # bin `i` counts |g| in [2**edges[i], 2**(edges[i]+1)); the first and last bins also hold what is beyond
+    activation:list # counts of nonzero |activation grads| (grads of the loss w.r.t. the outputs of the leaf modules)
+    weight:list # counts of nonzero |weight grads|
+    zeros:dict # exact zeros (not an underflow: e.g. behind a ReLU), by kind
+    max_abs:dict # largest |grad|, by kind
+    loss_scale:float # the scale the fractions `at_scale` refer to (the learner's current one)
+    at_1:dict # fractions of nonzero grads that fp16 loses (< 2^-24), keeps as subnormals, or overflows: scale 1
+    at_scale:dict # the same at `loss_scale`
+    suggested_scale:float # largest power of two that keeps the largest |grad| `headroom` times below fp16's max
+    at_suggested:dict # the fractions at `suggested_scale`
+    per_layer:dict=field(default_factory=dict) # module name -> (min, max) nonzero |activation grad|
+
+    def summary(self) -> str:
+        "A few lines of text: the fractions at scale 1, at the current scale and at the suggested scale."
+        rows = [f"{'':18}{'kind':>11}{'lost <2^-24':>13}{'subnormal':>11}{'overflow':>10}"]
+        scales = [('scale 1', self.at_1)] + ([(f'current {_fmt(self.loss_scale)}', self.at_scale)]
+                                             if self.loss_scale != 1 else [])
+        for name, fr in scales + [(f'suggested {_fmt(self.suggested_scale)}', self.at_suggested)]:
+            for kind in ('activation', 'weight'):
+                lost, sub, over = fr[kind]
+                rows.append(f"{name:18}{kind:>11}{lost:13.2%}{sub:11.2%}{over:10.2%}")
+        mx = ', '.join(f"{k} {v:.3g}" for k, v in self.max_abs.items())
+        return '\n'.join(rows + [f"max |grad|: {mx}; suggested loss scale: {_fmt(self.suggested_scale)}"])
+
+    def __repr__(self): return f"GradientReport(suggested_scale={self.suggested_scale:g})\n{self.summary()}"
+
+def _fmt(s:float) -> str:
+    "A loss scale as text: powers of two as `2^k`."
+    e = math.log2(s) if s > 0 else 0.
+    return f"2^{e:g}" if e == int(e) and abs(e) >= 4 else f"{s:g}"
+
+def _log2_hist(t:torch.Tensor, lo:int, hi:int) -> torch.Tensor:
+    "Counts of the nonzero |t| in the log2 bins `lo..hi` (clamped), and the number of zeros, as one tensor."
+    a = t.detach().abs().float().flatten()
+    nz = a[a > 0]
+    b = torch.floor(torch.log2(nz)).clamp_(lo, hi).long() - lo
+    return torch.cat([torch.bincount(b, minlength=hi - lo + 1).cpu(), torch.tensor([a.numel() - nz.numel()])])
+
+def _fractions(edges, counts, scale) -> tuple:
+    "(lost, subnormal, overflow) fractions of the nonzero counts once multiplied by `scale`."
+    n = sum(counts)
+    if n == 0: return (0., 0., 0.)
+    shift = math.log2(scale)
+    lost = sum(c for e, c in zip(edges, counts) if e + 1 + shift <= -24)
+    sub = sum(c for e, c in zip(edges, counts) if e + shift >= -24 and e + 1 + shift <= -14)
+    over = sum(c for e, c in zip(edges, counts) if e + shift >= 16)
+    return (lost / n, sub / n, over / n)
+
+def _current_scale(learn) -> float:
+    try: return float(scaling_callback(learn).loss_scale)
+    except (ValueError, AttributeError): return 1.
+
+def _batches(dl, n):
+    for i, b in enumerate(dl):
+        if i >= n: break
+        yield b
+
+def gradient_report(
+    learn, # a `Learner` (outside a fit: its model is FP32, so the grads measured are the true ones)
+    n_batches:int=1, # training batches to measure
+    headroom:float=8., # the suggested scale keeps the largest |grad| this many times below fp16's max (seed 002: 2^3)
+    lo:int=-40, hi:int=17, # the log2 range of the bins (values beyond go to the end bins)
+    loss_scale:float|None=None, # the scale to evaluate (default: the learner's current loss scale, else 1)
+) -> GradientReport:
+    "Measure |activation grads| and |weight grads| of a few FP32 training batches against fp16's range."
+    model = learn.model
+    edges = list(range(lo, hi + 1))
+    hists = {'activation': torch.zeros(len(edges) + 1, dtype=torch.long),
+             'weight': torch.zeros(len(edges) + 1, dtype=torch.long)}
+    per_layer, handles = {}, []
+    def fwd_hook(name):
+        def hook(mod, inp, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_floating_point(out):
+                def grad_hook(g):
+                    hists['activation'].add_(_log2_hist(g, lo, hi))
+                    nz = g.detach().abs()[g != 0]
+                    if nz.numel():
+                        mn, mx = per_layer.get(name, (math.inf, 0.))
+                        per_layer[name] = (min(mn, nz.min().item()), max(mx, nz.max().item()))
+                out.register_hook(grad_hook)
+        return hook
+    for name, m in model.named_modules():
+        if not any(True for _ in m.children()): handles.append(m.register_forward_hook(fwd_hook(name)))
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if k not in dict(model.named_parameters())}
+    old_grads = {p: p.grad for p in model.parameters()}
+    was_training, mx = model.training, {'activation': 0., 'weight': 0.}
+    try:
+        model.train()
+        for b in _batches(learn.dls.train, n_batches):
+            xb, yb = b[:learn.dls.n_inp], b[learn.dls.n_inp:]
+            for p in model.parameters(): p.grad = None
+            loss = learn.loss_func(model(*xb), *yb)
+            loss.backward()
+            for p in model.parameters():
+                if p.grad is None: continue
+                hists['weight'].add_(_log2_hist(p.grad, lo, hi))
+                mx['weight'] = max(mx['weight'], p.grad.detach().abs().max().item())
+    finally:
+        for h in handles: h.remove()
+        for p, g in old_grads.items():  # a grad left in another dtype (a 16-bit fit) cannot go back
+            p.grad = g if g is None or g.dtype == p.dtype else None
+        model.load_state_dict(buffers, strict=False)
+        model.train(was_training)
+    counts = {k: v[:-1].tolist() for k, v in hists.items()}
+    mx['activation'] = max([v[1] for v in per_layer.values()], default=0.)
+    biggest = max(mx.values())
+    scale = _current_scale(learn) if loss_scale is None else float(loss_scale)
+    suggested = 1. if biggest == 0 else 2.**min(24, max(0, math.floor(math.log2(FP16_MAX / (biggest * headroom)))))
+    frac = lambda s: {k: _fractions(edges, counts[k], s) for k in counts}
+    return GradientReport(edges, counts['activation'], counts['weight'], {k: int(v[-1]) for k, v in hists.items()},
+                          mx, scale, frac(1.), frac(scale), suggested, frac(suggested), per_layer)
+
+def plot_gradient_range(
+    obj, # a `GradientReport`, or a `Learner` to measure with `gradient_report`
+    ax=None, # matplotlib axes to draw on (a new figure when None)
+    **kwargs, # passed to `gradient_report` when `obj` is a learner
+):
+    "Histograms of log2|grad| (activation and weight grads) over fp16's lost, subnormal, normal and overflow ranges."
+    import matplotlib.pyplot as plt
+    rep = obj if isinstance(obj, GradientReport) else gradient_report(obj, **kwargs)
+    if ax is None: _, ax = plt.subplots(figsize=(7, 3))
+    lo, hi = rep.edges[0], rep.edges[-1] + 1
+    ax.axvspan(lo, -24, color='red', alpha=.12, label='lost in fp16 (< 2^-24)')
+    ax.axvspan(-24, -14, color='orange', alpha=.15, label='subnormal')
+    ax.axvspan(-14, 16, color='green', alpha=.07, label='normal')
+    ax.axvspan(16, hi, color='purple', alpha=.12, label='overflow (> 65504)')
+    for kind, counts in (('activation', rep.activation), ('weight', rep.weight)):
+        n = max(1, sum(counts))
+        ax.stairs([c / n for c in counts], rep.edges + [hi], label=f'|{kind} grad|', linewidth=1.5)
+    if rep.suggested_scale != 1:
+        ax.axvline(-24 - math.log2(rep.suggested_scale), color='k', ls='--', lw=1,
+                   label=f'lost below this at scale {_fmt(rep.suggested_scale)}')
+    ax.set_xlabel('log2 |grad|  (FP32, unscaled)'); ax.set_ylabel('fraction'); ax.set_xlim(lo, hi)
+    ax.set_title(f"lost at scale 1: act {rep.at_1['activation'][0]:.1%}, weight {rep.at_1['weight'][0]:.1%}; "
+                 f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
+    ax.legend(fontsize='x-small', loc='upper left')
+    return ax
+
+def _calibration_end(skips) -> int:
+    "Steps at the start of the history spent finding the scale (the leading overflows of a dynamic scale)."
+    i = 0
+    while i < len(skips) and skips[i]: i += 1
+    return i
+
+def scale_health(
+    cb, # a callback that records `scales` and `skips` (`MixedPrecision`, `NativeMixedPrecision`)
+    window:int=200, # how many of the latest steps to judge
+    max_skip_frac:float=.1, # warn when more of the window's steps than this were skipped
+) -> list:
+    "Warn (once per callback and kind) when the loss scale sits at its floor or many steps are skipped; the warnings."
+    scales, skips = list(cb.scales), list(cb.skips)
+    start = _calibration_end(skips)
+    scales, skips = scales[start:][-window:], skips[start:][-window:]
+    warned, out = cb.__dict__.setdefault('_health_warned', set()), []
+    if len(skips) >= 10 and sum(skips) > max(5, max_skip_frac * len(skips)) and 'skips' not in warned:
+        out.append(f"{sum(skips)} of the last {len(skips)} optimizer steps were skipped for inf/NaN gradients: the "
+                   "loss scale is too high for too long (lower `scale_wait`/`growth_interval`?), or the forward pass "
+                   "overflows in fp16 (try `learn.to_bf16()`).")
+        warned.add('skips')
+    scaler = getattr(cb, 'scaler', None)
+    floor = getattr(scaler, 'min_scale', 1.)
+    if hasattr(scaler, 'is_enabled'): dynamic = scaler.is_enabled()  # torch's GradScaler (off for bf16)
+    else: dynamic = getattr(scaler, 'wait', None) is not None  # a growing `LossScaler` such as `BackoffScaler`
+    if dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
+        out.append(f"the dynamic loss scale sits at its floor ({floor:g}) for most of the last {len(scales)} steps: "
+                   "the gradients (or the loss) are too large for fp16 even unscaled. Check the learning rate and "
+                   "the inputs, or train with `learn.to_bf16()`.")
+        warned.add('floor')
+    for msg in out: warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return out
