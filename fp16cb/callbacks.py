@@ -64,7 +64,9 @@ class ModelToHalf(Callback):
             if master is not None: new = master.clone() if master._base is not None else master
             elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = orig  # unchanged: exact original
             else: new = cur.to(orig.dtype)  # trained in 16-bit without master: nothing better than its value
-            if is_param: cur.data = new
+            if is_param:
+                if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
+                cur.data = new
             else: module._buffers[name] = new
         for m in self.learn.model.modules():
             if isinstance(m, nn.RNNBase): m.flatten_parameters()
@@ -150,4 +152,4 @@ class MixedPrecision(Callback):
         "Point the optimizer at the model's own params again, with its state."
         if self.master is None: return
         self.master.restore_opt()
-        self.master = None
+        self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads

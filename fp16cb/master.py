@@ -1,6 +1,6 @@
 """FP32 master weights: creating them per param group, and the fused copies model <-> master."""
 from __future__ import annotations
-import warnings
+import operator, warnings
 import torch
 from torch import nn, Tensor
 
@@ -23,7 +23,7 @@ def _flat_partitions(pg, opt=None):
     for p in pg:
         state = opt.state.get(p, {}) if opt is not None and hasattr(opt, 'state') else {}
         parts.setdefault((p.device, _state_key(state)), []).append(p)
-    return list(parts.values())
+    return [sorted(part, key=lambda p: str(p.dtype)) for part in parts.values()]  # stable: one run per dtype
 
 def _fp32_leaf(t:Tensor) -> Tensor: return t.detach().float()
 
@@ -164,8 +164,56 @@ def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None):
             for p, m in zip(src, dst):
                 if p is not m: state[m] = _fp32_state(state.pop(p, {}))
 
+class _FlatRun:
+    "Params of one dtype inside one flat master: their data and grads are views into two flat buffers of that dtype."
+    def __init__(self, params, master:Tensor, master_grad:Tensor):
+        n = sum(p.numel() for p in params)
+        p0 = params[0]
+        self.params, self.master, self.master_grad = params, master, master_grad
+        self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
+        self.views, self.grad_views = _flat_views(self.buf, params), _flat_views(self.grad, params)
+        with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
+        for p, v, g in zip(params, self.views, self.grad_views):
+            if p.grad is not None: g.copy_(p.grad)
+            p.data, p.grad = v, g
+
+    def _owns(self, t:Tensor, buf:Tensor) -> bool:
+        return t is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+    def reattach_grads(self):
+        "Grads that someone replaced (or set to None) go back into the flat grad buffer (None -> zero)."
+        for p, g in zip(self.params, self.grad_views):
+            if p.grad is g: continue
+            if p.grad is None: g.zero_()
+            else: g.copy_(p.grad)
+            p.grad = g
+
+    def release(self):
+        "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
+        for p in self.params:
+            if self._owns(p.data, self.buf): p.data = p.data.clone()
+            if self._owns(p.grad, self.grad):  # zero since `after_step`; a 16-bit grad can't go on an FP32 param
+                p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
+
+def _flat_runs(model_pgs:list, master_pgs:list) -> list:
+    "A `_FlatRun` per run of consecutive params with the same dtype inside each flat master."
+    runs = []
+    for pg, mg in zip(model_pgs, master_pgs):
+        for part, flat in zip(_split_like(pg, mg), mg):
+            data, grad, o, i = flat.detach(), flat.grad, 0, 0
+            while i < len(part):
+                j = i
+                while j < len(part) and part[j].dtype == part[i].dtype: j += 1
+                n = sum(p.numel() for p in part[i:j])
+                runs.append(_FlatRun(part[i:j], data[o:o+n], grad[o:o+n]))
+                o, i = o + n, j
+    return runs
+
 class MasterWeights:
-    "FP32 masters of an optimizer's trainable params, and the fused (foreach) copies between them and the model."
+    """FP32 masters of an optimizer's trainable params, and the fused (foreach) copies between them and the model.
+    Flat: the model's params and grads become views into one flat buffer per (flat master, dtype), so each copy is one
+    vectorised op per buffer; `restore_opt` gives the params ordinary tensors back. Non-flat: lists cached per fit."""
     def __init__(self,
         opt, # the learner's optimizer
         flat:bool=False, # one flat FP32 master per group (per run of params with equal flags)
@@ -180,6 +228,15 @@ class MasterWeights:
         self.flat_grads = [m.grad for m in self.flats]
         self.master_params = [m for mg in self.master_pgs for m in mg]
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if flat else None)
+        self.runs = _flat_runs(self.model_pgs, self.master_pgs) if flat else []
+        self._run_bufs = [r.buf for r in self.runs]
+        self._run_grads = [r.grad for r in self.runs]
+        self._run_masters = [r.master for r in self.runs]
+        self._run_master_grads = [r.master_grad for r in self.runs]
+        # non-flat: pairs that really need a copy (a BatchNorm master shares its FP32 param's storage)
+        pairs = [(p, m) for p, m in zip(models, masters) if p.data_ptr() != m.data_ptr() or p.dtype != m.dtype]
+        self._copy_models, self._copy_masters = [p for p, _ in pairs], [m for _, m in pairs]
+        self._src_all = self._dst_all = None  # non-flat: every model grad and master grad as of the cached step
 
     def fp32_views(self) -> dict:
         "`{model param: the FP32 tensor that holds its current master value}`."
@@ -190,32 +247,44 @@ class MasterWeights:
         if self.flat:
             for m, g in zip(self.flats, self.flat_grads):
                 if m.grad is not g: m.grad = g  # an optimizer's zero_grad(set_to_none) dropped it
-            src, dst, missing = [], [], []
-            for p, v in zip(self.models, self.grad_views):
-                if p.grad is None: missing.append(v)
-                else: src.append(p.grad); dst.append(v)
-            if missing: torch._foreach_zero_(missing)
-            if src: torch._foreach_copy_(dst, src)
+            for r in self.runs: r.reattach_grads()
+            if self.runs: torch._foreach_copy_(self._run_master_grads, self._run_grads)
             return self.flat_grads
-        src, dst = [], []
-        for p, m in zip(self.models, self.master_params):
-            g = p.grad
+        src, dst = [p.grad for p in self.models], [m.grad for m in self.master_params]
+        if not (_all_same(src, self._src_all) and _all_same(dst, self._dst_all)): self._pair_grads(src)
+        if self._src: torch._foreach_copy_(self._dst, self._src)
+        return self._dst
+
+    def _pair_grads(self, src):
+        "Cache this step's (model grad, master grad) lists; a master grad is created once and then kept."
+        self._src, self._dst = [], []
+        for g, m in zip(src, self.master_params):
             if g is None: m.grad = None; continue
             if m.grad is None: m.grad = torch.empty_like(m)
-            src.append(g); dst.append(m.grad)
-        if src: torch._foreach_copy_(dst, src)
-        return dst
+            self._src.append(g); self._dst.append(m.grad)
+        self._src_all, self._dst_all = src, [m.grad for m in self.master_params]
 
     def master_to_model(self):
         "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
-        if self.models:
-            with torch.no_grad(): torch._foreach_copy_(self.models, self.masters)
+        if self.flat:
+            if self.runs: torch._foreach_copy_(self._run_bufs, self._run_masters)
+            return
+        if self._copy_models:
+            with torch.no_grad(): torch._foreach_copy_(self._copy_models, self._copy_masters)
 
     def zero_model_grads(self):
+        if self.flat:
+            for r in self.runs: r.reattach_grads()
+            if self.runs: torch._foreach_zero_(self._run_grads)
+            return
         grads = [p.grad for p in self.models if p.grad is not None]
         if grads: torch._foreach_zero_(grads)
 
     def restore_opt(self):
         "Point the optimizer at the model's params again, moving (splitting, when flat) the state back."
+        for r in self.runs: r.release()
         move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None)
         _set_param_lists(self.opt, self.old_param_lists)
+
+def _all_same(a:list, b) -> bool:
+    return b is not None and len(a) == len(b) and all(map(operator.is_, a, b))
