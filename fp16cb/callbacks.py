@@ -46,13 +46,21 @@ class ModelToHalf(Callback):
     def after_fit(self): self.restore()
 
     def fp32_of(self, p) -> torch.Tensor:
-        "The exact FP32 value `p` had when it was converted (`p.data` itself for what was not converted)."
+        "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
         rec = self.originals.get(id(p)) if self.converted else None
         return p.data if rec is None else rec[3]
 
     def link_masters(self, fp32_views:dict):
         "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
         self.masters = {id(p): t for p, t in fp32_views.items()}
+        self._drop_originals_of_masters()
+
+    def _drop_originals_of_masters(self):
+        "An original that a master copied (flat masters) is never used again (`restore` takes the master): free it."
+        for k, t in self.masters.items():
+            rec = self.originals.get(k) if self.originals else None
+            if rec is not None and rec[3].untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                self.originals[k] = (*rec[:3], t)
 
     def restore(self):
         "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
