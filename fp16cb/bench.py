@@ -241,7 +241,7 @@ def _learner(workload, scale, mode, device, batches, valid, init, lr):
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=lr)
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     MODES[mode][1](learn, device)
-    rec = {'steps': [], 'cb_steps': [], 'cb': 0., 'events': {}, 't0': 0., 'skipped': 0}
+    rec = {'steps': [], 'cb_steps': [], 'cb': 0., 'events': {}, 't0': 0., 'skipped': 0, 'all': 0}
     for cb in learn.cbs:
         if isinstance(cb, _PRECISION): _time_events(cb, rec, device)
     learn.add_cbs([_Clock(rec, device, True), _Clock(rec, device, False)])
@@ -283,13 +283,13 @@ def run_bench(
         init = WORKLOADS[wl][1](s)
         batches, valid = _data(wl, s, device, steps)
         n_params = sum(p.numel() for p in init.parameters())
-        if verbose: print(f"[{wl}] {WORKLOADS[wl][0]} | scale {s:g}, {n_params/1e6:.2f}M params, "
+        if verbose: print(f"[{wl}] {WORKLOADS[wl][0]} | scale {s:g}, {n_params/1e6:.3g}M params, "
                           f"{sum(1 for _ in init.parameters())} tensors, batch {len(batches[0][0])}", file=sys.stderr)
         learners = {m: _learner(wl, s, m, device, batches, valid, init, lr) for m in modes}
         mems, bounds = {}, []
         for m, (learn, rec) in learners.items():  # warm-up (not timed; the dynamic loss scales settle meanwhile)
             for _ in range(max(1, math.ceil(warmup/steps))): _fit(learn)
-            rec.update(steps=[], cb_steps=[], events={}, skipped=0)
+            rec.update(steps=[], cb_steps=[], events={})
         for r in range(rounds):
             bounds.append(_copy_bound(n_params, _half(device), device))
             for m in (modes if r % 2 == 0 else modes[::-1]):  # alternate the order: no mode always runs first
@@ -300,8 +300,8 @@ def run_bench(
             mem = None if is_cuda else _CpuMemory()
             if mem is not None: learn.add_cb(mem)
             if is_cuda: torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-            n, ev, sk = len(rec['steps']), dict(rec['events']), rec['skipped']
-            _fit(learn); del rec['steps'][n:], rec['cb_steps'][n:]; rec['events'], rec['skipped'] = ev, sk
+            n, ev = len(rec['steps']), dict(rec['events'])
+            _fit(learn); del rec['steps'][n:], rec['cb_steps'][n:]; rec['events'] = ev
             mems[m] = torch.cuda.max_memory_allocated() if is_cuda else mem.peak
             if mem is not None: learn.remove_cb(mem)
         bound, hot = statistics.median(bounds), _copy_bound(n_params, _half(device), device, cold=False)
@@ -309,10 +309,12 @@ def run_bench(
                              'copy_GBps': 12*n_params/bound/1e9, 'batch': len(batches[0][0])}}
         for m, (learn, rec) in learners.items():
             loss, acc = _evaluate(learn.model, valid)
+            train_loss = statistics.mean(_evaluate(learn.model, b)[0] for b in batches)
             n = len(rec['steps'])
             out[m] = {'ms_step': 1e3*statistics.median(rec['steps']), 'ms_cb': 1e3*statistics.median(rec['cb_steps']),
                       'events_ms': {k: 1e3*v/n for k, v in rec['events'].items()}, 'mem_MB': mems[m]/2**20,
-                      'loss': loss, 'acc': acc, 'n_steps': n, 'skipped': rec['skipped']}
+                      'loss': loss, 'acc': acc, 'train_loss': train_loss, 'n_steps': n, 'skipped': rec['skipped'],
+                      'all_steps': rec['all']}
         for m in modes:
             f, o = out.get('fp32'), out[m]
             o['speedup'] = f['ms_step']/o['ms_step'] if f else None
@@ -341,16 +343,17 @@ def format_table(res:dict) -> str:
     for wl, out in res.items():
         if wl == 'meta': continue
         w = out['_workload']
-        lines += ['', f"**{wl}** - {WORKLOADS[wl][0]} (scale {w['scale']:g}: {w['n_params']/1e6:.2f}M params, batch "
+        lines += ['', f"**{wl}** - {WORKLOADS[wl][0]} (scale {w['scale']:g}: {w['n_params']/1e6:.3g}M params, batch "
                   f"{w['batch']}); bookkeeping bound {w['bound_ms']:.2f} ms (copy {w['copy_GBps']:.2f} GB/s)", '',
-                  '| mode | ms/step | speedup vs fp32 | ms in precision cbs | cbs / bound | memory MB | mem vs fp32 | loss | acc | skipped |',
-                  '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
+                  '| mode | ms/step | speedup vs fp32 | ms in precision cbs | cbs / bound | memory MB | mem vs fp32 | train loss | '
+                  'valid loss | valid acc | skipped steps |', '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
         for m, o in out.items():
             if m == '_workload': continue
             sp = f"{o['speedup']:.2f}x" if o['speedup'] else '-'
             mr = f"{o['mem_ratio']:.2f}" if o['mem_ratio'] else '-'
             lines.append(f"| {m} | {o['ms_step']:.1f} | {sp} | {o['ms_cb']:.2f} | {o['cb_over_bound']:.2f} | "
-                         f"{o['mem_MB']:.1f} | {mr} | {o['loss']:.4f} | {o['acc']:.3f} | {o['skipped']}/{o['n_steps']} |")
+                         f"{o['mem_MB']:.1f} | {mr} | {o['train_loss']:.4f} | {o['loss']:.4f} | {o['acc']:.3f} | "
+                         f"{o['skipped']}/{o['all_steps']} |")
     return '\n'.join(lines)
 
 def _csv(s): return tuple(o.strip() for o in s.split(',') if o.strip())
