@@ -157,7 +157,7 @@ class _Clock(Callback):
     def after_batch(self):
         if not self.first and self.training:
             _sync(self.device); self.rec['steps'].append(_clock() - self.rec['t0'])
-            self.rec['cb_steps'].append(self.rec['cb']); self.rec['cb'] = 0.
+            self.rec['cb_steps'].append(self.rec['cb']); self.rec['cb'] = 0.; self.rec['all'] += 1
 
 def _time_events(cb, rec, device):
     "Wrap `cb`'s per-batch event methods so their time (synchronised on CUDA) adds to `rec['cb']` while training."
