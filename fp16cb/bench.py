@@ -5,16 +5,18 @@ One process; every mode trains its own copy of the same model on the same synthe
 after `--warmup` untimed steps. A step is timed from the first `before_batch` to the last `after_batch` callback (forward,
 loss, backward, optimizer step, zero_grad and every callback: data loading and validation excluded). Reported:
 median ms/step and speedup vs fp32; ms/step inside the precision callbacks (their event methods wrapped by timers);
-the bookkeeping bound = 12 bytes/param / copy bandwidth, timed in the same rounds on a buffer of the model's size;
-the memory a step holds; the final FP32 loss/accuracy on held-out data.
+the bookkeeping bound = 12 bytes/param / copy bandwidth (a 16->32 and a 32->16 `_foreach_copy_` of the model's size,
+caches flushed first, timed in every round); on a CPU times are this process's CPU time (`--clock cpu`), which other
+processes sharing the cores do not inflate;
+the memory a step holds (CPU: params + grads + optimizer state + kept originals + tensors saved for backward;
+CUDA: this learner's params, grads, optimizer state and originals + `max_memory_allocated` growth during a fit);
+the final FP32 loss on the training batches and loss/accuracy on a held-out batch; the skipped (overflow) steps.
 """
 from __future__ import annotations
 import argparse, copy, json, math, platform, statistics, sys, time, warnings
-from functools import partial
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, Callback, CancelStepException, CrossEntropyLossFlat, Adam
-from fastai.callback.core import event
 import fastai.callback.fp16 as ffp16
 
 from .callbacks import ModelToHalf, MixedPrecision, model_device
@@ -197,18 +199,21 @@ class _CpuMemory(Callback):
     def _params(self):
         return list(self.learn.model.parameters()) + [p for pg in self.learn.opt.param_lists for p in pg]
     def after_backward(self):
-        if not self.training: return
-        held = {}
-        def add(t):
-            if isinstance(t, torch.Tensor) and t.numel(): k, n = _storage(t); held[k] = n
-        for p in self._params(): add(p.data); add(p.grad)
-        for s in self.learn.opt.state.values():
-            for v in (s.values() if isinstance(s, dict) else []): add(v)
-        for cb in self.learn.cbs:
-            for rec in (getattr(cb, 'originals', None) or {}).values(): add(rec[3])  # fp16cb keeps exact FP32 originals
-            for pg in (getattr(cb, 'master_pgs', None) or []):
-                for m in pg: add(m.data); add(m.grad)
-        self.peak = max(self.peak, sum(held.values()) + self._saved_bytes)
+        if self.training: self.peak = max(self.peak, _held_bytes(self.learn) + self._saved_bytes)
+
+def _held_bytes(learn) -> int:
+    "Bytes of the storages of the params and grads (model and masters), optimizer state and kept FP32 originals."
+    held = {}
+    def add(t):
+        if isinstance(t, torch.Tensor) and t.numel(): k, n = _storage(t); held[k] = n
+    for p in list(learn.model.parameters()) + [p for pg in learn.opt.param_lists for p in pg]: add(p.data); add(p.grad)
+    for s in learn.opt.state.values():
+        for v in (s.values() if isinstance(s, dict) else []): add(v)
+    for cb in learn.cbs:
+        for rec in (getattr(cb, 'originals', None) or {}).values(): add(rec[3])  # fp16cb keeps exact FP32 originals
+        for pg in (getattr(cb, 'master_pgs', None) or []):
+            for m in pg: add(m.data); add(m.grad)
+    return sum(held.values())
 
 def _copy_bound(n_params, dtype, device, reps=3, cold=True) -> float:
     """Seconds for the bookkeeping bound of `n_params`: a 16->32 plus a 32->16 `_foreach_copy_` of that many elements
@@ -299,10 +304,11 @@ def run_bench(
         for m, (learn, rec) in learners.items():  # memory: one more untimed fit per mode (optimizer state exists now)
             mem = None if is_cuda else _CpuMemory()
             if mem is not None: learn.add_cb(mem)
-            if is_cuda: torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+            if is_cuda: torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(); before = torch.cuda.memory_allocated()
             n, ev = len(rec['steps']), dict(rec['events'])
             _fit(learn); del rec['steps'][n:], rec['cb_steps'][n:]; rec['events'] = ev
-            mems[m] = torch.cuda.max_memory_allocated() if is_cuda else mem.peak
+            # CUDA: the other modes' learners are resident too: this one's own bytes + what the fit allocated on top
+            mems[m] = _held_bytes(learn) + torch.cuda.max_memory_allocated() - before if is_cuda else mem.peak
             if mem is not None: learn.remove_cb(mem)
         bound, hot = statistics.median(bounds), _copy_bound(n_params, _half(device), device, cold=False)
         out = {'_workload': {'scale': s, 'n_params': n_params, 'bound_ms': 1e3*bound, 'bound_hot_ms': 1e3*hot,
