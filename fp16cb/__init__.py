@@ -4,11 +4,12 @@ __version__ = "0.1.0"
 from .dtypes import convert_network, resolve_dtype, cast_floats
 from .master import get_master, to_master_grads, to_model_params, copy_clone, MasterWeights
 from .overflow import test_overflow, grad_overflow
-from .scalers import LossScaler, StaticScaler, BackoffScaler, LossScaleError
+from .scalers import LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 from . import learner as _learner  # patches Learner.to_fp16 & co.
+from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
-           'BackoffScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision']
+           'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision']

@@ -9,6 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
+from .monitor import add_precision_metrics, remove_precision_metrics
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
 
@@ -86,6 +87,7 @@ def _check_clip(clip):
 class MixedPrecision(Callback):
     "FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads."
     order = 10
+    log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
     def __init__(self,
         loss_scale:float=512, # the scale when not `dynamic` (static loss scaling)
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
@@ -96,13 +98,13 @@ class MixedPrecision(Callback):
         clip:float=None, # clip each param group's global norm of unscaled FP32 master grads to this
         *,
         dtype=torch.float16, # the model's 16-bit dtype (bf16 has FP32's range: use loss_scale=1, dynamic=False)
-        scaler=None, # None (seed behaviour), 'backoff', 'static' or a `LossScaler`
+        scaler=None, # None (seed behaviour), 'backoff', 'lognormal', 'static' or a `LossScaler`
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
     ):
         self.dtype = resolve_dtype(dtype)
         self.flat_master, self.clip = bool(flat_master), _check_clip(clip)
-        check_positive('loss_scale', loss_scale)
+        check_positive('loss_scale', loss_scale); check_positive('max_loss_scale', max_loss_scale)
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped)
@@ -128,6 +130,7 @@ class MixedPrecision(Callback):
         half = mth is not None and mth.converted
         self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None)
         if half: mth.link_masters(self.master.fp32_views())
+        if self.log_scale: add_precision_metrics(self.learn, self)
 
     def before_backward(self):
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
@@ -156,8 +159,16 @@ class MixedPrecision(Callback):
 
     def after_fit(self): self.restore()
 
+    def state_dict(self) -> dict:
+        "What a checkpoint keeps of this callback: the loss scaler's state."
+        return {'scaler': self.scaler.state_dict()}
+
+    def load_state_dict(self, sd:dict):
+        self.scaler.load_state_dict(sd['scaler'])
+
     def restore(self):
-        "Point the optimizer at the model's own params again, with its state."
+        "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
+        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
         if self.master is None: return
         self.master.restore_opt()
         self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads

@@ -17,11 +17,16 @@ def _state_key(state:dict):
         else: key.append((k, repr(v)))
     return tuple(key)
 
+def _opt_state(opt) -> dict:
+    "The per-param state dict of `opt`: a fastai `OptimWrapper` keeps it in the wrapped torch optimizer."
+    inner = getattr(opt, 'opt', None)
+    return inner.state if isinstance(inner, torch.optim.Optimizer) else opt.state
+
 def _flat_partitions(pg, opt=None):
     "Split the params of a group into runs that can share one flat master: same device and same per-param flags."
     parts = {}
     for p in pg:
-        state = opt.state.get(p, {}) if opt is not None and hasattr(opt, 'state') else {}
+        state = _opt_state(opt).get(p, {}) if opt is not None and hasattr(opt, 'state') else {}
         parts.setdefault((p.device, _state_key(state)), []).append(p)
     return [sorted(part, key=lambda p: str(p.dtype)) for part in parts.values()]  # stable: one run per dtype
 
@@ -151,7 +156,7 @@ def _set_param_lists(opt, pgs):
 def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None):
     """Point `opt` at `to_pgs` and move the per-param state from `from_pgs` along (no copy when already FP32).
     `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse."""
-    state = opt.state
+    state = _opt_state(opt)
     _set_param_lists(opt, to_pgs)
     for src, dst in zip(from_pgs, to_pgs):
         if flat == 'merge':

@@ -76,6 +76,19 @@ class NativeMixedPrecision(Callback):
         if self._stepped: self.scaler.update()
         self._stepped = False
 
+    def state_dict(self) -> dict:
+        "What a checkpoint keeps of this callback: the GradScaler's state (empty when scaling is off)."
+        return {'scaler': self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, sd:dict):
+        sc = sd.get('scaler')
+        if not sc: return
+        if self.scaler is None:  # not fitted yet: create it now, on the model's device, so the state is kept
+            learn = self.__dict__.get('learn')
+            self.device_type = model_device(learn.model).type if learn is not None else 'cpu'
+            self.scaler = self._make_scaler(self.device_type)
+        if self.scaler.is_enabled(): self.scaler.load_state_dict(sc)
+
     @property
     def param_groups(self): return self.learn.opt.param_groups
     def step(self, *args, **kwargs): self.skipped = False

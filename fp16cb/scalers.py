@@ -1,8 +1,12 @@
 """Loss scalers: small strategy objects with explicit state that pick the loss scale step after step."""
 from __future__ import annotations
 import math
+from statistics import NormalDist
 
-__all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LossScaleError', 'check_positive', 'make_scaler']
+FP16_MAX = 65504.  # the largest finite float16
+
+__all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
+           'make_scaler', 'FP16_MAX']
 
 class LossScaleError(FloatingPointError):
     "Training cannot go on: gradients keep overflowing whatever the loss scale."
@@ -91,12 +95,13 @@ class BackoffScaler(LossScaler):
         if found_inf:
             self.clean_in_a_row = 0
             self.overflows_left -= 1
-            if self.overflows_left > 0: return
-            self.overflows_left = self.hysteresis
-            if self.scale / self.factor < self.min_scale:
-                self._fail(f"the loss scale would fall under min_loss_scale={self.min_scale:g}: gradients overflow "
-                           f"even at scale {self.scale:g}.")
-            self.scale /= self.factor
+            if self.overflows_left > 0: return  # hysteresis: tolerate this overflow (the step is still skipped)
+            # as Megatron/DeepSpeed: once the hysteresis is used up, every overflow drops the scale until it grows again
+            self.overflows_left = 0
+            if self.scale <= self.min_scale:
+                self._fail(f"gradients overflow even at min_loss_scale={self.min_scale:g}: the loss scale would fall "
+                           f"under it.")
+            self.scale = max(self.scale / self.factor, self.min_scale)
         else:
             self.clean_in_a_row += 1
             if self.clean_in_a_row >= self.wait:
@@ -104,6 +109,96 @@ class BackoffScaler(LossScaler):
                 self.scale = min(self.scale * self.factor, self.max_scale)
 
     def __repr__(self): return f"BackoffScaler(scale={self.scale:g}, factor={self.factor:g}, wait={self.wait})"
+
+def _check_int(name, v, lo=1):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"`{name}` must be an integer >= {lo}, got {v!r}")
+    return v
+
+def _censored_mean(mu, sigma, cutoff):
+    "E[X | X > cutoff] for X ~ N(mu, sigma^2): the mean of a normal observation known only to exceed `cutoff`."
+    a = (cutoff - mu) / sigma
+    if a > 30: return mu + sigma * (a + 1 / a)  # asymptotic inverse Mills ratio: erfc underflows here
+    sf = .5 * math.erfc(a / math.sqrt(2))
+    return mu + sigma * math.exp(-a * a / 2) / math.sqrt(2 * math.pi) / sf
+
+class LogNormalScaler(LossScaler):
+    """Seed 000/004's LogNormal scaling: log2 of each step's largest |unscaled grad| is modelled as normal with a
+    running mean and variance; the next scale is the largest for which the scaled maximum overflows `max_value`
+    with probability `overflow_prob`: `log2(scale) = log2(max_value) - (mu + z*sigma)`, `z = Phi^-1(1-overflow_prob)`.
+
+    Overflowing steps enter the statistics as *censored* observations: their maximum is unknown but above the cutoff
+    `c = log2(max_value/scale)`, so we add `E[X | X > c]` under the current fit (skipping them would bias the
+    estimate low exactly where it matters, in the tail); and the scale is divided by `backoff` at least, so that
+    persistent overflow (NaN in the loss) drives it to `min_scale` and to the loud failure. Until the first clean
+    step there are no statistics: the scale only backs off. For the first `warmup` observations sigma is taken as at
+    least 1 bit, since a spread estimated from a handful of steps is unreliable."""
+    needs_max_grad = True
+    _state_names = LossScaler._state_names + ('mu', 'var', 'n_obs')
+
+    def __init__(self,
+        init_scale:float=2.**16, # the scale until the first clean step gives a first observation
+        overflow_prob:float=1e-3, # target probability that a step overflows
+        window:int=100, # statistics: exact mean/variance of the first `window` observations, then an EMA of that span
+        warmup:int=10, # observations before the spread estimate is trusted (sigma >= 1 bit before)
+        min_sigma:float=.25, # floor of the spread, in bits (a constant gradient maximum has zero variance)
+        min_scale:float=1., # the scale never goes under this; an overflow at it is an error
+        max_scale:float=2.**24, # the scale never goes above this
+        backoff:float=2., # an overflow divides the scale by at least this
+        pow2:bool=True, # round the scale down to a power of 2 (exact scaling/unscaling, a stable scale)
+        max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
+        max_skipped:int=50, # more overflowing steps in a row than this is an error
+    ):
+        if not (isinstance(overflow_prob, (int, float)) and 0 < overflow_prob < .5):
+            raise ValueError(f"`overflow_prob` must be in (0, 0.5), got {overflow_prob!r}")
+        _check_int('window', window); _check_int('warmup', warmup, 0)
+        if isinstance(min_sigma, bool) or not isinstance(min_sigma, (int, float)) or not 0 <= min_sigma < math.inf:
+            raise ValueError(f"`min_sigma` must be a finite number >= 0, got {min_sigma!r}")
+        check_positive('backoff', backoff, strict_min=1.)
+        check_positive('min_loss_scale', min_scale); check_positive('max_loss_scale', max_scale)
+        check_positive('max_value', max_value)
+        if min_scale > max_scale: raise ValueError(f"`min_loss_scale` ({min_scale:g}) > `max_loss_scale` ({max_scale:g})")
+        super().__init__(min(max(check_positive('loss_scale', init_scale), min_scale), max_scale), max_skipped)
+        self.overflow_prob, self.window, self.warmup, self.min_sigma = float(overflow_prob), window, warmup, float(min_sigma)
+        self.min_scale, self.max_scale, self.backoff, self.pow2 = float(min_scale), float(max_scale), float(backoff), bool(pow2)
+        self.max_value, self.z = float(max_value), NormalDist().inv_cdf(1 - overflow_prob)
+        self.mu, self.var, self.n_obs = 0., 0., 0
+
+    @property
+    def sigma(self) -> float:
+        "The spread (in bits) the scale is chosen with: the estimate, floored by `min_sigma` (and 1 in warm-up)."
+        floor = self.min_sigma if self.n_obs >= self.warmup else max(self.min_sigma, 1.)
+        return max(math.sqrt(self.var), floor)
+
+    def observe(self, x:float):
+        "Add `x = log2(max|grad|)` to the running mean and variance (Welford, exponentially weighted after `window`)."
+        self.n_obs += 1
+        a = max(1. / self.n_obs, 1. / self.window)
+        d = x - self.mu
+        self.mu += a * d
+        self.var = (1 - a) * (self.var + a * d * d)
+
+    def target(self) -> float:
+        "The scale for which the modelled maximum overflows with probability `overflow_prob` (clamped, rounded)."
+        t = math.log2(self.max_value) - (self.mu + self.z * self.sigma)
+        if self.pow2: t = math.floor(t)
+        return min(max(2. ** max(min(t, 1023.), -1022.), self.min_scale), self.max_scale)
+
+    def _update(self, found_inf, max_grad):
+        if not found_inf:
+            if max_grad is None: raise ValueError("LogNormalScaler.update needs the largest |unscaled grad| of the step")
+            if max_grad > 0 and math.isfinite(max_grad): self.observe(math.log2(max_grad))
+            if self.n_obs: self.scale = self.target()
+            return
+        if self.scale <= self.min_scale:
+            self._fail(f"gradients overflow even at min_loss_scale={self.min_scale:g}: the loss scale would fall under it.")
+        if self.n_obs:
+            cutoff = math.log2(self.max_value / self.scale)
+            self.observe(_censored_mean(self.mu, self.sigma, cutoff))
+        self.scale = max(min(self.target() if self.n_obs else self.scale, self.scale / self.backoff), self.min_scale)
+
+    def __repr__(self):
+        return f"LogNormalScaler(scale={self.scale:g}, mu={self.mu:.2f}, sigma={self.sigma:.2f}, overflow_prob={self.overflow_prob:g})"
 
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
                 max_skipped=50) -> LossScaler:
@@ -116,4 +211,8 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     if name == 'backoff':
         return BackoffScaler(max_loss_scale, div_factor, scale_wait, min_scale=min(min_loss_scale, max_loss_scale),
                              max_scale=max_loss_scale, max_skipped=max_skipped)
-    raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'static' or a LossScaler instance")
+    if name == 'lognormal':
+        lo = min(min_loss_scale, max_loss_scale)
+        return LogNormalScaler(min(max(2.**16, lo), max_loss_scale), min_scale=lo, max_scale=max_loss_scale,
+                               max_skipped=max_skipped)
+    raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")

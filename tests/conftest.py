@@ -1,0 +1,93 @@
+"""Shared tiny fixtures: a synthetic-regression `Learner` (Linear/BatchNorm, two param groups) on CPU, and a
+callback that records what the learner holds at each training event."""
+import random
+from functools import partial
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, MSELossFlat, Callback
+from fastai.layers import BatchNorm
+import fastai.callback.schedule  # Learner.fit_one_cycle
+
+import fp16cb  # patches Learner.to_fp16 & co.
+import fp16cb.dtypes as _dtypes
+
+# The tests use batches of 16x8: with several threads each tiny op pays OpenMP fork/join (measured: a 6-batch fit
+# takes 0.5 s with 2 threads on a busy 2-core machine, 0.03 s with 1).
+torch.set_num_threads(1)
+
+def seed_all(seed=42):
+    random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
+
+def synth_data(n=64, n_in=4, seed=0):
+    "`y = x @ w + b + noise` with a fixed generator: the same data for every run."
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=g)
+    w = torch.randn(n_in, 1, generator=g)
+    y = x @ w + 0.5 + 0.1*torch.randn(n, 1, generator=g)
+    return [(x[i], y[i]) for i in range(n)]
+
+def tiny_model(n_in=4, n_hidden=8):
+    "Linear -> fastai BatchNorm (ndim=1) -> ReLU -> Linear: the body (0, 1) and the head (3) are two param groups."
+    return nn.Sequential(nn.Linear(n_in, n_hidden), BatchNorm(n_hidden, ndim=1), nn.ReLU(), nn.Linear(n_hidden, 1))
+
+def two_groups(m):
+    "Splitter: the body (Linear + BatchNorm) and the head."
+    return [list(m[0].parameters()) + list(m[1].parameters()), list(m[3].parameters())]
+
+def make_learner(model=None, opt_func=None, lr=1e-2, n_train=64, n_valid=32, bs=16, seed=42, splitter=two_groups,
+                 cbs=None, **kwargs):
+    """A CPU `Learner` on fixed synthetic data: unshuffled train batches and the model initialised from `seed`, so
+    that two learners made with the same arguments train identically (in the same precision)."""
+    seed_all(seed)
+    model = tiny_model() if model is None else model
+    train, valid = synth_data(n_train, seed=1), synth_data(n_valid, seed=2)
+    dls = DataLoaders(DataLoader(train, bs=bs, shuffle=False, drop_last=False, num_workers=0),
+                      DataLoader(valid, bs=bs, num_workers=0),
+                      device=torch.device('cpu'))
+    opt_func = partial(SGD, mom=0.) if opt_func is None else opt_func
+    learn = Learner(dls, model, loss_func=MSELossFlat(), opt_func=opt_func, lr=lr, splitter=splitter, cbs=cbs, **kwargs)
+    return learn
+
+def quiet_fit(learn, n_epoch=1, lr=None, cbs=None, one_cycle=False, **kwargs):
+    "Fit without progress bar or logging (fastai's `fit`, or `fit_one_cycle` when asked)."
+    with learn.no_bar(), learn.no_logging():
+        if one_cycle: learn.fit_one_cycle(n_epoch, lr, cbs=cbs, **kwargs)
+        else: learn.fit(n_epoch, lr, cbs=cbs, **kwargs)
+    return learn
+
+def clones(ts): return [t.detach().clone() for t in ts]
+
+def flat_pgs(pgs): return [t for pg in pgs for t in pg]
+
+_INNER = ('before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step',
+          'after_cancel_step', 'after_batch')
+
+class Record(Callback):
+    "Call `fn(learn)` at the events named in `events` (after our precision callbacks: order 20); keep what it returns."
+    order = 20
+    def __init__(self, train_only=True, **events):
+        self.train_only, self.events, self.log = train_only, events, {k: [] for k in events}
+        for name in events: setattr(self, name, partial(self._run, name))
+    def _run(self, name):
+        if self.train_only and not self.training and name in _INNER: return
+        self.log[name].append(self.events[name](self.learn))
+
+@pytest.fixture
+def learner(): return make_learner
+
+@pytest.fixture
+def reset_warned():
+    "Forget which slow-fp16 warnings were already given in this process (`fp16cb.dtypes._warned`)."
+    saved = set(_dtypes._warned); _dtypes._warned.clear()
+    yield _dtypes._warned
+    _dtypes._warned.clear(); _dtypes._warned.update(saved)
+
+@pytest.fixture(autouse=True)
+def _no_slow_fp16_warning_noise():
+    "Tests that do not check the warning do not care about it either."
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='fp16 training on the CPU', category=RuntimeWarning)
+        yield

@@ -1,0 +1,231 @@
+"""ModelToHalf + MixedPrecision during a fit: dtypes at each event, the recorded (unscaled) loss, what
+`learn.mixed_precision` exposes, bf16, the slow-fp16-on-CPU warning, comparison with FP32 training, bad arguments."""
+import warnings
+import pytest
+import torch
+from torch import nn
+from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat
+from fastai.layers import BatchNorm
+from fp16cb import ModelToHalf, MixedPrecision
+from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all
+
+NO_OVERFLOW = dict(max_loss_scale=2.**8)
+HALF = [torch.float16, torch.bfloat16]
+
+def _to(learn, dtype, **kw):
+    return learn.to_fp16(**NO_OVERFLOW, **kw) if dtype == torch.float16 else learn.to_bf16(**kw)
+
+def _dtypes(m): return {n: p.dtype for n, p in m.named_parameters()}
+
+def _expect(dtype): return {'0.weight': dtype, '0.bias': dtype, '1.weight': torch.float32, '1.bias': torch.float32,
+                            '3.weight': dtype, '3.bias': dtype}
+
+def _event_recorder(train_only=True):
+    return Record(train_only=train_only,
+        before_fit=lambda l: _dtypes(l.model),
+        before_batch=lambda l: ([x.dtype for x in l.xb], [y.dtype for y in l.yb], _dtypes(l.model),
+                                l.model[1].running_mean.dtype),
+        after_pred=lambda l: l.pred.dtype,
+        after_loss=lambda l: (l.loss.dtype, l.loss_grad.dtype, l.loss.item(), l.loss_func(l.pred, *l.yb).item()),
+        before_backward=lambda l: (l.loss_grad.item(), l.loss.item(), l.mixed_precision.loss_scale),
+        after_backward=lambda l: {n: p.grad.dtype for n, p in l.model.named_parameters() if p.grad is not None},
+        before_step=lambda l: ([m.dtype for m in flat_pgs(l.mixed_precision.master_pgs)],
+                               [m.grad.dtype for m in flat_pgs(l.mixed_precision.master_pgs)]),
+        after_fit=lambda l: _dtypes(l.model))
+
+@pytest.mark.parametrize('dtype', HALF)
+def test_dtypes_at_each_event(dtype):
+    learn = _to(make_learner(), dtype)
+    rec, val = _event_recorder(), _event_recorder(train_only=False)
+    quiet_fit(learn, 1, lr=1e-2, cbs=[rec])
+    log = rec.log
+    assert log['before_fit'] == [_expect(dtype)]  # 16-bit model, BatchNorm FP32
+    assert len(log['before_batch']) == 4
+    for xs, ys, model, bn_stat in log['before_batch']:
+        assert xs == [dtype] and ys == [torch.float32]  # float inputs cast; targets untouched
+        assert model == _expect(dtype) and bn_stat == torch.float32
+    assert log['after_pred'] == [torch.float32]*4  # predictions back to FP32 -> loss in FP32
+    for loss_dt, lg_dt, loss, recomputed in log['after_loss']:
+        assert loss_dt == lg_dt == torch.float32 and loss == recomputed
+    for lg, loss, scale in log['before_backward']:
+        assert lg == loss * scale  # what is backpropagated is scaled (exactly: a power of 2 in FP32)
+        assert scale == (2.**8 if dtype == torch.float16 else 1.)
+    for grads in log['after_backward']:
+        assert grads == _expect(dtype)  # model grads in the model's dtypes
+    for masters, grads in log['before_step']:
+        assert set(masters) == {torch.float32} == set(grads) and len(masters) == 6
+    assert log['after_fit'] == [{n: torch.float32 for n in _expect(dtype)}]
+    # the validation batches too: inputs cast, predictions FP32
+    learn2 = _to(make_learner(), dtype)
+    quiet_fit(learn2, 1, lr=1e-2, cbs=[val])
+    assert len(val.log['before_batch']) == 4 + 2 and all(xs == [dtype] for xs, *_ in val.log['before_batch'])
+    assert val.log['after_pred'] == [torch.float32]*6
+
+class EmbedLinear(nn.Module):
+    "Float features + integer category: the integer input must reach the embedding untouched."
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.bn, self.head = nn.Embedding(5, 3), nn.Linear(4, 3), BatchNorm(3, ndim=1), nn.Linear(3, 1)
+    def forward(self, x, cat):
+        assert cat.dtype == torch.long
+        return self.head(self.bn(self.lin(x) + self.emb(cat)))
+
+def test_integer_inputs_untouched():
+    seed_all(0)
+    x, cat, y = torch.randn(32, 4), torch.randint(0, 5, (32,)), torch.randn(32, 1)
+    items = [(x[i], cat[i], y[i]) for i in range(32)]
+    dls = DataLoaders(DataLoader(items, bs=8), DataLoader(items[:8], bs=8), device=torch.device('cpu'))
+    learn = Learner(dls, EmbedLinear(), loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2)
+    learn.to_fp16(**NO_OVERFLOW)
+    rec = Record(before_batch=lambda l: [t.dtype for t in l.xb], after_pred=lambda l: l.pred.dtype,
+                 before_fit=lambda l: (l.model.emb.weight.dtype, l.model.bn.weight.dtype))
+    quiet_fit(learn, 1, cbs=rec)
+    assert rec.log['before_batch'] == [[torch.float16, torch.long]]*4
+    assert rec.log['after_pred'] == [torch.float32]*4
+    assert rec.log['before_fit'] == [(torch.float16, torch.float32)]
+    assert learn.model.emb.weight.dtype == torch.float32
+
+def test_recorded_loss_is_unscaled_and_matches_fp32():
+    fp32 = quiet_fit(make_learner(), 2, lr=1e-2)
+    learn = make_learner().to_fp16(dynamic=False, loss_scale=1024.)
+    rec = Record(after_loss=lambda l: l.loss.item(), before_backward=lambda l: l.loss_grad.item())
+    quiet_fit(learn, 2, lr=1e-2, cbs=rec)
+    losses, grads = rec.log['after_loss'], rec.log['before_backward']
+    assert all(g == l * 1024. for l, g in zip(losses, grads))
+    # the recorder's smoothed losses (its train_loss) are made of the recorded `learn.loss`, not of the scaled one
+    val, smooth = 0., []
+    for i, l in enumerate(losses, 1):
+        val = 0.98 * val + 0.02 * l; smooth.append(val / (1 - 0.98**i))  # fastai's AvgSmoothLoss
+    assert [float(o) for o in learn.recorder.losses] == pytest.approx(smooth, rel=1e-5)
+    assert learn.recorder.values[-1][0] == pytest.approx(smooth[-1], rel=1e-5)
+    # and close to FP32 training: the losses are ~1-5 and the fp16 forward has relative error ~1e-3 (11-bit
+    # mantissa, 4-8 term dot products), the weights differ by ~1e-4 after a few steps (see test_master)
+    for a, b in zip(fp32.recorder.values, learn.recorder.values):  # train and valid loss (extra columns ignored)
+        assert [float(o) for o in b[:2]] == pytest.approx([float(o) for o in a[:2]], rel=1e-2)
+    for a, b in zip(fp32.recorder.losses, learn.recorder.losses):  # smoothed per-batch losses
+        assert float(a) == pytest.approx(float(b), rel=1e-2)
+
+@pytest.mark.parametrize('dtype', HALF)
+def test_trains_close_to_fp32(dtype):
+    fp32 = quiet_fit(make_learner(), 2, lr=3e-2)
+    learn = quiet_fit(_to(make_learner(), dtype), 2, lr=3e-2)
+    v32, v16 = fp32.recorder.values, learn.recorder.values
+    assert v16[-1][0] < v16[0][0]  # it trains
+    # 8 SGD steps: the weights move by ~1e-1 in total; fp16 perturbs each step's grads by ~1e-3 relative and
+    # bf16 (8-bit mantissa) by ~4e-3, so weights agree to ~1e-3 (fp16) / ~1e-2 (bf16)
+    tol = 2e-3 if dtype == torch.float16 else 2e-2
+    for p, q in zip(fp32.model.parameters(), learn.model.parameters()):
+        torch.testing.assert_close(q, p, atol=tol, rtol=0)
+    assert v16[-1][1] == pytest.approx(v32[-1][1], rel=5*tol)
+
+def test_mixed_precision_exposed_while_fitting():
+    learn = make_learner().to_fp16(**NO_OVERFLOW)
+    def seen(l):
+        mp = l.mixed_precision
+        return (mp.loss_scale, [[p.dtype for p in pg] for pg in mp.model_pgs], [[m.dtype for m in pg] for pg in mp.master_pgs],
+                [[id(p) for p in pg] for pg in mp.model_pgs] == [[id(p) for p in pg if p.requires_grad] for pg in
+                                                                 [list(l.model[0].parameters()) + list(l.model[1].parameters()),
+                                                                  list(l.model[3].parameters())]])
+    rec = Record(before_step=seen)
+    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
+    scale, model_dt, master_dt, same = rec.log['before_step'][0]
+    assert isinstance(scale, float) and scale == 2.**8
+    assert model_dt == [[torch.float16]*2 + [torch.float32]*2, [torch.float16]*2] and same
+    assert master_dt == [[torch.float32]*4, [torch.float32]*2]
+    assert isinstance(learn.mixed_precision, MixedPrecision)
+    assert learn.mixed_precision.model_pgs is None and learn.mixed_precision.master_pgs is None  # fit is over
+
+def test_bf16_no_loss_scaling_fp32_masters():
+    learn = make_learner().to_bf16()
+    mp = learn.mixed_precision
+    assert mp.loss_scale == 1. and mp.dtype == torch.bfloat16 and learn.model_to_half.dtype == torch.bfloat16
+    rec = Record(before_step=lambda l: ([m.dtype for m in flat_pgs(l.mixed_precision.master_pgs)], l.mixed_precision.loss_scale))
+    quiet_fit(learn, 2, lr=3e-2, cbs=rec)
+    assert all(set(d) == {torch.float32} and s == 1. for d, s in rec.log['before_step'])
+    assert mp.scales == [1.]*8 and not any(mp.skips)
+    v = learn.recorder.values
+    assert v[-1][0] < v[0][0]
+    # bf16 with scaling on, when asked
+    assert make_learner().to_bf16(dynamic=True).mixed_precision.loss_scale == 2.**24
+
+def test_fp16_on_cpu_warns_once(reset_warned):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        learn = make_learner().to_fp16(**NO_OVERFLOW)
+        quiet_fit(learn, 1); quiet_fit(learn, 1)
+        quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
+        ours = [o for o in w if 'fp16' in str(o.message) and o.category is RuntimeWarning]
+        assert len(ours) == 1 and 'to_bf16' in str(ours[0].message)
+        quiet_fit(make_learner().to_bf16(), 1)  # bf16 on CPU: no warning
+        quiet_fit(make_learner(), 1)
+        assert len([o for o in w if o.category is RuntimeWarning]) == 1
+
+def test_bf16_does_not_warn(reset_warned):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        quiet_fit(make_learner().to_bf16(), 1)
+    assert not [o for o in w if o.category is RuntimeWarning]
+
+def test_model_to_half_alone_restores_exactly():
+    "Without MixedPrecision the model still runs 16-bit and comes back FP32 (params it did not train: exactly)."
+    learn = make_learner(cbs=[ModelToHalf(torch.bfloat16)])
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with learn.no_bar(), learn.no_logging(): learn.validate()
+    for p, q in zip(before, learn.model.parameters()):
+        assert q.dtype == torch.float32 and torch.equal(p, q)
+
+def test_interrupted_fit_then_refit():
+    "An exception (not Cancel*) skips after_fit: the next fit must start from an FP32 model and fresh masters."
+    class Boom(Exception): pass
+    def boom(l):
+        if l.iter == 2: raise Boom('boom')
+    learn = make_learner().to_fp16(**NO_OVERFLOW)
+    with pytest.raises(Boom): quiet_fit(learn, 1, lr=1e-2, cbs=Record(before_step=boom))
+    rec = Record(before_fit=lambda l: _dtypes(l.model), after_fit=lambda l: _dtypes(l.model))
+    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
+    assert rec.log['before_fit'] == [_expect(torch.float16)]
+    assert rec.log['after_fit'] == [{n: torch.float32 for n in _expect(torch.float16)}]
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+    ids = {id(p) for p in learn.model.parameters()}
+    assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)
+
+# ---- bad arguments -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kwargs,name', [
+    (dict(loss_scale=0), 'loss_scale'), (dict(loss_scale=-1.), 'loss_scale'), (dict(loss_scale=float('inf')), 'loss_scale'),
+    (dict(loss_scale=0, dynamic=False), 'loss_scale'), (dict(loss_scale='512'), 'loss_scale'),
+    (dict(div_factor=1.), 'div_factor'), (dict(div_factor=0.5), 'div_factor'), (dict(div_factor=-2), 'div_factor'),
+    (dict(scale_wait=0), 'scale_wait'), (dict(scale_wait=-5), 'scale_wait'), (dict(scale_wait=1.5), 'scale_wait'),
+    (dict(clip=0), 'clip'), (dict(clip=-1.), 'clip'), (dict(clip=float('nan')), 'clip'),
+    (dict(max_loss_scale=0), 'max_loss_scale'), (dict(max_loss_scale=-2.), 'max_loss_scale'),
+    (dict(dtype='fp8'), 'dtype'), (dict(dtype=torch.float32), 'dtype'), (dict(dtype=torch.int8), 'dtype'),
+])
+def test_mixed_precision_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name): MixedPrecision(**kwargs)
+
+@pytest.mark.parametrize('dtype', ['fp32', torch.float32, torch.float64, 'int8'])
+def test_model_to_half_bad_dtype(dtype):
+    with pytest.raises(ValueError, match='dtype'): ModelToHalf(dtype)
+
+def test_good_arguments_accepted():
+    mp = MixedPrecision(loss_scale=1, div_factor=1.5, scale_wait=1, clip=1e-3, max_loss_scale=4., dtype='bf16')
+    assert mp.dtype == torch.bfloat16 and mp.clip == 1e-3 and mp.loss_scale == 4.
+    assert MixedPrecision(dynamic=False, loss_scale=3).loss_scale == 3.
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_validate_and_get_preds_leave_model_fp32_untouched(flat):
+    "validate/get_preds run before_fit/after_fit too: the model goes 16-bit and comes back bit-identical."
+    learn = make_learner().to_fp16(flat_master=flat, **NO_OVERFLOW)
+    quiet_fit(learn, 1, lr=1e-2)
+    w = [p.detach().clone() for p in learn.model.parameters()]
+    lin = []
+    learn.model[0].register_forward_hook(lambda m, i, o: lin.append(o.dtype))
+    with learn.no_bar(), learn.no_logging():
+        loss = learn.validate()[0]
+        preds, targs = learn.get_preds()
+    assert set(lin) == {torch.float16}  # they did run in fp16
+    assert preds.dtype == torch.float32 and preds.shape == (32, 1)
+    assert loss == pytest.approx(float(MSELossFlat()(preds, targs)), rel=1e-6)
+    for a, b in zip(w, learn.model.parameters()): assert b.dtype == torch.float32 and torch.equal(a, b)
+    ids = {id(p) for p in learn.model.parameters()}
+    assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)

@@ -1,0 +1,171 @@
+"Checkpoints: learn.save / learn.load during and after mixed-precision fits, resume, export / load_learner."
+import warnings, tempfile
+from pathlib import Path
+import pytest, torch
+from torch import nn
+from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, MSELossFlat, set_seed, Callback, load_learner
+from fastai.callback.tracker import SaveModelCallback
+from fastai.optimizer import OptimWrapper
+from fp16cb import MixedPrecision, LogNormalScaler, BackoffScaler
+
+warnings.filterwarnings('ignore', message='fp16 training on the CPU')
+
+def make_dls(n=64, bs=16):
+    set_seed(0)
+    x = torch.randn(n + 16, 6); y = x[:, :2].sum(1, keepdim=True) + .1 * x[:, 2:3] ** 2
+    dsets = [Datasets(list(zip(x[a:b], y[a:b])), tfms=[[ItemGetter(0)], [ItemGetter(1)]]) for a, b in ((0, n), (n, n + 16))]
+    return DataLoaders.from_dsets(*dsets, bs=bs, shuffle=False)
+
+def make_learner(seed=0, path=None, **kw):
+    "Always the same data; `seed` picks the model's initial weights."
+    dls = make_dls(**kw)
+    set_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(.1), nn.Linear(12, 1))
+    return Learner(dls, model, loss_func=MSELossFlat(), path=path or tempfile.mkdtemp())
+
+def fit(learn, n, lr=1e-2, cbs=None):
+    with learn.no_bar(), learn.no_logging(): learn.fit(n, lr, cbs=cbs)
+
+def flat_state(sd): return {k: v.clone() for k, v in sd.items()}
+
+class SaveAt(Callback):
+    "Saves (or loads) the learner at the end of epoch `epoch`, and remembers the FP32 masters it should have written."
+    order = 70
+    def __init__(self, epoch, fname='mid', load=None): self.epoch, self.fname, self.load = epoch, fname, load
+    def after_epoch(self):
+        if self.epoch_idx() != self.epoch: return
+        if self.load: self.learn.load(self.load); return
+        mp = self.learn.mixed_precision
+        self.expected = {n: mp.master.fp32_views()[p].clone() for n, p in self.learn.model.named_parameters()
+                         if p in mp.master.fp32_views()}
+        self.dtypes = {n: p.dtype for n, p in self.learn.model.named_parameters()}
+        self.learn.save(self.fname)
+    def epoch_idx(self): return self.learn.epoch
+
+def torch_adamw(params, **kw): return OptimWrapper(params, opt=torch.optim.AdamW, **kw)
+
+@pytest.mark.parametrize('flat,opt_func', [(False, None), (True, None), (False, torch_adamw), (True, torch_adamw)])
+def test_save_mid_fit_writes_fp32_masters_and_loads_into_plain_fp32(flat, opt_func):
+    learn = make_learner()
+    if opt_func: learn.opt_func = opt_func  # a torch optimizer keeps its state in `opt.opt.state`
+    learn.to_fp16(flat_master=flat, max_loss_scale=2.**10)
+    cb = SaveAt(0)
+    fit(learn, 1, cbs=cb)
+    assert not all(learn.mixed_precision.skips)
+    assert cb.dtypes['0.weight'] == torch.float16  # it was saved mid-fit, from a 16-bit model
+    sd = torch.load(learn.path/'models/mid.pth', weights_only=False)
+    assert all(v.dtype == torch.float32 for k, v in sd['model'].items() if v.is_floating_point())
+    for k, v in cb.expected.items(): assert torch.equal(sd['model'][k], v), k  # the exact masters, not fp16-rounded
+    for k, v in learn.model.state_dict().items(): assert torch.equal(sd['model'][k], v), k  # = the FP32 model after the fit
+    plain = make_learner(seed=1, path=learn.path)
+    if opt_func: plain.opt_func = opt_func
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        plain.load('mid', with_opt=True)
+    assert not [w for w in ws if 'optimizer' in str(w.message)]  # "Could not load the optimizer state"
+    for (k, v), w in zip(learn.model.state_dict().items(), plain.model.state_dict().values()): assert torch.equal(v, w), k
+    # optimizer state keyed as for the model's own params: equal to the fp16 learner's after its fit
+    ost = lambda l: l.opt.opt.state if opt_func else l.opt.state
+    for p, q in zip(learn.model.parameters(), plain.model.parameters()):
+        s, t = ost(learn)[p], ost(plain)[q]
+        assert s
+        assert s.keys() == t.keys() and all(torch.equal(s[k], t[k]) if torch.is_tensor(s[k]) else s[k] == t[k] for k in s)
+
+def test_load_into_fp16_learner_restores_scaler_state():
+    learn = make_learner().to_fp16(scaler='lognormal')
+    fit(learn, 2)
+    sc = learn.mixed_precision.scaler
+    sc.scale = 2.**5  # something a fresh scaler would not have
+    learn.save('ck')
+    new = make_learner(seed=3, path=learn.path).to_fp16(scaler='lognormal')
+    new.load('ck')
+    assert new.mixed_precision.scaler.state_dict() == sc.state_dict() and new.mixed_precision.loss_scale == 32.
+    fit(new, 1)  # and trains on from there
+    assert new.mixed_precision.scaler.n_steps == sc.n_steps + 4
+    # with_opt=False: weights only, the scaler is left alone
+    other = make_learner(seed=3, path=learn.path).to_fp16(scaler='lognormal')
+    other.load('ck', with_opt=False)
+    assert other.mixed_precision.loss_scale == 2.**16
+    # a checkpoint of another strategy warns instead of failing
+    bo = make_learner(seed=3, path=learn.path).to_fp16(scaler='backoff')
+    with pytest.warns(UserWarning, match='Could not restore the state of MixedPrecision'): bo.load('ck')
+
+def test_native_gradscaler_state_saved_and_loaded():
+    learn = make_learner().to_native_fp16(init_scale=2.**10)
+    fit(learn, 1)
+    learn.native_mixed_precision.scaler.update(2.**7)  # set the scale
+    learn.save('native')
+    new = make_learner(seed=2, path=learn.path).to_native_fp16()
+    new.load('native')
+    assert new.native_mixed_precision.loss_scale == 2.**7
+    fit(new, 1)
+    assert new.native_mixed_precision.loss_scale in (2.**7, 2.**6)  # kept by before_fit, not recreated at 2**16
+
+def test_load_during_fit_updates_the_masters():
+    learn = make_learner().to_fp16(max_loss_scale=2.**10)
+    fit(learn, 1)
+    learn.save('start')
+    ref = flat_state(learn.model.state_dict())
+    fit(learn, 2, cbs=SaveAt(1, load='start'))  # loads at the end of the last epoch: nothing trains after it
+    for k, v in learn.model.state_dict().items(): assert torch.equal(v, ref[k]), k  # restored from the masters
+    fit(learn, 1)  # and the learner trains on normally
+    assert learn.model[0].weight.dtype == torch.float32 and not torch.equal(learn.model[0].weight, ref['0.weight'])
+
+def test_save_model_callback_best_model():
+    learn = make_learner().to_fp16(scaler='lognormal')
+    fit(learn, 3, lr=3e-2, cbs=SaveModelCallback(with_opt=True, fname='best'))
+    best = torch.load(learn.path/'models/best.pth', weights_only=False)
+    for k, v in learn.model.state_dict().items(): assert torch.equal(v, best['model'][k]), k  # loaded in after_fit
+    assert best['opt']['fp16cb']['MixedPrecision']['scaler']['type'] == 'LogNormalScaler'
+    assert learn.model[0].weight.dtype == torch.float32
+
+class Record(Callback):
+    "Seeds every epoch (dropout) by its global index, and records each batch's loss."
+    order = 0
+    def __init__(self, offset=0): self.offset, self.losses = offset, []
+    def before_epoch(self): torch.manual_seed(100 + self.epoch + self.offset)
+    def after_loss(self): self.losses.append(self.learn.loss.item())
+
+@pytest.mark.parametrize('flat,scaler', [(False, 'backoff'), (True, 'lognormal')])
+def test_resume_is_bit_exact(flat, scaler):
+    kw = dict(flat_master=flat, scaler=scaler, scale_wait=2, max_loss_scale=2.**14)
+    a = make_learner(n=48); a.to_fp16(**kw)
+    ra = Record(); fit(a, 3, cbs=[ra, SaveAt(0)])
+    c = make_learner(n=48); c.to_fp16(**kw)
+    rc = Record(); fit(c, 3, cbs=rc)
+    assert ra.losses == rc.losses  # saving mid-fit does not disturb the fit
+    b = make_learner(seed=5, path=a.path, n=48); b.to_fp16(**kw)
+    b.load('mid')
+    rb = Record(offset=1); fit(b, 2, cbs=rb)
+    n = len(rb.losses)
+    assert rb.losses == ra.losses[-n:]  # bit-exact: same masters, optimizer state, scaler state, dropout seeds
+    for k, v in a.model.state_dict().items(): assert torch.equal(v, b.model.state_dict()[k]), k
+    assert b.mixed_precision.scaler.state_dict() == a.mixed_precision.scaler.state_dict()
+
+def test_export_and_load_learner():
+    learn = make_learner().to_fp16(scaler='lognormal')
+    fit(learn, 1)
+    learn.export('exp.pkl')
+    new = load_learner(learn.path/'exp.pkl')  # cpu=True: fastai calls `to_fp32()` on a learner with `mixed_precision`
+    assert new.model[0].weight.dtype == torch.float32 and not new.precision_callbacks()
+    x = torch.randn(5, 6)
+    new.model.eval(); learn.model.eval()
+    assert torch.equal(new.model(x), learn.model(x))
+    preds, _ = new.get_preds(dl=learn.dls.test_dl([(t, torch.zeros(1)) for t in x]))
+    assert preds.dtype == torch.float32 and torch.allclose(preds, learn.model(x), atol=1e-6)
+    kept = load_learner(learn.path/'exp.pkl', cpu=False)  # the callbacks were pickled with their scaler state
+    assert kept.model[0].weight.dtype == torch.float32
+    assert kept.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()
+    kept.dls = learn.dls
+    fit(kept, 1)  # and it trains on in mixed precision
+    assert kept.mixed_precision.scaler.n_steps == 8 and len(kept.mixed_precision.scales) == 8
+
+def test_lr_find_restores_model_and_scaler():
+    "lr_find saves in its before_fit (mid-fit for us) and loads in after_fit: weights and the scaler come back."
+    from fastai.callback.schedule import lr_find  # noqa: F401 (patches Learner.lr_find)
+    learn = make_learner(n=128).to_fp16(scaler='lognormal', flat_master=True)
+    fit(learn, 1)
+    before, sc = flat_state(learn.model.state_dict()), learn.mixed_precision.scaler.state_dict()
+    with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=10, show_plot=False)
+    for k, v in learn.model.state_dict().items(): assert torch.equal(v, before[k]), k
+    assert learn.mixed_precision.scaler.state_dict() == sc and len(learn.metrics) == 0

@@ -1,0 +1,110 @@
+"""Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32: which callbacks, toggling, bad arguments."""
+import pytest
+import torch
+from fastai.learner import Learner
+import fastai.callback.fp16 as fastai_fp16
+from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision
+from conftest import make_learner, quiet_fit, Record
+
+def _kinds(learn): return sorted(type(cb).__name__ for cb in learn.precision_callbacks())
+
+def test_patches_are_ours():
+    for name in ('to_fp16', 'to_bf16', 'to_fp32', 'to_native_fp16', 'to_native_fp32'):
+        assert getattr(Learner, name).__module__ == 'fp16cb.learner', name
+
+def test_to_fp16_adds_one_of_each_and_returns_learner():
+    learn = make_learner()
+    assert learn.to_fp16() is learn
+    assert _kinds(learn) == ['MixedPrecision', 'ModelToHalf']
+    learn.to_fp16(loss_scale=64., dynamic=False)  # twice: replaced, not added
+    assert _kinds(learn) == ['MixedPrecision', 'ModelToHalf']
+    assert len([cb for cb in learn.cbs if isinstance(cb, (ModelToHalf, MixedPrecision))]) == 2
+    assert learn.mixed_precision.loss_scale == 64.  # the second call's settings
+    assert learn.model_to_half.dtype == learn.mixed_precision.dtype == torch.float16
+
+def test_to_bf16_defaults_and_overrides():
+    learn = make_learner().to_bf16()
+    assert learn.model_to_half.dtype == learn.mixed_precision.dtype == torch.bfloat16
+    assert learn.mixed_precision.loss_scale == 1.
+    learn.to_bf16(loss_scale=8.)
+    assert learn.mixed_precision.loss_scale == 8. and _kinds(learn) == ['MixedPrecision', 'ModelToHalf']
+    learn.to_fp16()  # back to fp16 replaces the bf16 ones
+    assert learn.model_to_half.dtype == torch.float16 and learn.mixed_precision.loss_scale == 2.**24
+
+def test_to_fp32_toggle():
+    learn = make_learner().to_fp16(max_loss_scale=2.**8)
+    dt = Record(before_batch=lambda l: (l.xb[0].dtype, l.model[0].weight.dtype))
+    quiet_fit(learn, 1, lr=1e-2, cbs=dt)
+    assert dt.log['before_batch'] == [(torch.float16, torch.float16)]*4
+    w = [p.detach().clone() for p in learn.model.parameters()]
+    assert learn.to_fp32() is learn and learn.precision_callbacks() == []
+    assert all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))  # to_fp32 leaves the weights alone
+    dt = Record(before_batch=lambda l: (l.xb[0].dtype, l.model[0].weight.dtype))
+    quiet_fit(learn, 1, lr=1e-2, cbs=dt)
+    assert dt.log['before_batch'] == [(torch.float32, torch.float32)]*4
+    learn.to_fp16(max_loss_scale=2.**8)
+    dt = Record(before_batch=lambda l: (l.xb[0].dtype, l.model[0].weight.dtype))
+    quiet_fit(learn, 1, lr=1e-2, cbs=dt)
+    assert dt.log['before_batch'] == [(torch.float16, torch.float16)]*4
+    assert learn.model[0].weight.dtype == torch.float32
+    learn.to_fp32(); learn.to_fp32()  # idempotent
+    assert learn.precision_callbacks() == []
+
+def test_switch_between_ours_and_native():
+    learn = make_learner().to_fp16()
+    learn.to_native_fp16()
+    assert _kinds(learn) == ['NativeMixedPrecision']
+    learn.to_bf16()
+    assert _kinds(learn) == ['MixedPrecision', 'ModelToHalf']
+    assert learn.to_native_fp32() is learn and learn.precision_callbacks() == []
+
+def test_replaces_fastais_own_callbacks():
+    learn = make_learner(cbs=[fastai_fp16.MixedPrecision()])
+    assert len(learn.precision_callbacks()) == 1
+    learn.to_fp16()
+    assert _kinds(learn) == ['MixedPrecision', 'ModelToHalf']
+    assert not any(isinstance(cb, fastai_fp16.MixedPrecision) for cb in learn.cbs)
+
+@pytest.mark.parametrize('call,kwargs,name', [
+    ('to_fp16', dict(loss_scale=0), 'loss_scale'), ('to_fp16', dict(div_factor=1), 'div_factor'),
+    ('to_fp16', dict(scale_wait=0), 'scale_wait'), ('to_fp16', dict(clip=-1), 'clip'),
+    ('to_fp16', dict(dtype='fp8'), 'dtype'), ('to_bf16', dict(loss_scale=-1), 'loss_scale'),
+    ('to_native_fp16', dict(backoff_factor=2.), 'backoff_factor'), ('to_native_fp16', dict(dtype='int8'), 'dtype'),
+])
+@pytest.mark.parametrize('before', ['to_bf16', 'to_native_fp16', 'to_fp32'])
+def test_bad_arguments_keep_existing_callbacks(call, kwargs, name, before):
+    learn = getattr(make_learner(), before)()
+    cbs = list(learn.precision_callbacks())
+    with pytest.raises(ValueError, match=name): getattr(learn, call)(**kwargs)
+    after = learn.precision_callbacks()
+    assert len(after) == len(cbs) and all(a is b for a, b in zip(after, cbs))
+
+def test_unknown_keyword_rejected():
+    learn = make_learner().to_bf16()
+    with pytest.raises(TypeError): learn.to_fp16(loss_scael=3)
+    assert _kinds(learn) == ['MixedPrecision', 'ModelToHalf'] and learn.mixed_precision.dtype == torch.bfloat16
+
+def test_to_fp32_after_interrupted_fit_restores_fp32():
+    "to_fp32 after a fit broken by an exception (fastai skips after_fit) gives back the FP32 masters and the optimizer."
+    learn = make_learner().to_fp16(max_loss_scale=2.**8)
+    def boom(l):
+        if l.iter == 1: raise KeyboardInterrupt('stop')
+    masters = Record(after_step=lambda l: {id(p): t.clone() for p, t in l.mixed_precision.master.fp32_views().items()})
+    with pytest.raises(KeyboardInterrupt): quiet_fit(learn, 1, lr=1e-2, cbs=[masters, Record(after_step=boom)])
+    # (fastai skips after_fit here: the model may still be 16-bit, unless fp16cb restored it on the way out)
+    learn.to_fp32()
+    last = masters.log['after_step'][-1]
+    for p in learn.model.parameters():  # the trained masters, exactly
+        assert p.dtype == torch.float32 and torch.equal(p.data, last[id(p)])
+    ids = {id(p) for p in learn.model.parameters()}
+    assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)
+    quiet_fit(learn, 1, lr=1e-2)  # and it trains in FP32
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in learn.model.parameters())
+
+def test_signatures_show_the_callback_arguments():
+    import inspect
+    for name, args in [('to_fp16', ['loss_scale', 'flat_master', 'dynamic', 'max_loss_scale', 'div_factor', 'scale_wait', 'clip']),
+                       ('to_bf16', ['loss_scale', 'clip']),
+                       ('to_native_fp16', ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled'])]:
+        params = inspect.signature(getattr(Learner, name)).parameters
+        assert all(a in params for a in args), (name, list(params))

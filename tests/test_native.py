@@ -1,0 +1,102 @@
+"""NativeMixedPrecision on CPU: autocast + GradScaler, fp16 and bf16, predictions FP32, skip and backoff on overflow."""
+import pytest
+import torch
+from torch import nn
+from fastai.basics import Callback
+from fp16cb import NativeMixedPrecision
+from conftest import make_learner, quiet_fit, Record
+
+HALF = [torch.float16, torch.bfloat16]
+
+class Inject(Callback):
+    "Put an inf into a model grad at the optimizer steps in `steps`."
+    order = 5
+    def __init__(self, steps): self.steps, self.n = set(steps), 0
+    def after_backward(self):
+        if self.n in self.steps: self.learn.model[3].weight.grad[0, 0] = float('inf')
+        self.n += 1
+
+def _hooked(learn):
+    "Record the dtype of what the first Linear computes (autocast makes it 16-bit) in `learn.lin_out`."
+    out = []
+    learn.model[0].register_forward_hook(lambda m, i, o: out.append(o.dtype))
+    return out
+
+@pytest.mark.parametrize('dtype', HALF)
+def test_native_on_cpu(dtype):
+    learn = make_learner().to_native_fp16(dtype=dtype, init_scale=2.**8)
+    lin = _hooked(learn)
+    rec = Record(after_pred=lambda l: l.pred.dtype,
+                 after_loss=lambda l: (l.loss.dtype, torch.is_autocast_enabled('cpu')),
+                 before_backward=lambda l: (l.loss_grad.item(), l.loss.item(), l.native_mixed_precision.loss_scale),
+                 before_batch=lambda l: [p.dtype for p in l.model.parameters()])
+    quiet_fit(learn, 2, lr=1e-2, cbs=rec)
+    assert set(lin) == {dtype}  # autocast on the model's device (CPU) in the asked dtype
+    assert rec.log['after_pred'] == [torch.float32]*8  # predictions cast to FP32
+    assert all(dt == torch.float32 and not on for dt, on in rec.log['after_loss'])  # autocast left before backward
+    assert all(set(p) == {torch.float32} for p in rec.log['before_batch'])  # the model itself stays FP32
+    scale = 2.**8 if dtype == torch.float16 else 1.  # GradScaler only for fp16
+    for lg, loss, s in rec.log['before_backward']:
+        assert s == scale and lg == loss * scale
+    v = learn.recorder.values
+    assert v[-1][0] < v[0][0]
+    assert not torch.is_autocast_enabled('cpu')  # nothing leaks out of the fit
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+@pytest.mark.parametrize('dtype', HALF)
+def test_native_close_to_fp32(dtype):
+    fp32 = quiet_fit(make_learner(), 2, lr=1e-2)
+    learn = quiet_fit(make_learner().to_native_fp16(dtype=dtype, init_scale=2.**8), 2, lr=1e-2)
+    # weights stay FP32 and are stepped in FP32; only the forward/backward matmuls are 16-bit: grads carry
+    # ~1e-3 (fp16, 11-bit mantissa) / ~4e-3 (bf16, 8 bits) relative error, 8 steps of lr 1e-2 with |grad| <~ 5
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for p, q in zip(fp32.model.parameters(), learn.model.parameters()):
+        torch.testing.assert_close(q, p, atol=tol, rtol=0)
+
+def test_native_overflow_skips_and_backs_off():
+    learn = make_learner().to_native_fp16(init_scale=2.**8, backoff_factor=.25, growth_interval=100)
+    rec = Record(after_backward=lambda l: [p.detach().clone() for p in l.model.parameters()],
+                 after_step=lambda l: ([p.detach().clone() for p in l.model.parameters()], l.native_mixed_precision.loss_scale))
+    quiet_fit(learn, 1, lr=1e-2, cbs=[Inject([1]), rec])
+    scales = [s for _, s in rec.log['after_step']]
+    assert scales == [2.**8, 2.**6, 2.**6, 2.**6]  # multiplied by backoff_factor on the overflow
+    before, (after, _) = rec.log['after_backward'][1], rec.log['after_step'][1]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the step was skipped
+    before, (after, _) = rec.log['after_backward'][2], rec.log['after_step'][2]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the next one was not
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+def test_native_growth():
+    learn = make_learner().to_native_fp16(init_scale=2.**4, growth_factor=4., growth_interval=2)
+    rec = Record(after_step=lambda l: l.native_mixed_precision.loss_scale)
+    quiet_fit(learn, 1, lr=1e-3, cbs=rec)
+    assert rec.log['after_step'] == [2.**4, 2.**6, 2.**6, 2.**8]
+    # the scale is learned state: a second fit goes on from it
+    quiet_fit(learn, 1, lr=1e-3, cbs=rec)
+    assert rec.log['after_step'][4] == 2.**8
+
+def test_native_disabled_is_fp32():
+    learn = make_learner().to_native_fp16(enabled=False)
+    lin = _hooked(learn)
+    rec = Record(before_backward=lambda l: (l.loss_grad.item(), l.loss.item()))
+    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
+    assert set(lin) == {torch.float32} and all(a == b for a, b in rec.log['before_backward'])
+    assert learn.native_mixed_precision.loss_scale == 1.
+
+def test_native_bf16_shortcut_and_to_fp32():
+    learn = make_learner().to_native_bf16()
+    cbs = learn.precision_callbacks()
+    assert len(cbs) == 1 and isinstance(cbs[0], NativeMixedPrecision) and cbs[0].dtype == torch.bfloat16
+    assert learn.to_native_fp32() is learn and learn.precision_callbacks() == []
+
+@pytest.mark.parametrize('kwargs,name', [
+    (dict(init_scale=0), 'init_scale'), (dict(init_scale=-1.), 'init_scale'),
+    (dict(growth_factor=1.), 'growth_factor'), (dict(growth_factor=.5), 'growth_factor'),
+    (dict(backoff_factor=1.), 'backoff_factor'), (dict(backoff_factor=0), 'backoff_factor'),
+    (dict(backoff_factor=2.), 'backoff_factor'), (dict(backoff_factor=-.5), 'backoff_factor'),
+    (dict(backoff_factor='half'), 'backoff_factor'),
+    (dict(growth_interval=0), 'growth_interval'), (dict(growth_interval=2.5), 'growth_interval'),
+    (dict(dtype='fp8'), 'dtype'), (dict(dtype=torch.float32), 'dtype'),
+])
+def test_native_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name): NativeMixedPrecision(**kwargs)

@@ -1,0 +1,261 @@
+"""Overflow: test_overflow / grad_overflow / OverflowCheck, the skipped step, dynamic scale backoff/growth/cap,
+static scaling, and clipping of the unscaled FP32 master grads."""
+import pytest
+import torch
+from torch import nn
+import fp16cb.overflow as ov  # `ov.test_overflow`: never bind a `test_*` name that pytest would collect
+from fp16cb import grad_overflow
+from fp16cb.overflow import OverflowCheck
+from fastai.basics import Callback
+from conftest import make_learner, quiet_fit, Record, clones, flat_pgs
+
+INF, NAN = float('inf'), float('nan')
+
+# ---- the checks ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize('bad', [INF, -INF, NAN])
+def test_test_overflow(dtype, bad):
+    x = torch.randn(3, 4).to(dtype)
+    assert ov.test_overflow(x) is False
+    x[1, 2] = bad
+    assert ov.test_overflow(x) is True
+
+def test_test_overflow_large_finite():
+    assert not ov.test_overflow(torch.full((2,), 65504., dtype=torch.float16))  # fp16 max is finite
+    assert ov.test_overflow(torch.full((2,), 65504., dtype=torch.float16) * 2)  # ... and overflows when doubled
+
+def _pgs(*grads):
+    pgs = []
+    for gs in grads:
+        pg = []
+        for g in gs:
+            p = nn.Parameter(torch.zeros_like(g))
+            p.grad = g
+            pg.append(p)
+        pgs.append(pg)
+    return pgs
+
+def test_grad_overflow():
+    assert grad_overflow(_pgs([torch.randn(3)], [torch.randn(2, 2).half()])) is False
+    for bad in (INF, -INF, NAN):
+        g = torch.randn(2, 2).half(); g[1, 0] = bad
+        assert grad_overflow(_pgs([torch.randn(3)], [torch.randn(4), g])) is True  # any param of any group
+    assert grad_overflow([[nn.Parameter(torch.zeros(2))]]) is False  # no gradient at all
+    assert grad_overflow([]) is False
+
+def test_overflow_check_unscales_and_finds():
+    check = OverflowCheck()
+    gs = [torch.ones(3) * 8, torch.full((2, 2), 4.)]
+    found = check(gs, 1/4)
+    assert found.tolist() == [0.]
+    assert torch.equal(gs[0], torch.full((3,), 2.)) and torch.equal(gs[1], torch.ones(2, 2))
+    gs = [torch.ones(3), torch.tensor([1., INF])]
+    assert check(gs, 1.)[0] > 0
+    res = check([torch.tensor([2., -6.]), torch.tensor([4.])], .5, with_max=True)
+    assert res.tolist() == [0., 3.]  # found, max |unscaled grad|
+    assert check([torch.tensor([NAN])], 1., with_max=True)[0] > 0
+
+# ---- the skipped step during a fit ----------------------------------------------------------------------------
+
+class Inject(Callback):
+    "At the optimizer steps numbered in `steps`, put `value` into the first model grad (or into the loss, `where='loss'`)."
+    order = 5  # after ModelToHalf, before MixedPrecision (10) and the recorders (20)
+    def __init__(self, steps, value=INF, where='grad'): self.steps, self.value, self.where, self.n = set(steps), value, where, 0
+    def after_loss(self):
+        if self.training and self.where == 'loss' and self.n in self.steps:
+            self.learn.loss_grad = self.learn.loss_grad * self.value
+    def after_backward(self):
+        if self.where == 'grad' and self.n in self.steps:
+            self.learn.model[3].weight.grad[0, 0] = self.value
+        self.n += 1
+
+def _overflow_recorder():
+    mp = lambda l: l.mixed_precision
+    return Record(after_backward=lambda l: (clones(flat_pgs(mp(l).master_pgs)), clones(flat_pgs(mp(l).model_pgs)),
+                                            mp(l).loss_scale),
+                  after_step=lambda l: (clones(flat_pgs(mp(l).master_pgs)), clones(flat_pgs(mp(l).model_pgs)),
+                                        [None if p.grad is None else p.grad.clone() for p in flat_pgs(mp(l).model_pgs)],
+                                        mp(l).loss_scale, mp(l).skipped))
+
+@pytest.mark.parametrize('where,value', [('grad', INF), ('grad', NAN), ('loss', INF)])
+@pytest.mark.parametrize('flat', [False, True])
+def test_overflow_skips_step(where, value, flat):
+    learn = make_learner()
+    learn.to_fp16(max_loss_scale=2.**8, flat_master=flat)
+    rec = _overflow_recorder()
+    quiet_fit(learn, 1, lr=1e-2, cbs=[Inject([1], value, where), rec])
+    mp_skips = learn.mixed_precision.skips
+    assert mp_skips == [False, True, False, False]
+    (m_before, p_before, s_before), (m_after, p_after, grads, s_after, _) = rec.log['after_backward'][1], rec.log['after_step'][1]
+    assert all(torch.equal(a, b) for a, b in zip(m_before, m_after))  # masters bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(p_before, p_after))  # model untouched
+    assert all(g is None or not g.any() for g in grads)  # model grads cleared (no inf left for the next step)
+    assert s_after == s_before / 2  # divided by div_factor
+    # the clean steps around it did move the masters
+    for i in (0, 2):
+        (mb, _, _), (ma, _, _, _, _) = rec.log['after_backward'][i], rec.log['after_step'][i]
+        assert any(not torch.equal(a, b) for a, b in zip(mb, ma))
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+def test_overflow_with_adam_leaves_state_untouched():
+    from fastai.basics import Adam
+    learn = make_learner(opt_func=Adam)
+    learn.to_fp16(max_loss_scale=2.**8)
+    state = lambda l: [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in l.opt.state[m].items()}
+                       for m in flat_pgs(l.mixed_precision.master_pgs)]
+    rec = Record(after_backward=state, after_step=state)
+    quiet_fit(learn, 1, lr=1e-2, cbs=[Inject([2]), rec])
+    for a, b in zip(rec.log['after_backward'][2], rec.log['after_step'][2]):
+        assert a['step'] == b['step'] == 2
+        assert torch.equal(a['grad_avg'], b['grad_avg']) and torch.equal(a['sqr_avg'], b['sqr_avg'])
+
+def test_natural_overflow_at_default_scale_backs_off():
+    "With the seed's default start (2**24) the first fp16 grads overflow; the scale halves until they fit."
+    learn = make_learner(n_train=256)
+    learn.to_fp16()
+    quiet_fit(learn, 1, lr=1e-2)
+    mp = learn.mixed_precision
+    assert mp.scales[0] == 2.**24 and mp.skips[0]
+    assert not mp.skips[-1] and mp.scales[-1] < 2.**24
+    for s0, s1, skip in zip(mp.scales, mp.scales[1:], mp.skips):
+        assert s1 == (s0 / 2 if skip else s0)  # halved on each overflow, never grown (scale_wait=500)
+
+# ---- dynamic growth, cap, static --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('factor', [2., 4.])
+def test_growth_after_scale_wait_and_cap(factor):
+    learn = make_learner(n_train=160)  # 10 steps
+    learn.to_fp16(max_loss_scale=2.**8, div_factor=factor, scale_wait=2)
+    quiet_fit(learn, 1, lr=1e-3, cbs=Inject([0, 1]))
+    mp = learn.mixed_precision
+    top = 2.**8
+    assert mp.skips == [True, True] + [False]*8
+    # two overflows: top/f, top/f**2; two clean steps: * f; two more: * f (back to top); then capped at top
+    assert mp.scales == [top, top/factor, top/factor**2, top/factor**2, top/factor, top/factor, top, top, top, top]
+    assert mp.loss_scale == top
+
+def test_cap_never_exceeded_without_overflow():
+    learn = make_learner()
+    learn.to_fp16(max_loss_scale=2.**6, scale_wait=1)
+    quiet_fit(learn, 1, lr=1e-3)
+    mp = learn.mixed_precision
+    assert mp.scales == [2.**6]*4 and mp.loss_scale == 2.**6
+
+@pytest.mark.parametrize('scale', [1., 512., 1000.])
+def test_static_scale_stays(scale):
+    learn = make_learner()
+    learn.to_fp16(dynamic=False, loss_scale=scale, scale_wait=1)
+    rec = Record(before_backward=lambda l: (l.loss_grad.item(), l.loss.item()))
+    quiet_fit(learn, 1, lr=1e-2, cbs=[Inject([1]), rec])
+    mp = learn.mixed_precision
+    assert mp.scales == [scale]*4 and mp.loss_scale == scale
+    assert mp.skips == [False, True, False, False]  # an overflowing step is still skipped
+    for lg, l in rec.log['before_backward']: assert lg == pytest.approx(l * scale, rel=1e-6)
+
+# ---- clipping --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('clip', [1e-3, 0.1, 1e3])
+def test_clip_unscaled_master_grads_per_group(clip):
+    learn = make_learner()
+    learn.to_fp16(dynamic=False, loss_scale=128., clip=clip)
+    mp = lambda l: l.mixed_precision
+    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs],
+                 before_step=lambda l: [[m.grad.clone() for m in mg] for mg in mp(l).master_pgs])
+    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
+    for g16, gm in zip(rec.log['after_backward'], rec.log['before_step']):
+        for pg16, pgm in zip(g16, gm):
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in pgm]))
+            assert norm <= clip * (1 + 1e-5)
+            # the FP32 reference: unscale the 16-bit grads in FP32, clip the group's global norm to `clip`
+            ref = [nn.Parameter(torch.zeros_like(g, dtype=torch.float32)) for g in pg16]
+            for r, g in zip(ref, pg16): r.grad = g.float() / 128.
+            total = nn.utils.clip_grad_norm_(ref, clip)
+            for r, g in zip(ref, pgm): torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=1e-9)
+            if total > clip: assert norm == pytest.approx(clip, rel=1e-4)  # clipping was active here
+    if clip == 1e-3:  # grads of this regression are ~0.1-10: the small clip must have acted on every step
+        assert all(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in pg])) > 1e-3 * 128
+                   for g16 in rec.log['after_backward'] for pg in g16)
+
+# ---- one host synchronisation per step ---------------------------------------------------------------------------
+
+_SYNCS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'numpy')
+
+@pytest.mark.parametrize('kwargs', [dict(), dict(clip=1.), dict(flat_master=True, clip=.1), dict(dynamic=False)])
+def test_one_host_sync_per_step(monkeypatch, kwargs):
+    "MixedPrecision's step work reads one value back from the device per step, whatever the number of params."
+    from fp16cb import MixedPrecision
+    calls, active = [], [False]
+    for name in _SYNCS:
+        orig = getattr(torch.Tensor, name)
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            if active[0]: calls.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for event in ('before_step', 'after_step', 'before_backward'):
+        orig = getattr(MixedPrecision, event)
+        def wrapped(self, _orig=orig):
+            active[0] = True
+            try: return _orig(self)
+            finally: active[0] = False
+        monkeypatch.setattr(MixedPrecision, event, wrapped)
+    learn = make_learner().to_fp16(max_loss_scale=2.**8, **kwargs)
+    quiet_fit(learn, 1, lr=1e-2, cbs=Inject([2]))
+    monkeypatch.undo()
+    assert len(learn.mixed_precision.skips) == 4
+    assert len(calls) == 4, calls  # one per step (the skipped one included), for 6 params in 2 groups
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('flat', [False, True])
+def test_cuda_one_sync_per_step_and_exact_weights(flat):
+    "On CUDA: the fit works (no device asserts), the step syncs once, the model comes back FP32 on the GPU."
+    import warnings
+    from fp16cb import MixedPrecision
+    learn = make_learner().to_fp16(max_loss_scale=2.**8, flat_master=flat, clip=1.)
+    learn.model.cuda(); learn.dls.to(torch.device('cuda'))
+    syncs = []
+    orig = MixedPrecision.before_step
+    def before_step(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode('warn')
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                try: return orig(self)
+                finally: syncs.append(len([o for o in w if 'synchroniz' in str(o.message)]))
+        finally: torch.cuda.set_sync_debug_mode('default')
+    MixedPrecision.before_step = before_step
+    try: quiet_fit(learn, 1, lr=1e-2, cbs=Inject([1]))
+    finally: MixedPrecision.before_step = orig
+    assert syncs == [1]*4
+    assert learn.mixed_precision.skips == [False, True, False, False]
+    assert all(p.dtype == torch.float32 and p.is_cuda and torch.isfinite(p).all() for p in learn.model.parameters())
+    learn.to_native_fp16(init_scale=2.**8)
+    quiet_fit(learn, 1, lr=1e-2)
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
+
+# ---- property: the fused check agrees with a plain one -----------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
+
+_floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(arrays('float32', st.integers(1, 6), elements=_floats), min_size=1, max_size=4),
+       st.integers(-4, 12))
+def test_overflow_check_matches_reference(arrs, log2_scale):
+    grads = [torch.from_numpy(a.copy()) for a in arrs]
+    expect_found = any(ov.test_overflow(g) for g in grads)
+    assert grad_overflow([[_p(g)] for g in grads]) == expect_found
+    inv = 2.**-log2_scale
+    ref = [g * inv for g in grads]
+    found = OverflowCheck()(grads, inv, with_max=True).tolist()
+    assert (found[0] > 0) == expect_found
+    if not expect_found:  # unscaled in place, exactly (a power of 2), and the max |grad| of the unscaled grads
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref))
+        assert found[1] == max(float(r.abs().max()) for r in ref)
+
+def _p(g):
+    p = nn.Parameter(torch.zeros_like(g)); p.grad = g
+    return p

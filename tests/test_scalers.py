@@ -1,0 +1,233 @@
+"Loss scalers: the state machines (hypothesis), LogNormal on synthetic gradient streams, the loud failure, training."
+import math, random, warnings
+import pytest, torch
+from torch import nn
+from hypothesis import given, settings, strategies as st
+from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, set_seed, Callback
+from fp16cb import (LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError, MixedPrecision,
+                    NativeMixedPrecision)
+from fp16cb.scalers import make_scaler, FP16_MAX
+from fp16cb.overflow import OverflowCheck
+
+warnings.filterwarnings('ignore', message='fp16 training on the CPU')
+FAST = settings(max_examples=60, deadline=None)
+
+# ---------- Static ----------
+@FAST
+@given(st.floats(1e-3, 1e6), st.lists(st.booleans(), max_size=60))
+def test_static_never_moves(scale, flags):
+    s = StaticScaler(scale, max_skipped=100)
+    for f in flags: s.update(f)
+    assert s.scale == scale and s.n_skipped == sum(flags) and s.n_steps == len(flags)
+
+# ---------- Backoff: compared step by step with Megatron's DynamicGradScaler, written out independently ----------
+def megatron_ref(flags, init, factor, wait, lo, hi, hyst):
+    "Megatron-LM's DynamicGradScaler.update (plus bounds at init and the error at min), as a list of scales."
+    scale, growth, hyst_left, out = min(max(init, lo), hi), 0, hyst, []
+    for f in flags:
+        if f:
+            growth = 0; hyst_left -= 1
+            if hyst_left <= 0:
+                if scale <= lo: out.append('error'); return out
+                scale = max(scale / factor, lo)
+        else:
+            growth += 1
+            if growth == wait: growth, hyst_left, scale = 0, hyst, min(scale * factor, hi)
+        out.append(scale)
+    return out
+
+@FAST
+@given(flags=st.lists(st.booleans(), max_size=80), factor=st.sampled_from([1.5, 2., 4.]), wait=st.integers(1, 6),
+       lo=st.sampled_from([1., 2., 16.]), hi_exp=st.integers(4, 12), init_exp=st.integers(0, 14), hyst=st.integers(1, 3))
+def test_backoff_matches_reference(flags, factor, wait, lo, hi_exp, init_exp, hyst):
+    hi = max(2.**hi_exp, lo)
+    s = BackoffScaler(2.**init_exp, factor, wait, min_scale=lo, max_scale=hi, hysteresis=hyst, max_skipped=1000)
+    ref = megatron_ref(flags, 2.**init_exp, factor, wait, lo, hi, hyst)
+    got = []
+    for f in flags:
+        try: s.update(f)
+        except LossScaleError as e:
+            assert 'min_loss_scale' in str(e) and 'Likely causes' in str(e)
+            got.append('error'); break
+        assert lo <= s.scale <= hi  # bounds always
+        got.append(s.scale)
+    assert got == ref
+
+def test_backoff_growth_timing_and_counter_reset():
+    s = BackoffScaler(64., 2., wait=3, max_scale=1024.)
+    for _ in range(2): s.update(False)
+    s.update(True)  # overflow: halve and reset the growth counter (fastai's old code did not)
+    assert s.scale == 32.
+    for _ in range(2): s.update(False)
+    assert s.scale == 32.  # 2 clean steps since the overflow: not yet
+    s.update(False)
+    assert s.scale == 64.
+
+def test_backoff_hysteresis():
+    s = BackoffScaler(64., 2., wait=100, hysteresis=3)
+    s.update(True); s.update(True)
+    assert s.scale == 64. and s.n_skipped == 2  # tolerated, still skipped
+    s.update(True); assert s.scale == 32.
+    s.update(True); assert s.scale == 16.  # hysteresis used up: every overflow drops until the scale grows again
+
+# ---------- LogNormal ----------
+def simulate(s, rng, mu, sigma, n, max_value=FP16_MAX):
+    "Feed `n` steps whose max |grad| is 2**N(mu, sigma); a step overflows when the scaled max exceeds `max_value`."
+    overflows, logs = 0, []
+    for _ in range(n):
+        m = 2. ** rng.gauss(mu, sigma)
+        found = m * s.scale > max_value
+        overflows += found; logs.append(math.log2(s.scale))
+        s.update(found, float('inf') if found else m)
+    return overflows, logs
+
+@pytest.mark.parametrize('mu,sigma', [(-12., .5), (-3., 1.5), (4., 1.)])
+def test_lognormal_converges_and_rarely_overflows(mu, sigma):
+    s = LogNormalScaler(pow2=False, max_scale=2.**40)
+    simulate(s, random.Random(1), mu, sigma, 300)  # burn-in
+    ov, logs = simulate(s, random.Random(2), mu, sigma, 20000)
+    assert abs(s.mu - mu) < .2 and abs(s.sigma - sigma) < .2
+    assert 4 <= ov <= 45, ov  # target 0.001 * 20000 = 20 (the estimate is noisy: an EMA over ~100 steps)
+    z = s.z
+    assert abs(sum(logs) / len(logs) - (math.log2(FP16_MAX) - mu - z * sigma)) < .3  # not needlessly small either
+
+def test_lognormal_pow2_rounds_down():
+    s = LogNormalScaler()
+    ov, logs = simulate(s, random.Random(3), -8., 1., 5000)
+    assert all(l == int(l) for l in logs) and ov <= 5  # floor to a power of 2: at most the target rate
+
+@FAST
+@given(st.lists(st.tuples(st.booleans(), st.floats(-40, 40)), max_size=80), st.integers(0, 10), st.integers(10, 30),
+       st.booleans())
+def test_lognormal_bounds_and_failure(steps, lo_exp, hi_exp, pow2):
+    lo, hi = 2.**lo_exp, 2.**hi_exp
+    s = LogNormalScaler(min_scale=lo, max_scale=hi, pow2=pow2, max_skipped=10)
+    for found, x in steps:
+        before = s.scale
+        try: s.update(found, float('nan') if found else 2.**x)
+        except LossScaleError:
+            assert found and (before <= lo or s.skipped_in_a_row > 10); return
+        assert lo <= s.scale <= hi
+        if found: assert s.scale <= max(before / 2, lo)  # an overflow always backs off
+        if pow2: assert math.log2(s.scale) == int(math.log2(s.scale))
+
+def test_lognormal_overflow_is_a_censored_observation():
+    s = LogNormalScaler(pow2=False)
+    simulate(s, random.Random(4), -6., .5, 200)
+    mu, n, scale = s.mu, s.n_obs, s.scale
+    s.update(True, float('inf'))
+    cutoff = math.log2(FP16_MAX / scale)
+    assert s.n_obs == n + 1 and s.mu > mu  # the imputed observation E[X | X > cutoff] > cutoff pulls the mean up
+    assert s.mu == pytest.approx(mu + (max(cutoff, mu) - mu) / s.window, abs=.05) or s.mu > mu + (cutoff - mu) / s.window
+    assert s.scale <= scale / 2
+
+def test_lognormal_adapts_to_a_shift():
+    s = LogNormalScaler()
+    simulate(s, random.Random(5), -10., .5, 500)
+    ov, _ = simulate(s, random.Random(6), -6., .5, 500)  # the gradients grow 16x at once
+    assert ov <= 15 and abs(s.mu - (-6.)) < .5
+
+def test_lognormal_warmup_and_zero_grads():
+    s = LogNormalScaler(init_scale=2.**10)
+    s.update(True, float('inf')); assert s.scale == 2.**9 and s.n_obs == 0  # no statistics yet: back off only
+    s.update(False, 0.); assert s.scale == 2.**9 and s.n_obs == 0  # an all-zero gradient says nothing
+    s.update(False, 2.**-10)
+    assert s.n_obs == 1 and s.sigma == 1.  # one observation: sigma floored at 1 bit during warm-up
+    assert s.scale == 2.**math.floor(math.log2(FP16_MAX) + 10 - s.z)
+    with pytest.raises(ValueError, match='largest'): s.update(False, None)
+
+def test_state_dict_roundtrip_continues_identically():
+    for make in (lambda: LogNormalScaler(), lambda: BackoffScaler(2.**10, wait=3, hysteresis=2)):
+        a = make(); simulate(a, random.Random(7), -4., 1., 300)
+        b = make(); b.load_state_dict(a.state_dict())
+        assert simulate(a, random.Random(8), -4., 1., 300) == simulate(b, random.Random(8), -4., 1., 300)
+    with pytest.raises(ValueError, match='cannot be loaded'): StaticScaler(1.).load_state_dict(LogNormalScaler().state_dict())
+
+@pytest.mark.parametrize('cls', [StaticScaler, BackoffScaler, LogNormalScaler])
+def test_max_skipped_in_a_row(cls):
+    s = cls(2.**24, max_skipped=5) if cls is StaticScaler else cls(2.**24, max_skipped=5, min_scale=1e-30)
+    for _ in range(4): s.update(True, float('nan'))
+    s.update(False, 1.)  # a clean step resets the run
+    for _ in range(5): s.update(True, float('nan'))
+    with pytest.raises(LossScaleError, match='6 steps in a row'): s.update(True, float('nan'))
+
+def test_make_scaler_and_bad_input():
+    kw = dict(loss_scale=512, dynamic=True, max_loss_scale=2.**20, div_factor=2., scale_wait=100)
+    assert isinstance(make_scaler(None, **kw), BackoffScaler) and make_scaler(None, **kw).scale == 2.**20
+    assert isinstance(make_scaler(None, **{**kw, 'dynamic': False}), StaticScaler)
+    ln = make_scaler('LogNormal', **kw)
+    assert isinstance(ln, LogNormalScaler) and ln.scale == 2.**16 and ln.max_scale == 2.**20 and ln.needs_max_grad
+    inst = StaticScaler(3.); assert make_scaler(inst, **kw) is inst
+    with pytest.raises(ValueError, match='lognormal'): make_scaler('logmax', **kw)
+    for bad in [dict(overflow_prob=0.), dict(overflow_prob=.7), dict(window=0), dict(min_sigma=-1.), dict(backoff=1.),
+                dict(min_scale=4., max_scale=2.), dict(init_scale=float('nan'))]:
+        with pytest.raises(ValueError): LogNormalScaler(**bad)
+    with pytest.raises(ValueError, match='hysteresis'): BackoffScaler(hysteresis=0)
+
+# ---------- with a learner ----------
+def make_learner(n=96, bs=16, seed=0, loss_func=None):
+    set_seed(seed)
+    x = torch.randn(n + 32, 8); y = (x[:, :2].sum(1, keepdim=True) > 0).float()
+    dls = DataLoaders.from_dsets(list(zip(x[:n], y[:n])), list(zip(x[n:], y[n:])), bs=bs, shuffle=False)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    return Learner(dls, model, loss_func=loss_func or BCEWithLogitsLossFlat())
+
+class MaxGrad(Callback):
+    "Records the largest |master grad| after unscaling (MixedPrecision runs before_step at order 10)."
+    order = 20
+    def before_fit(self): self.maxes = []
+    def before_step(self):
+        self.maxes.append(max(p.grad.abs().max().item() for pg in self.learn.opt.param_lists for p in pg if p.grad is not None))
+
+@pytest.mark.parametrize('scaler', ['backoff', 'lognormal', 'static'])
+def test_training_with_each_strategy(scaler):
+    learn = make_learner().to_fp16(scaler=scaler, scale_wait=3)
+    mg = MaxGrad()
+    with learn.no_logging(): learn.fit(2, 1e-2, cbs=mg)
+    mp = learn.mixed_precision
+    assert len(mp.scales) == len(mp.skips) == 12 and mp.n_skipped == sum(mp.skips)
+    names = list(learn.recorder.metric_names)
+    assert names[-3:] == ['loss_scale', 'n_skipped', 'time']
+    assert learn.recorder.values[-1][-2:] == [mp.loss_scale, mp.n_skipped]
+    assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] + .05 and learn.model[0].weight.dtype == torch.float32
+    assert len(learn.metrics) == 0  # the columns leave with the fit: validate() is unchanged
+    if scaler == 'lognormal':  # the max |grad| reached the scaler from the overflow check's single sync
+        s = mp.scaler
+        assert s.n_obs == 12 - mp.n_skipped
+        assert s.mu == pytest.approx(sum(math.log2(m) for m in mg.maxes) / len(mg.maxes), rel=1e-5)
+    if scaler == 'backoff': assert mp.scales[3] == mp.scales[0] or mp.n_skipped  # grows only past the bound (2**24)
+
+def test_overflow_check_with_max():
+    g = [torch.tensor([4., -8.]), torch.tensor([[2.], [1.]])]
+    assert OverflowCheck()(g, .5, with_max=True).tolist() == [0., 4.]
+    assert OverflowCheck()([torch.tensor([1., float('inf')])], 1., with_max=True)[0].item() > 0
+
+def test_scaler_lives_across_fits():
+    learn = make_learner().to_fp16(scaler='lognormal')
+    with learn.no_logging(): learn.fit(1, 1e-2)
+    s, n = learn.mixed_precision.scaler, learn.mixed_precision.scaler.n_steps
+    with learn.no_logging(): learn.fit(1, 1e-2)
+    assert learn.mixed_precision.scaler is s and s.n_steps == 2 * n == 12 and s.n_obs == 12 - s.n_skipped
+    learn = make_learner().to_native_fp16(init_scale=2.**10)
+    with learn.no_logging(): learn.fit(1, 1e-2)
+    gs = learn.native_mixed_precision.scaler
+    with learn.no_logging(): learn.fit(1, 1e-2)
+    assert learn.native_mixed_precision.scaler is gs
+
+class NaNLoss(nn.Module):
+    def forward(self, pred, targ): return (pred - targ).pow(2).mean() * float('nan')
+
+@pytest.mark.parametrize('scaler', ['backoff', 'lognormal', 'static'])
+def test_nan_loss_fails_loudly(scaler):
+    learn = make_learner(n=16 * 80, loss_func=NaNLoss()).to_fp16(scaler=scaler, max_skipped=20)
+    with pytest.raises(LossScaleError) as e:
+        with learn.no_logging(): learn.fit(1, 1e-2)
+    msg = str(e.value)
+    assert 'MixedPrecision' in msg and 'Likely causes' in msg and 'to_bf16' in msg
+    mp = learn.mixed_precision
+    assert all(mp.skips) and len(mp.skips) <= 21 and mp.n_skipped == len(mp.skips)
+    if scaler == 'lognormal': assert 'min_loss_scale=1' in msg and len(mp.skips) == 17  # 2**16 halves to 1
+    else: assert '21 steps in a row' in msg  # 2**24 would need 24 halvings to reach min_loss_scale=1
+    assert [m.name for m in learn.metrics] == ['loss_scale', 'n_skipped']  # fastai skipped after_fit...
+    learn.to_fp32()  # ...restoring removes the columns with the callbacks
+    assert len(learn.metrics) == 0 and learn.model[0].weight.dtype == torch.float32
