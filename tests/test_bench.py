@@ -39,9 +39,9 @@ class _GrabGrads(Callback):
     order = 20
     def after_step(self):
         mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).master
-        grads = mw.grad_views if mw.flat else [m.grad for m in mw.master_params]
+        grads = mw.grad_views if mw.flat else [m.grad for m in mw.master_params]  # None: no grad
         by_param = dict(zip(mw.models, grads))
-        self.grads = [by_param[p].clone() for p in self.learn.model.parameters()]
+        self.grads = [None if by_param[p] is None else by_param[p].clone() for p in self.learn.model.parameters()]
 
 class _DropGrads(Callback):
     "A user callback that sets the model's grads to None after each step (flat views must survive it)."
@@ -138,3 +138,24 @@ def test_bench_smoke(tmp_path, capsys):
 def test_bench_bad_input():
     with pytest.raises(ValueError, match='unknown'): run_bench(['nope'], ['fp32'], verbose=False)
     with pytest.raises(ValueError, match='steps'): run_bench(['book'], ['fp32'], steps=0, verbose=False)
+
+class _Unused(nn.Module):
+    "A model with a param that never gets a gradient."
+    def __init__(self):
+        super().__init__()
+        self.body, self.unused = _model(), nn.Linear(3, 3)
+    def forward(self, x): return self.body(x)
+
+def test_a_param_without_grad_stays_without_grad_when_not_flat():
+    batches = _batches()
+    for flat in (False, True):
+        torch.manual_seed(0)
+        init = _Unused()
+        dls = DataLoaders(_Batches(batches), _Batches(batches[:1])); dls.device = torch.device('cpu')
+        learn = Learner(dls, copy.deepcopy(init), loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=LR, wd=0.5)
+        learn.to_bf16(flat_master=flat)
+        grab = _GrabGrads(); learn.add_cb(grab)
+        _fit(learn)
+        w = list(learn.model.parameters())[-2]
+        assert (grab.grads[-2] is None) == (not flat)  # non-flat: no grad, no step; flat: a zero grad (seed semantics)
+        assert torch.equal(w.data, init.unused.weight.data) == (not flat)  # a zero grad still gets weight decay
