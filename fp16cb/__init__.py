@@ -8,8 +8,11 @@ from .scalers import LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, L
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 from . import learner as _learner  # patches Learner.to_fp16 & co.
+from . import workflow as _workflow  # restores after a failed fit; lr_find saves the FP32 learner
+from .guards import BNStatsGuard
 from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
-           'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision']
+           'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision',
+           'BNStatsGuard']

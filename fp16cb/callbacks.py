@@ -9,6 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
+from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, in_fit, fit_begins, fit_ends
 from .monitor import add_precision_metrics, remove_precision_metrics
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
@@ -34,6 +35,7 @@ class ModelToHalf(Callback):
         return self.originals is not None
 
     def before_fit(self):
+        if not fit_begins(self, self.converted): return  # get_preds/validate inside a fit: the model is 16-bit already
         self.restore()  # a fit interrupted by an exception (fastai then skips after_fit) left the model converted
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
@@ -44,7 +46,8 @@ class ModelToHalf(Callback):
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
 
-    def after_fit(self): self.restore()
+    def after_fit(self):
+        if fit_ends(self): self.restore()
 
     def fp32_of(self, p) -> torch.Tensor:
         "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
@@ -87,6 +90,7 @@ def _check_clip(clip):
 class MixedPrecision(Callback):
     "FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads."
     order = 10
+    bn_stats = None  # a `BNStatsGuard` during a fit
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
     def __init__(self,
         loss_scale:float=512, # the scale when not `dynamic` (static loss scaling)
@@ -124,13 +128,20 @@ class MixedPrecision(Callback):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
 
     def before_fit(self):
+        if not fit_begins(self, self.master is not None): return  # get_preds/validate inside a fit: keep the masters
         self.restore()  # an interrupted fit left the optimizer on the masters
+        reject_gradient_clip(self.learn)
         if self.learn.opt is None: self.learn.create_opt()
         mth = self._model_to_half()
         half = mth is not None and mth.converted
         self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None)
         if half: mth.link_masters(self.master.fp32_views())
-        if self.log_scale: add_precision_metrics(self.learn, self)
+        if self.log_scale and in_fit(self.learn): add_precision_metrics(self.learn, self)  # not in validate()'s result
+        self.bn_stats = BNStatsGuard(self.learn.model)
+
+    def before_batch(self):
+        # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
+        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
 
     def before_backward(self):
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
@@ -142,8 +153,9 @@ class MixedPrecision(Callback):
         scale = self.loss_scale
         stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad).tolist()  # the one host sync
         found = stats[0] > 0
+        if found: self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
-        self.scaler.update(found, stats[1] if len(stats) > 1 else None)
+        with lr_find_stops_on(self.learn): self.scaler.update(found, stats[1] if len(stats) > 1 else None)
         if found:
             self.skipped = True
             raise CancelStepException()
@@ -156,8 +168,10 @@ class MixedPrecision(Callback):
         if not self.skipped: self.master.master_to_model()
         self.master.zero_model_grads()
         self.skipped = False
+        self.bn_stats.arm()
 
-    def after_fit(self): self.restore()
+    def after_fit(self):
+        if fit_ends(self): self.restore()
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the loss scaler's state."
@@ -169,6 +183,7 @@ class MixedPrecision(Callback):
     def restore(self):
         "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
         if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
+        self.bn_stats = None
         if self.master is None: return
         self.master.restore_opt()
         self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads

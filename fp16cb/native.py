@@ -7,6 +7,8 @@ from fastai.callback.core import Callback, CancelStepException
 from .dtypes import resolve_dtype, cast_floats, warn_slow_half
 from .callbacks import model_device
 from .scalers import check_positive
+from .overflow import OverflowCheck
+from .guards import BNStatsGuard, count_skip, lr_find_stops_on, fit_begins, fit_ends
 
 __all__ = ['NativeMixedPrecision']
 
@@ -22,6 +24,7 @@ class NativeMixedPrecision(Callback):
         enabled:bool=True, # False: plain FP32 training
         *,
         dtype=torch.float16, # autocast dtype: fp16 (with GradScaler) or bf16 (no scaling needed)
+        max_skipped:int=50, # more skipped (inf/NaN) steps in a row than this stops training with `LossScaleError`
     ):
         self.dtype = resolve_dtype(dtype)
         check_positive('init_scale', init_scale); check_positive('growth_factor', growth_factor, strict_min=1.)
@@ -31,6 +34,8 @@ class NativeMixedPrecision(Callback):
             raise ValueError(f"`growth_interval` must be an integer >= 1, got {growth_interval!r}")
         self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
         self.growth_interval, self.enabled = growth_interval, bool(enabled)
+        self.max_skipped = int(check_positive('max_skipped', max_skipped, strict_min=0))
+        self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
 
     @property
@@ -44,20 +49,24 @@ class NativeMixedPrecision(Callback):
                           enabled=self.enabled and self.dtype == torch.float16)
 
     def before_fit(self):
+        if not fit_begins(self, self.bn_stats is not None): return  # get_preds/validate inside a fit
         self._exit_autocast()
         device_type = model_device(self.learn.model).type
         if self.enabled: warn_slow_half(self.dtype, device_type)
         if self.scaler is None or device_type != self.device_type:  # kept across fits: its scale is learned state
             self.scaler, self.device_type = self._make_scaler(device_type), device_type
+        self.bn_stats, self.skipped_in_a_row = BNStatsGuard(self.learn.model), 0
 
     def before_batch(self):
+        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
         self._autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
         self._autocast.__enter__()
 
     def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
     def after_loss(self): self._exit_autocast()
     def after_batch(self): self._exit_autocast()
-    def after_fit(self): self._exit_autocast()
+    def after_fit(self):
+        if fit_ends(self): self.restore()
 
     def _exit_autocast(self):
         if getattr(self, '_autocast', None) is not None:
@@ -69,12 +78,27 @@ class NativeMixedPrecision(Callback):
     def before_step(self):
         "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
         self.skipped, self._stepped = True, True
-        self.scaler.step(self)
+        if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
+        if self.skipped: self.bn_stats.restore()  # the skipped batch leaves no trace in BatchNorm's statistics
+        with lr_find_stops_on(self.learn):
+            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
+                                               f"{self.dtype} autocast, loss scale {self.loss_scale:g}")
         if self.skipped: raise CancelStepException()
+
+    def _grads_finite(self) -> bool:
+        "Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the weights."
+        grads = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
+        return not grads or not self._check(grads, 1.).item() > 0  # inv_scale 1: the grads are left as they are
+
+    def restore(self):
+        "Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`)."
+        self._exit_autocast()
+        self.bn_stats = None
 
     def after_step(self):
         if self._stepped: self.scaler.update()
         self._stepped = False
+        if self.bn_stats is not None: self.bn_stats.arm()
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the GradScaler's state (empty when scaling is off)."

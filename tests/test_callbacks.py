@@ -189,6 +189,14 @@ def test_interrupted_fit_then_refit():
     ids = {id(p) for p in learn.model.parameters()}
     assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)
 
+def test_validate_returns_only_loss_and_metrics():
+    "The loss-scale Recorder columns belong to a fit: `loss, metric = learn.validate()` must keep working."
+    from fastai.metrics import mae
+    learn = make_learner(metrics=mae).to_fp16(**NO_OVERFLOW)
+    quiet_fit(learn, 1, lr=1e-2)
+    with learn.no_bar(), learn.no_logging(): res = learn.validate()
+    assert len(res) == 2 and 'loss_scale' not in learn.recorder.metric_names
+
 # ---- bad arguments -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kwargs,name', [
