@@ -50,13 +50,21 @@ class ModelToHalf(Callback):
         if fit_ends(self): self.restore()
 
     def fp32_of(self, p) -> torch.Tensor:
-        "The exact FP32 value `p` had when it was converted (`p.data` itself for what was not converted)."
+        "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
         rec = self.originals.get(id(p)) if self.converted else None
         return p.data if rec is None else rec[3]
 
     def link_masters(self, fp32_views:dict):
         "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
         self.masters = {id(p): t for p, t in fp32_views.items()}
+        self._drop_originals_of_masters()
+
+    def _drop_originals_of_masters(self):
+        "An original that a master copied (flat masters) is never used again (`restore` takes the master): free it."
+        for k, t in self.masters.items():
+            rec = self.originals.get(k) if self.originals else None
+            if rec is not None and rec[3].untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                self.originals[k] = (*rec[:3], t)
 
     def restore(self):
         "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
@@ -69,8 +77,8 @@ class ModelToHalf(Callback):
             elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = orig  # unchanged: exact original
             else: new = cur.to(orig.dtype)  # trained in 16-bit without master: nothing better than its value
             if is_param:
+                if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
                 cur.data = new
-                if cur.grad is not None and cur.grad.dtype != cur.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
             else: module._buffers[name] = new
         for m in self.learn.model.modules():
             if isinstance(m, nn.RNNBase): m.flatten_parameters()
@@ -182,4 +190,4 @@ class MixedPrecision(Callback):
         self.bn_stats = None
         if self.master is None: return
         self.master.restore_opt()
-        self.master = None
+        self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads

@@ -1,6 +1,6 @@
 """FP32 master weights: creating them per param group, and the fused copies model <-> master."""
 from __future__ import annotations
-import warnings
+import operator, warnings
 import torch
 from torch import nn, Tensor
 
@@ -28,7 +28,7 @@ def _flat_partitions(pg, opt=None):
     for p in pg:
         state = _opt_state(opt).get(p, {}) if opt is not None and hasattr(opt, 'state') else {}
         parts.setdefault((p.device, _state_key(state)), []).append(p)
-    return list(parts.values())
+    return [sorted(part, key=lambda p: str(p.dtype)) for part in parts.values()]  # stable: one run per dtype
 
 def _fp32_leaf(t:Tensor) -> Tensor: return t.detach().float()
 
@@ -169,58 +169,162 @@ def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None):
             for p, m in zip(src, dst):
                 if p is not m: state[m] = _fp32_state(state.pop(p, {}))
 
+_grad_of = operator.attrgetter('grad')
+
+class _FlatRun:
+    """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
+    flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
+    `keep_none`: a param without grad keeps none (non-flat semantics); else it gets a zero grad (flat semantics)."""
+    def __init__(self, params, master:Tensor, master_grad:Tensor, keep_none:bool=False):
+        n = sum(p.numel() for p in params)
+        p0 = params[0]
+        self.params, self.master, self.master_grad, self.keep_none = params, master, master_grad, keep_none
+        self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
+        self.views, self.grad_views = _flat_views(self.buf, params), _flat_views(self.grad, params)
+        with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
+        for p, v, g in zip(params, self.views, self.grad_views):
+            p.data = v
+            if p.grad is not None: g.copy_(p.grad)
+            elif keep_none: continue
+            p.grad = g
+
+    def _owns(self, t:Tensor, buf:Tensor) -> bool:
+        return t is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+    def reattach_grads(self) -> list:
+        "Grads that someone replaced go back into the flat grad buffer; returns the params left without grad."
+        if all(map(operator.is_, map(_grad_of, self.params), self.grad_views)): return []  # the usual case, ~50ns/param
+        missing = []
+        for p, g in zip(self.params, self.grad_views):
+            if p.grad is g: continue
+            if p.grad is None:
+                g.zero_()
+                if self.keep_none: missing.append(p); continue
+            else: g.copy_(p.grad)
+            p.grad = g
+        return missing
+
+    def release(self):
+        "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
+        for p in self.params:
+            if self._owns(p.data, self.buf): p.data = p.data.clone()
+            if self._owns(p.grad, self.grad):  # zero since `after_step`; a 16-bit grad can't go on an FP32 param
+                p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
+
+def _storage_runs(models:list, masters:list) -> tuple:
+    """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data and
+    grads move into one FP32 buffer per device, ordered by the model's dtype: returns `(runs, FP32 grad buffers)`."""
+    by_dev = {}
+    for i in sorted(range(len(models)), key=lambda i: str(models[i].dtype)): by_dev.setdefault(models[i].device, []).append(i)
+    runs, grad_bufs = [], []
+    for dev, idx in by_dev.items():
+        n = sum(models[i].numel() for i in idx)
+        data, grad = torch.empty(n, device=dev), torch.zeros(n, device=dev)
+        o = 0
+        for i in idx:
+            m, k = masters[i], masters[i].numel()
+            data[o:o+k].copy_(m.data.reshape(-1))
+            m.data, o = data[o:o+k].view_as(m), o + k
+            m.grad = None
+        o, j = 0, 0
+        while j < len(idx):
+            k = j
+            while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
+            ps = [models[i] for i in idx[j:k]]
+            size = sum(p.numel() for p in ps)
+            runs.append(_FlatRun(ps, data[o:o+size], grad[o:o+size], keep_none=True))
+            o, j = o + size, k
+        grad_bufs.append(grad)
+    return runs, grad_bufs
+
+def _flat_runs(model_pgs:list, master_pgs:list) -> list:
+    "A `_FlatRun` per run of consecutive params with the same dtype inside each flat master."
+    runs = []
+    for pg, mg in zip(model_pgs, master_pgs):
+        for part, flat in zip(_split_like(pg, mg), mg):
+            data, grad, o, i = flat.detach(), flat.grad, 0, 0
+            while i < len(part):
+                j = i
+                while j < len(part) and part[j].dtype == part[i].dtype: j += 1
+                n = sum(p.numel() for p in part[i:j])
+                runs.append(_FlatRun(part[i:j], data[o:o+n], grad[o:o+n]))
+                o, i = o + n, j
+    return runs
+
 class MasterWeights:
-    "FP32 masters of an optimizer's trainable params, and the fused (foreach) copies between them and the model."
+    """FP32 masters of an optimizer's trainable params, and the fused copies between them and the model.
+    The model's params and grads become views into one flat buffer per (device, dtype) run of the masters, so that
+    grad->master, master->model and zeroing are one vectorised op per buffer (`restore_opt` gives the params ordinary
+    tensors back). Flat: one flat FP32 master per group; non-flat: one FP32 master per param whose data and grad
+    are views into one FP32 buffer per device (the optimizer still sees and steps per-param masters)."""
     def __init__(self,
         opt, # the learner's optimizer
         flat:bool=False, # one flat FP32 master per group (per run of params with equal flags)
-        fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters then share these tensors
+        fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
     ):
         self.opt, self.flat = opt, flat
         self.old_param_lists = list(opt.param_lists)
         self.model_pgs, self.master_pgs = get_master(opt, flat, fp32_of=fp32_of)
+        self.master_params = [m for mg in self.master_pgs for m in mg]
+        if flat: self.runs = _flat_runs(self.model_pgs, self.master_pgs)
+        else:
+            models = [p for pg in self.model_pgs for p in pg]
+            self.runs, self._grad_bufs = _storage_runs(models, self.master_params)
         models, masters, grads = _pairs(self.model_pgs, self.master_pgs, flat)
         self.models, self.masters, self.grad_views = models, masters, grads
-        self.flats = [m for mg in self.master_pgs for m in mg] if flat else []
+        self.flats = self.master_params if flat else []
         self.flat_grads = [m.grad for m in self.flats]
-        self.master_params = [m for mg in self.master_pgs for m in mg]
+        if not flat: self._master_grad_views = self._master_grads_of_runs()
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if flat else None)
+        self._run_bufs = [r.buf for r in self.runs]
+        self._run_grads = [r.grad for r in self.runs]
+        self._run_masters = [r.master for r in self.runs]
+        self._run_master_grads = [r.master_grad for r in self.runs]
+
+    def _master_grads_of_runs(self) -> list:
+        "Non-flat: the view into the FP32 grad buffers that each master's grad is, in `master_params` order."
+        views = {}
+        for r in self.runs:
+            o = r.master_grad.storage_offset()
+            for p in r.params:  # aliases, not autograd views: fastai's `zero_grad` calls `grad.detach_()`
+                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape)
+                o += p.numel()
+        return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
 
     def fp32_views(self) -> dict:
         "`{model param: the FP32 tensor that holds its current master value}`."
         return dict(zip(self.models, self.masters))
 
     def grads_to_master(self) -> list:
-        "Copy model grads into master grads in one fused pass; returns the master grads to check and unscale."
+        "Copy model grads into master grads in one fused pass; returns the FP32 grads to check and unscale."
+        if not self.runs: return []
+        missing = [p for r in self.runs for p in r.reattach_grads()]
         if self.flat:
             for m, g in zip(self.flats, self.flat_grads):
                 if m.grad is not g: m.grad = g  # an optimizer's zero_grad(set_to_none) dropped it
-            src, dst, missing = [], [], []
-            for p, v in zip(self.models, self.grad_views):
-                if p.grad is None: missing.append(v)
-                else: src.append(p.grad); dst.append(v)
-            if missing: torch._foreach_zero_(missing)
-            if src: torch._foreach_copy_(dst, src)
-            return self.flat_grads
-        src, dst = [], []
-        for p, m in zip(self.models, self.master_params):
-            g = p.grad
-            if g is None: m.grad = None; continue
-            if m.grad is None: m.grad = torch.empty_like(m)
-            src.append(g); dst.append(m.grad)
-        if src: torch._foreach_copy_(dst, src)
-        return dst
+        else: self._attach_master_grads(missing)
+        torch._foreach_copy_(self._run_master_grads, self._run_grads)
+        return self.flat_grads if self.flat else self._grad_bufs
+
+    def _attach_master_grads(self, missing:list):
+        "Non-flat: each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
+        views = self._master_grad_views
+        if not missing and all(map(operator.is_, map(_grad_of, self.master_params), views)): return
+        drop = {id(p) for p in missing}
+        for p, m, v in zip(self.models, self.master_params, views):
+            m.grad = None if id(p) in drop else v
 
     def master_to_model(self):
         "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
-        if self.models:
-            with torch.no_grad(): torch._foreach_copy_(self.models, self.masters)
+        if self.runs: torch._foreach_copy_(self._run_bufs, self._run_masters)
 
     def zero_model_grads(self):
-        grads = [p.grad for p in self.models if p.grad is not None]
-        if grads: torch._foreach_zero_(grads)
+        for r in self.runs: r.reattach_grads()
+        if self.runs: torch._foreach_zero_(self._run_grads)
 
     def restore_opt(self):
         "Point the optimizer at the model's params again, moving (splitting, when flat) the state back."
+        for r in self.runs: r.release()
         move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None)
         _set_param_lists(self.opt, self.old_param_lists)

@@ -1,5 +1,6 @@
 """Overflow check: is any gradient inf/NaN? Fused with unscaling, one host synchronisation per step."""
 from __future__ import annotations
+import operator
 import torch
 from torch import Tensor
 
@@ -27,7 +28,13 @@ def grad_overflow(pgs:list) -> bool:
 
 class OverflowCheck:
     "Unscale gradients in place and detect inf/NaN in the same fused pass; optionally the largest |grad| too."
-    def __init__(self): self._bufs = {}
+    def __init__(self): self._bufs, self._grads, self._groups = {}, None, None
+
+    def _grouped(self, grads) -> dict:
+        "`grads` by (device, dtype), cached while the caller passes the very same tensors (it does, step after step)."
+        if not (self._grads is not None and len(grads) == len(self._grads) and all(map(operator.is_, grads, self._grads))):
+            self._grads, self._groups = list(grads), _by_device(grads)
+        return self._groups
 
     def _buf(self, device):
         if device not in self._bufs:
@@ -39,7 +46,7 @@ class OverflowCheck:
         inv_scale:float, # 1/loss_scale
         with_max:bool=False, # also return the largest |unscaled grad|
     ) -> Tensor: # `[found_inf]` or `[found_inf, max_abs_grad]` on the first grad's device; read it once per step
-        groups = _by_device(grads)
+        groups = self._grouped(grads)
         first = grads[0].device if grads else torch.device('cpu')
         founds, maxes = [], []
         for (device, _), ts in groups.items():
