@@ -28,16 +28,20 @@ def restore_precision(self:Learner):
     for cb in _ours(self.cbs): cb.restore(); cb._fits = 0
     return self
 
+def _family(k) -> str:
+    "Which precision setup a callback class belongs to (ModelToHalf + its master-weight callback make one setup)."
+    if issubclass(k, NativeMixedPrecision): return 'native'
+    if issubclass(k, (ModelToHalf, MixedPrecision)): return 'fp16cb'
+    return 'fastai AMP' if k.__name__ == 'MixedPrecision' else 'fastai master weights'
+
 def check_precision_cbs(cbs):
     "Raise a `ValueError` unless `cbs` (callbacks or their classes) hold at most one precision setup."
     kinds = [c if isinstance(c, type) else type(c) for c in cbs]
     kinds = [k for k in kinds if issubclass(k, _OURS + _FOREIGN)]
-    names = [k.__name__ for k in kinds]
-    native, ours, foreign = (sum(issubclass(k, t) for k in kinds) for t in (NativeMixedPrecision, (ModelToHalf, MixedPrecision), _FOREIGN))
-    if len(set(kinds)) < len(kinds) or (native and ours) or (foreign and (native or ours)) or foreign > 1:
-        raise ValueError(f"two precision setups would be stacked in this fit ({', '.join(names)}): set the precision "
-                         f"once with `learn.to_fp16()`, `to_bf16()`, `to_native_fp16()` or `to_fp32()` (the last call "
-                         f"wins) and do not pass precision callbacks to `fit(cbs=...)` as well.")
+    if len(set(kinds)) < len(kinds) or len({_family(k) for k in kinds}) > 1:
+        raise ValueError(f"two precision setups would be stacked in this fit ({', '.join(k.__name__ for k in kinds)}): "
+                         f"set the precision once with `learn.to_fp16()`, `to_bf16()`, `to_native_fp16()` or "
+                         f"`to_fp32()` (the last call wins) and do not pass precision callbacks to `fit(cbs=...)` as well.")
 
 _fit = _unwrapped(Learner.fit)
 _fit_sig = inspect.signature(_fit)
