@@ -1,6 +1,11 @@
 """Mixed-precision training for fastai: `learn.to_fp16()`, `learn.to_bf16()`, `learn.to_fp32()`."""
 __version__ = "0.1.0"
 
+import warnings as _warnings
+with _warnings.catch_warnings():  # fastai.layers calls the deprecated `torch.jit.script` at import: not our users' concern
+    _warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
+    import fastai.basics as _fastai_basics
+
 from .dtypes import convert_network, resolve_dtype, cast_floats
 from .master import get_master, to_master_grads, to_model_params, copy_clone, MasterWeights
 from .overflow import test_overflow, grad_overflow
