@@ -271,8 +271,8 @@ class MasterWeights:
         else:
             models = [p for pg in self.model_pgs for p in pg]
             self.runs, self._grad_bufs = _storage_runs(models, self.master_params)
-        models, masters, _ = _pairs(self.model_pgs, self.master_pgs, flat)
-        self.models, self.masters = models, masters
+        models, masters, grads = _pairs(self.model_pgs, self.master_pgs, flat)
+        self.models, self.masters, self.grad_views = models, masters, grads  # per model param: its master and (flat) master-grad view
         self.flats = self.master_params if flat else []
         self.flat_grads = [m.grad for m in self.flats]
         if not flat: self._master_grad_views = self._master_grads_of_runs()
