@@ -9,6 +9,7 @@ from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_sl
 from .master import MasterWeights
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
+from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, in_fit, fit_begins, fit_ends
 from .monitor import add_precision_metrics, remove_precision_metrics
 
@@ -171,7 +172,6 @@ class MixedPrecision(Callback):
         self.bn_stats.arm()
 
     def after_epoch(self):
-        from .diagnostics import scale_health  # warns once: scale stuck at its floor, many skipped steps
         scale_health(self)
 
     def after_fit(self):

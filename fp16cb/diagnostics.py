@@ -4,11 +4,12 @@ import math, warnings
 from dataclasses import dataclass, field
 import torch
 from torch import nn
+from .dtypes import FP16_MAX
+from .health import scale_health
 
 __all__ = ['FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
            'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
 
-FP16_MAX = 65504.  # largest finite fp16
 FP16_MIN_NORMAL = 2.**-14  # smallest normal fp16 (full 11-bit precision above it)
 FP16_MIN_SUBNORMAL = 2.**-24  # smallest subnormal fp16: anything smaller is lost
 
@@ -181,36 +182,3 @@ def plot_gradient_range(
                  f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
     ax.legend(fontsize='x-small', loc='upper left')
     return ax
-
-def _calibration_end(skips) -> int:
-    "Steps at the start of the history spent finding the scale (the leading overflows of a dynamic scale)."
-    i = 0
-    while i < len(skips) and skips[i]: i += 1
-    return i
-
-def scale_health(
-    cb, # a callback that records `scales` and `skips` (`MixedPrecision`, `NativeMixedPrecision`)
-    window:int=200, # how many of the latest steps to judge
-    max_skip_frac:float=.1, # warn when more of the window's steps than this were skipped
-) -> list:
-    "Warn (once per callback and kind) when the loss scale sits at its floor or many steps are skipped; the warnings."
-    scales, skips = list(cb.scales), list(cb.skips)
-    start = _calibration_end(skips)
-    scales, skips = scales[start:][-window:], skips[start:][-window:]
-    warned, out = cb.__dict__.setdefault('_health_warned', set()), []
-    if len(skips) >= 10 and sum(skips) > max(5, max_skip_frac * len(skips)) and 'skips' not in warned:
-        out.append(f"{sum(skips)} of the last {len(skips)} optimizer steps were skipped for inf/NaN gradients: the "
-                   "loss scale is too high for too long (lower `scale_wait`/`growth_interval`?), or the forward pass "
-                   "overflows in fp16 (try `learn.to_bf16()`).")
-        warned.add('skips')
-    scaler = getattr(cb, 'scaler', None)
-    floor = getattr(scaler, 'min_scale', 1.)
-    if hasattr(scaler, 'is_enabled'): dynamic = scaler.is_enabled()  # torch's GradScaler (off for bf16)
-    else: dynamic = getattr(scaler, 'wait', None) is not None  # a growing `LossScaler` such as `BackoffScaler`
-    if dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
-        out.append(f"the dynamic loss scale sits at its floor ({floor:g}) for most of the last {len(scales)} steps: "
-                   "the gradients (or the loss) are too large for fp16 even unscaled. Check the learning rate and "
-                   "the inputs, or train with `learn.to_bf16()`.")
-        warned.add('floor')
-    for msg in out: warnings.warn(msg, RuntimeWarning, stacklevel=2)
-    return out

@@ -4,10 +4,11 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ['HALF_DTYPES', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
+__all__ = ['HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
            'has_fast_half_math', 'warn_slow_half']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+FP16_MAX = 65504.  # the largest finite float16
 _ALIASES = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
             'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
 

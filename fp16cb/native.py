@@ -8,6 +8,7 @@ from .dtypes import resolve_dtype, cast_floats, warn_slow_half
 from .callbacks import model_device
 from .scalers import check_positive
 from .overflow import OverflowCheck
+from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .guards import BNStatsGuard, count_skip, lr_find_stops_on, fit_begins, fit_ends
 
 __all__ = ['NativeMixedPrecision']
@@ -69,7 +70,6 @@ class NativeMixedPrecision(Callback):
     def after_fit(self):
         if fit_ends(self): self.restore()
     def after_epoch(self):
-        from .diagnostics import scale_health  # warns once: scale stuck at its floor, many skipped steps
         scale_health(self)
 
     def _exit_autocast(self):

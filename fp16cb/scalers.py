@@ -2,8 +2,8 @@
 from __future__ import annotations
 import math
 from statistics import NormalDist
+from .dtypes import FP16_MAX
 
-FP16_MAX = 65504.  # the largest finite float16
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
            'make_scaler', 'FP16_MAX']
