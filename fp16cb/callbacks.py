@@ -152,6 +152,8 @@ class MixedPrecision(Callback):
         grads = self.master.grads_to_master()
         if not grads: return
         scale = self.loss_scale
+        # at scale 1 there is nothing to unscale: check the 16-bit grads the FP32 ones are exact copies of (fewer bytes)
+        if scale == 1.: grads = self.master.model_grads
         stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad).tolist()  # the one host sync
         found = stats[0] > 0
         if found: self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way

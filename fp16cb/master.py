@@ -315,6 +315,11 @@ class MasterWeights:
         for p, m, v in zip(self.models, self.master_params, views):
             m.grad = None if id(p) in drop else v
 
+    @property
+    def model_grads(self) -> list:
+        "The model's grads, as one flat buffer per run: after `grads_to_master`, exactly the values of the FP32 grads."
+        return self._run_grads
+
     def master_to_model(self):
         "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
         if self.runs: torch._foreach_copy_(self._run_bufs, self._run_masters)

@@ -49,6 +49,7 @@ class OverflowCheck:
         inv_scale:float, # 1/loss_scale
         with_max:bool=False, # also return the largest |unscaled grad|
     ) -> Tensor: # `[found_inf]` or `[found_inf, max_abs_grad]` on the first grad's device; read it once per step
+        if inv_scale == 1.: return self._check_only(grads, with_max)
         groups = self._grouped(grads)
         first = grads[0].device if grads else torch.device('cpu')
         founds, maxes = [], []
@@ -61,3 +62,12 @@ class OverflowCheck:
         found = sum(founds[1:], founds[0].clone()) if founds else torch.zeros(1, device=first)
         if not with_max: return found
         return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])
+
+    def _check_only(self, grads, with_max:bool) -> Tensor:
+        "Unscaling by 1 changes nothing: a read-only `aminmax` pass (an inf/NaN shows in a min or a max) gives both stats."
+        first = grads[0].device if grads else torch.device('cpu')
+        ts = [t for t in grads if t.numel()]
+        if not ts: return torch.zeros(2 if with_max else 1, device=first)
+        mm = torch.stack([torch.stack(torch.aminmax(t)).to(first, torch.float32) for t in ts])
+        found = torch.isfinite(mm).all().logical_not_().float().reshape(1)
+        return torch.cat([found, mm.abs().max().reshape(1)]) if with_max else found

@@ -56,6 +56,20 @@ def test_overflow_check_unscales_and_finds():
     assert res.tolist() == [0., 3.]  # found, max |unscaled grad|
     assert check([torch.tensor([NAN])], 1., with_max=True)[0] > 0
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.bfloat16])
+def test_overflow_check_at_scale_one_only_reads(dtype):
+    "Nothing to unscale at scale 1: a read-only pass, exact (no false alarm from huge finite grads) for every dtype."
+    check, big = OverflowCheck(), torch.finfo(dtype).max
+    gs = [torch.tensor([big, big, -big]).to(dtype), torch.tensor([.5, -6., 2.]).to(dtype)]
+    versions = [g._version for g in gs]
+    assert check(gs, 1., with_max=True).tolist() == [0., float(big)]  # a sum of these would overflow
+    assert check(gs[1:], 1., with_max=True).tolist() == [0., 6.]  # max |grad| of a negative one
+    assert [g._version for g in gs] == versions  # not written
+    for bad in (INF, -INF, NAN):
+        g = torch.randn(1000).to(dtype); g[517] = bad
+        assert check([gs[1], g], 1.).tolist() == [1.]
+    assert check([torch.zeros(0, dtype=dtype)], 1., with_max=True).tolist() == [0., 0.]
+
 # ---- the skipped step during a fit ----------------------------------------------------------------------------
 
 class Inject(Callback):
@@ -96,6 +110,20 @@ def test_overflow_skips_step(where, value, flat):
     for i in (0, 2):
         (mb, _, _), (ma, _, _, _, _) = rec.log['after_backward'][i], rec.log['after_step'][i]
         assert any(not torch.equal(a, b) for a, b in zip(mb, ma))
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_overflow_skips_step_at_scale_one(flat):
+    "bf16 at scale 1 checks the 16-bit grads (no unscale pass): an inf/NaN still skips the step and leaves no trace."
+    learn = make_learner()
+    learn.to_bf16(flat_master=flat)
+    rec = _overflow_recorder()
+    quiet_fit(learn, 1, lr=1e-2, cbs=[Inject([1], NAN), rec])
+    assert learn.mixed_precision.skips == [False, True, False, False] and learn.mixed_precision.scales == [1.] * 4
+    (m_before, p_before, _), (m_after, p_after, grads, _, _) = rec.log['after_backward'][1], rec.log['after_step'][1]
+    assert all(torch.equal(a, b) for a, b in zip(m_before, m_after))
+    assert all(torch.equal(a, b) for a, b in zip(p_before, p_after))
+    assert all(g is None or not g.any() for g in grads)
     assert all(torch.isfinite(p).all() for p in learn.model.parameters())
 
 def test_overflow_with_adam_leaves_state_untouched():
@@ -181,7 +209,8 @@ def test_clip_unscaled_master_grads_per_group(clip):
 
 _SYNCS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'numpy')
 
-@pytest.mark.parametrize('kwargs', [dict(), dict(clip=1.), dict(flat_master=True, clip=.1), dict(dynamic=False)])
+@pytest.mark.parametrize('kwargs', [dict(), dict(clip=1.), dict(flat_master=True, clip=.1), dict(dynamic=False),
+                                    dict(dtype=torch.bfloat16, loss_scale=1., dynamic=False)])
 def test_one_host_sync_per_step(monkeypatch, kwargs):
     "MixedPrecision's step work reads one value back from the device per step, whatever the number of params."
     from fp16cb import MixedPrecision
