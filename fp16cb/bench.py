@@ -22,7 +22,7 @@ import fastai.callback.fp16 as ffp16
 from .callbacks import ModelToHalf, MixedPrecision, model_device
 from .native import NativeMixedPrecision
 from .dtypes import cast_floats
-from . import learner as _learner  # Learner.to_fp16 & co.
+from . import learner as _patches  # noqa: F401 (Learner.to_fp16 & co.)
 
 __all__ = ['WORKLOADS', 'MODES', 'AutocastCB', 'FastaiNonNative', 'run_bench', 'format_table', 'main']
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from fastai.callback.core import Callback, CancelStepException
-from fastcore.meta import delegates
 
 from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_slow_half
 from .master import MasterWeights

@@ -1,9 +1,8 @@
 """Diagnostics: the loss-scale history of a fit, where the gradients live relative to fp16's range, and warnings."""
 from __future__ import annotations
-import math, warnings
+import math
 from dataclasses import dataclass, field
 import torch
-from torch import nn
 from .dtypes import FP16_MAX
 from .health import scale_health
 

@@ -1,7 +1,7 @@
 """Small, download-free experiments on scikit-learn's digits: the precision modes of seed 002's table, and the three
 failure modes of pure fp16 (seed 001), each in a run where it breaks and a run where the recipe fixes it."""
 from __future__ import annotations
-import math, time, warnings
+import time, warnings
 from dataclasses import dataclass, field
 from functools import partial
 import torch
@@ -15,8 +15,7 @@ from fastai.optimizer import SGD, Adam
 from fastai.torch_core import set_seed
 import fastai.callback.schedule  # noqa: F401 (Learner.fit_one_cycle)
 
-from .callbacks import ModelToHalf, MixedPrecision
-from .native import NativeMixedPrecision
+from .callbacks import ModelToHalf
 from .overflow import OverflowCheck
 from .scalers import check_positive
 from . import learner as _learner  # noqa: F401 (Learner.to_fp16 & co.)

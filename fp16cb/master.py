@@ -1,8 +1,9 @@
 """FP32 master weights: creating them per param group, and the fused copies model <-> master."""
 from __future__ import annotations
-import operator, warnings
+import operator
 import torch
 from torch import nn, Tensor
+from fastcore.foundation import L
 
 __all__ = ['get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'move_opt_state']
 
@@ -148,10 +149,8 @@ def _split_state(state:dict, params:list) -> list:
     return res
 
 def _set_param_lists(opt, pgs):
-    try:
-        from fastcore.foundation import L
-        opt.param_lists = L(L(pg) for pg in pgs) if not hasattr(opt, 'opt') else [list(pg) for pg in pgs]
-    except ImportError: opt.param_lists = [list(pg) for pg in pgs]
+    "Point `opt` at `pgs`: `L`s for a fastai `Optimizer`, lists for the torch optimizer inside an `OptimWrapper`."
+    opt.param_lists = [list(pg) for pg in pgs] if hasattr(opt, 'opt') else L(L(pg) for pg in pgs)
 
 def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None):
     """Point `opt` at `to_pgs` and move the per-param state from `from_pgs` along (no copy when already FP32).

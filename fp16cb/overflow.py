@@ -59,7 +59,7 @@ class OverflowCheck:
             torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
             founds.append(found.to(first))
             if with_max: maxes.append(_max_abs(ts).to(first).reshape(1))
-        found = sum(founds[1:], founds[0].clone()) if founds else torch.zeros(1, device=first)
+        found = founds[0] if len(founds) == 1 else torch.stack(founds).sum(0) if founds else torch.zeros(1, device=first)
         if not with_max: return found
         return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])
 

@@ -4,7 +4,7 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai.basics import Learner, DataLoaders, Callback, SGD, CrossEntropyLossFlat
-from fp16cb import MixedPrecision, ModelToHalf, convert_network, to_master_grads, to_model_params
+from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from fp16cb.bench import run_bench, format_table, main, _Batches
 
 torch.set_num_threads(1)

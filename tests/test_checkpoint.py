@@ -1,12 +1,10 @@
 "Checkpoints: learn.save / learn.load during and after mixed-precision fits, resume, export / load_learner."
 import warnings, tempfile
-from pathlib import Path
 import pytest, torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, MSELossFlat, set_seed, Callback, load_learner
 from fastai.callback.tracker import SaveModelCallback
 from fastai.optimizer import OptimWrapper
-from fp16cb import MixedPrecision, LogNormalScaler, BackoffScaler
 
 warnings.filterwarnings('ignore', message='fp16 training on the CPU')
 

@@ -1,5 +1,5 @@
 "The main job `python -m fp16cb`: its argument errors, a tiny run, and the failure modes it demonstrates."
-import os, subprocess, sys, math
+import os, subprocess, sys
 from pathlib import Path
 import pytest
 import torch

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, SGD, MSELossFlat
-from fp16cb import MixedPrecision, BackoffScaler
+from fp16cb import BackoffScaler
 from fp16cb.diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, scale_health, scaling_callback,
                                 GradientReport)
 

@@ -3,11 +3,10 @@ import math
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
-from fastai.learner import Learner
 from fastai.optimizer import SGD
 from fastai.callback.core import Callback
 from fastai.callback.training import GradientAccumulation
-from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision, LossScaleError, BNStatsGuard
+from fp16cb import ModelToHalf, MixedPrecision, LossScaleError, BNStatsGuard
 try: from test_workflow import make_learner, fit, clone_state, assert_same_state, assert_fp32_between_fits, opt_state, assert_same_opt_state
 except ImportError: from tests.test_workflow import make_learner, fit, clone_state, assert_same_state, assert_fp32_between_fits, opt_state, assert_same_opt_state
 

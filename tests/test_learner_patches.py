@@ -3,7 +3,7 @@ import pytest
 import torch
 from fastai.learner import Learner
 import fastai.callback.fp16 as fastai_fp16
-from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision
+from fp16cb import ModelToHalf, MixedPrecision
 from conftest import make_learner, quiet_fit, Record
 
 def _kinds(learn): return sorted(type(cb).__name__ for cb in learn.precision_callbacks())

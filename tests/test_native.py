@@ -1,7 +1,6 @@
 """NativeMixedPrecision on CPU: autocast + GradScaler, fp16 and bf16, predictions FP32, skip and backoff on overflow."""
 import pytest
 import torch
-from torch import nn
 from fastai.basics import Callback
 from fp16cb import NativeMixedPrecision
 from conftest import make_learner, quiet_fit, Record

@@ -4,8 +4,7 @@ import pytest, torch
 from torch import nn
 from hypothesis import given, settings, strategies as st
 from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, set_seed, Callback
-from fp16cb import (LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError, MixedPrecision,
-                    NativeMixedPrecision)
+from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
 from fp16cb.scalers import make_scaler, FP16_MAX
 from fp16cb.overflow import OverflowCheck
 
