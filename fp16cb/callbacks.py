@@ -112,7 +112,7 @@ class MixedPrecision(Callback):
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped)
-        self.master, self.check, self.skipped = None, OverflowCheck(), False
+        self.master, self.check, self.skipped, self.grads_cleared = None, OverflowCheck(), False, False
         self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
@@ -144,6 +144,7 @@ class MixedPrecision(Callback):
         if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
 
     def before_backward(self):
+        self.grads_cleared = False  # this backward's 16-bit grads: cleared in `before_step`, or else in `after_step`
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def before_step(self):
@@ -153,7 +154,11 @@ class MixedPrecision(Callback):
         scale = self.loss_scale
         # at scale 1 there is nothing to unscale: check the 16-bit grads the FP32 ones are exact copies of (fewer bytes)
         if scale == 1.: grads = self.master.model_grads
-        stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad).tolist()  # the one host sync
+        stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad)
+        # the masters hold the grads now: clear the 16-bit ones for the next backward while they are still in cache
+        self.master.zero_model_grads(reattach=False)
+        self.grads_cleared = True
+        stats = stats.tolist()  # the one host sync
         found = stats[0] > 0
         if found: self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
@@ -168,8 +173,8 @@ class MixedPrecision(Callback):
     def after_step(self):
         "fastai calls this even for a cancelled step: copy the masters only when they moved."
         if not self.skipped: self.master.master_to_model()
-        self.master.zero_model_grads()
-        self.skipped = False
+        if not self.grads_cleared: self.master.zero_model_grads()  # an earlier callback cancelled the step
+        self.skipped = self.grads_cleared = False
         self.bn_stats.arm()
 
     def after_epoch(self):

@@ -323,8 +323,12 @@ class MasterWeights:
         "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
         if self.runs: torch._foreach_copy_(self._run_bufs, self._run_masters)
 
-    def zero_model_grads(self):
-        for r in self.runs: r.reattach_grads()
+    def zero_model_grads(self,
+        reattach:bool=True, # first put grads that someone replaced back into the flat buffers (False: just did)
+    ):
+        "Zero the model's 16-bit grads, ready for the next backward to accumulate into."
+        if reattach:
+            for r in self.runs: r.reattach_grads()
         if self.runs: torch._foreach_zero_(self._run_grads)
 
     def restore_opt(self):

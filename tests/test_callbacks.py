@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat
+from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback, CancelStepException, CancelBatchException
 from fastai.layers import BatchNorm
 from fp16cb import ModelToHalf, MixedPrecision
 from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all
@@ -237,3 +237,39 @@ def test_validate_and_get_preds_leave_model_fp32_untouched(flat):
     for a, b in zip(w, learn.model.parameters()): assert b.dtype == torch.float32 and torch.equal(a, b)
     ids = {id(p) for p in learn.model.parameters()}
     assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)
+
+class _CancelAndOverflow(Callback):
+    "Before `MixedPrecision` (order 5): cancel the optimizer step of batch 2, put an inf in a 16-bit grad of batch 3."
+    order = 5
+    def __init__(self): self.n = 0
+    def after_backward(self):
+        self.n += 1
+        if self.n == 3: self.learn.model[3].weight.grad[0, 0] = float('inf')
+    def before_step(self):
+        if self.n == 2: raise CancelStepException()
+
+class _LateCancelBatch(Callback):
+    "After `MixedPrecision` (order 15): cancel the whole of batch 1 in `before_step` (fastai then skips `after_step`)."
+    order, n = 15, 0
+    def before_step(self):
+        self.n += 1
+        if self.n == 1: raise CancelBatchException()
+
+@pytest.mark.parametrize('late_cancel', [False, True])
+@pytest.mark.parametrize('flat', [False, True])
+@pytest.mark.parametrize('dtype', HALF)
+def test_each_backward_starts_from_zero_model_grads(dtype, flat, late_cancel):
+    """The 16-bit grads are cleared once copied into the masters (in `before_step`): every backward starts from zero,
+    after an ordinary step, after a step an earlier callback cancelled, and after an overflow-skipped step; and a
+    callback after `MixedPrecision` reads the grads from the optimizer's FP32 params (the masters)."""
+    learn = make_learner()
+    _to(learn, dtype, flat_master=flat)
+    zero = lambda l: all(p.grad is None or not p.grad.any() for p in l.model.parameters())
+    rec = Record(before_backward=zero, after_backward=zero,
+                 before_step=lambda l: (zero(l), any(p.grad.any() for p, *_ in l.opt.all_params(with_grad=True))))
+    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, _CancelAndOverflow()] + ([_LateCancelBatch()] if late_cancel else []))
+    assert rec.log['before_backward'] == [True] * 4
+    assert rec.log['after_backward'] == [False] * 4  # each backward did produce grads
+    # batch 2 never reached MixedPrecision.before_step, batch 3 was skipped there; 1 and 4 left the grads in the masters
+    assert rec.log['before_step'] == [(True, True)] * (1 if late_cancel else 2)
+    assert learn.mixed_precision.skips == [False, True, False]

@@ -85,11 +85,13 @@ def test_copy_clone():
 # ---- the update during a fit ----------------------------------------------------------------------------------
 
 def _step_recorder():
-    "At before_step (after MixedPrecision unscaled): the 16-bit model grads, the masters and lr; at after_step: both."
+    """At after_backward: the 16-bit model grads; at before_step (after MixedPrecision unscaled, and cleared the 16-bit
+    grads): the masters and lr; at after_step: the masters and the model."""
     mp = lambda l: l.mixed_precision
     return Record(
-        before_step=lambda l: (clones(p.grad for p in flat_pgs(mp(l).model_pgs)), clones(flat_pgs(mp(l).master_pgs)),
-                               mp(l).loss_scale, [h['lr'] for h in l.opt.hypers], [len(pg) for pg in mp(l).master_pgs]),
+        after_backward=lambda l: clones(p.grad for p in flat_pgs(mp(l).model_pgs)),
+        before_step=lambda l: (clones(flat_pgs(mp(l).master_pgs)), mp(l).loss_scale, [h['lr'] for h in l.opt.hypers],
+                               [len(pg) for pg in mp(l).master_pgs]),
         after_step=lambda l: (clones(flat_pgs(mp(l).master_pgs)), clones(flat_pgs(mp(l).model_pgs))))
 
 @pytest.mark.parametrize('dtype,wd,one_cycle', [(torch.float16, 0., False), (torch.bfloat16, 0., False),
@@ -105,7 +107,8 @@ def test_master_update_is_fp32_sgd_of_unscaled_grads(dtype, wd, one_cycle):
     assert do_wd == [True, False, False, False, True, False]  # fastai: no wd on BatchNorm and biases
     assert len(rec.log['before_step']) == 4 == len(rec.log['after_step'])
     all_lrs = set()
-    for (g16, before, scale, lrs, sizes), (after, model) in zip(rec.log['before_step'], rec.log['after_step']):
+    steps = zip(rec.log['after_backward'], rec.log['before_step'], rec.log['after_step'])
+    for g16, (before, scale, lrs, sizes), (after, model) in steps:
         assert scale == 64. and lrs[0] < lrs[1]
         all_lrs.add(tuple(lrs))
         lr_of = [lr for lr, n in zip(lrs, sizes) for _ in range(n)]
