@@ -4,6 +4,7 @@ import operator
 import torch
 from torch import nn, Tensor
 from fastcore.foundation import L
+from fastai.optimizer import Optimizer
 
 __all__ = ['get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'move_opt_state']
 
@@ -170,6 +171,10 @@ def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None):
 
 _grad_of = operator.attrgetter('grad')
 
+def _stock_zero_grad(opt) -> bool:
+    "Whether `opt.zero_grad` is fastai's `Optimizer.zero_grad` itself (so it only zeroes grads: dropping them is the same)."
+    return 'zero_grad' not in vars(opt) and getattr(type(opt), 'zero_grad', None) is Optimizer.zero_grad
+
 class _FlatRun:
     """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
     flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
@@ -280,6 +285,14 @@ class MasterWeights:
         self._run_grads = [r.grad for r in self.runs]
         self._run_masters = [r.master for r in self.runs]
         self._run_master_grads = [r.master_grad for r in self.runs]
+        self._own_zero_grad = _stock_zero_grad(opt)
+        if self._own_zero_grad: opt.zero_grad = self.drop_master_grads
+
+    def drop_master_grads(self):
+        """The optimizer's `zero_grad` during a fit (fastai calls it after every step): the next `grads_to_master`
+        overwrites every master grad, so zeroing them is a wasted pass (and, non-flat, a Python loop of `detach_` and
+        `zero_` per param): drop them (None), as torch's `zero_grad(set_to_none=True)` does."""
+        for m in self.master_params: m.grad = None
 
     def _master_grads_of_runs(self) -> list:
         "Non-flat: the view into the FP32 grad buffers that each master's grad is, in `master_params` order."
@@ -310,6 +323,9 @@ class MasterWeights:
         "Non-flat: each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
         views = self._master_grad_views
         if not missing and all(map(operator.is_, map(_grad_of, self.master_params), views)): return
+        if not missing:
+            for m, v in zip(self.master_params, views): m.grad = v
+            return
         drop = {id(p) for p in missing}
         for p, m, v in zip(self.models, self.master_params, views):
             m.grad = None if id(p) in drop else v
@@ -334,5 +350,6 @@ class MasterWeights:
     def restore_opt(self):
         "Point the optimizer at the model's params again, moving (splitting, when flat) the state back."
         for r in self.runs: r.release()
+        if self._own_zero_grad: self.opt.__dict__.pop('zero_grad', None)
         move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None)
         _set_param_lists(self.opt, self.old_param_lists)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from fastai.basics import SGD, Adam
+from fastai.optimizer import Optimizer, sgd_step
 from fp16cb import get_master, to_master_grads, to_model_params, copy_clone, convert_network
 from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, clones, flat_pgs, seed_all
 
@@ -303,3 +304,30 @@ def test_optim_wrapper_torch_state_follows_the_params(flat):
         torch.testing.assert_close(st[p]['exp_avg_sq'], ref.opt.opt.state[q]['exp_avg_sq'], rtol=2e-2, atol=1e-6)
     quiet_fit(learn, 1, lr=1e-2)
     assert len(st) == 6 and all(float(st[p]['step']) == 8 for p in learn.model.parameters())  # state went on
+
+class _CountingSGD(Optimizer):
+    "A fastai optimizer whose own `zero_grad` does more than zeroing: it must be left in charge."
+    calls = 0
+    def zero_grad(self):
+        type(self).calls += 1
+        super().zero_grad()
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_masters_grads_dropped_not_zeroed_after_each_step(flat):
+    """fastai's `opt.zero_grad()` after each step would zero every master grad that the next `grads_to_master`
+    overwrites: during a fit it drops them instead (None, like torch's `set_to_none`); after the fit the optimizer's
+    own `zero_grad` is back; an optimizer with its own `zero_grad` keeps it."""
+    learn = make_learner()
+    learn.to_fp16(flat_master=flat, max_loss_scale=2.**8)
+    rec = Record(before_batch=lambda l: [p.grad for p, *_ in l.opt.all_params()],
+                 before_step=lambda l: all(p.grad is not None for p, *_ in l.opt.all_params()),
+                 after_epoch=lambda l: 'zero_grad' in vars(l.opt))
+    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
+    assert all(g is None for gs in rec.log['before_batch'][1:] for g in gs)  # dropped after every step
+    assert rec.log['before_step'] == [True] * 4 and rec.log['after_epoch'] == [True]  # ours during the fit
+    assert 'zero_grad' not in vars(learn.opt)  # fastai's again
+    learn2 = make_learner(opt_func=lambda ps, lr: _CountingSGD(ps, [sgd_step], lr=lr))
+    learn2.to_fp16(flat_master=flat, max_loss_scale=2.**8)
+    quiet_fit(learn2, 1, lr=1e-2)
+    assert _CountingSGD.calls == 4 and 'zero_grad' not in vars(learn2.opt)
+    _CountingSGD.calls = 0
