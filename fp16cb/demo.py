@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse, math, sys, time, warnings
 import torch
 
+from .dtypes import has_fast_half_math
 from .experiments import MODES, DEFAULT_MODES, TOLERANCE, run_many, run_experiments, mean_acc
 
 __all__ = ['parse_args', 'format_table', 'format_experiments', 'main']
@@ -156,10 +157,17 @@ def main(argv=None) -> int:
     try: return _main(args)
     finally: torch.set_num_threads(threads)
 
+def _note_slow_half():
+    "Say which 16-bit dtypes this CPU computes without native instructions (their modes run correctly, but slowly)."
+    slow = [n for n, dt in (('fp16', torch.float16), ('bf16', torch.bfloat16)) if not has_fast_half_math(dt, 'cpu')]
+    if slow:
+        print(f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {' or '.join(slow)} math: "
+              f"those modes are correct but slower than FP32 here" +
+              ("" if 'bf16' in slow else " (bf16 is the CPU choice)"))
+
 def _main(args) -> int:
-    if args.device.type == 'cpu' and (args.experiments or any('fp16' in m or m == 'native' for m in args.modes)):
-        print("note: this CPU computes fp16 in software: fp16 modes are correct but slow here (bf16 is the CPU choice)")
-    warnings.filterwarnings('ignore', message='.*fp16 training on the CPU.*')
+    if args.device.type == 'cpu' and (args.experiments or any(m != 'fp32' for m in args.modes)): _note_slow_half()
+    warnings.filterwarnings('ignore', message='.*(fp16|bf16) training on the CPU.*')
     t0 = time.perf_counter()
     if args.experiments:
         print(f"fp16cb experiments on {args.device}, seeds {','.join(map(str, args.seeds))} (failing runs: first seed)")

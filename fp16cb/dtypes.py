@@ -1,11 +1,11 @@
 """Dtype policy: which 16-bit dtypes we train in, which layers stay FP32, and how tensors are cast."""
 from __future__ import annotations
-import warnings
+import functools, warnings
 import torch
 from torch import nn
 
 __all__ = ['HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
-           'has_fast_half_math', 'warn_slow_half']
+           'cpu_has_native', 'has_fast_half_math', 'warn_slow_half']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP16_MAX = 65504.  # the largest finite float16
@@ -56,14 +56,31 @@ def cast_floats(b, dtype:torch.dtype):
     if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
     return b
 
+_ONEDNN_PROBES = {torch.bfloat16: '_is_mkldnn_bf16_supported', torch.float16: '_is_mkldnn_fp16_supported'}
+
+@functools.cache
+def cpu_has_native(dtype:torch.dtype) -> bool:
+    """Whether this CPU computes `dtype` matmuls natively, as torch's oneDNN sees it: bf16 with AVX512 (or AVX512-BF16,
+    AMX, Arm BF16), fp16 with AVX512-FP16 or AMX-FP16. Without, torch falls back to slow reference kernels."""
+    try: return bool(getattr(torch.ops.mkldnn, _ONEDNN_PROBES[dtype])())
+    except (AttributeError, RuntimeError): return dtype == torch.bfloat16  # a torch without the probe: the usual case
+
 def has_fast_half_math(dtype:torch.dtype, device) -> bool:
-    "Whether `device` computes `dtype` natively; a CPU has no native fp16 matrix math."
-    return torch.device(device).type != 'cpu' or dtype != torch.float16
+    "Whether `device` computes `dtype` natively (GPUs do; a CPU only with the instructions `cpu_has_native` checks)."
+    return torch.device(device).type != 'cpu' or cpu_has_native(dtype)
+
+def _slow_half_message(dtype:torch.dtype) -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    if dtype == torch.float16:
+        alt = ("Use `learn.to_bf16()` on a CPU instead." if cpu_has_native(torch.bfloat16) else
+               f"`learn.to_bf16()` is not native on this CPU either ({cap}): FP32 is the fastest here.")
+        return f"fp16 training on the CPU is correct but very slow: this CPU has no native fp16 math. {alt}"
+    return (f"bf16 training on the CPU is correct but slower than FP32: this CPU ({cap}) has no native bf16 math "
+            "(AVX512, AVX512-BF16 or AMX). 16-bit training here saves activation memory, not time.")
 
 _warned = set()
 def warn_slow_half(dtype:torch.dtype, device):
-    "Warn once per process when training in fp16 on a device without fp16 math."
+    "Warn once per process and dtype when training in `dtype` on a device without native math for it."
     if has_fast_half_math(dtype, device) or (dtype, str(device)) in _warned: return
     _warned.add((dtype, str(device)))
-    warnings.warn("fp16 training on the CPU is correct but very slow: this CPU has no native fp16 math. "
-                  "Use `learn.to_bf16()` on a CPU instead.", RuntimeWarning, stacklevel=3)
+    warnings.warn(_slow_half_message(dtype), RuntimeWarning, stacklevel=3)

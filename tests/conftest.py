@@ -89,5 +89,5 @@ def _no_slow_fp16_warning_noise():
     "Tests that do not check the warning do not care about it either."
     import warnings
     with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='fp16 training on the CPU', category=RuntimeWarning)
+        warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU', category=RuntimeWarning)
         yield

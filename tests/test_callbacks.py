@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback, CancelStepException, CancelBatchException
 from fastai.layers import BatchNorm
+import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
 from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all
 
@@ -148,23 +149,48 @@ def test_bf16_no_loss_scaling_fp32_masters():
     # bf16 with scaling on, when asked
     assert make_learner().to_bf16(dynamic=True).mixed_precision.loss_scale == 2.**24
 
-def test_fp16_on_cpu_warns_once(reset_warned):
+def _native(monkeypatch, fp16:bool, bf16:bool):
+    "Pretend this CPU has (or lacks) native fp16 / bf16 math."
+    monkeypatch.setattr(fp16cb.dtypes, 'cpu_has_native', {torch.float16: fp16, torch.bfloat16: bf16}.get)
+
+def _slow_warnings(w): return [str(o.message) for o in w if o.category is RuntimeWarning and 'training on the CPU' in str(o.message)]
+
+@pytest.mark.parametrize('bf16_native', [True, False])
+def test_fp16_on_cpu_warns_once(reset_warned, monkeypatch, bf16_native):
+    _native(monkeypatch, fp16=False, bf16=bf16_native)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         learn = make_learner().to_fp16(**NO_OVERFLOW)
         quiet_fit(learn, 1); quiet_fit(learn, 1)
         quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
-        ours = [o for o in w if 'fp16' in str(o.message) and o.category is RuntimeWarning]
-        assert len(ours) == 1 and 'to_bf16' in str(ours[0].message)
-        quiet_fit(make_learner().to_bf16(), 1)  # bf16 on CPU: no warning
+        ours = _slow_warnings(w)
+        assert len(ours) == 1 and ours[0].startswith('fp16') and 'to_bf16' in ours[0]
+        assert ('Use `learn.to_bf16()`' in ours[0]) == bf16_native  # suggested only where it is native
         quiet_fit(make_learner(), 1)
-        assert len([o for o in w if o.category is RuntimeWarning]) == 1
+        assert len(_slow_warnings(w)) == 1
 
-def test_bf16_does_not_warn(reset_warned):
+@pytest.mark.parametrize('native', [True, False])
+def test_bf16_on_cpu_warns_once_only_without_native_bf16(reset_warned, monkeypatch, native):
+    "bf16 on a CPU without AVX512/AVX512-BF16/AMX runs in slow reference kernels: say so once (this machine: AVX2)."
+    _native(monkeypatch, fp16=False, bf16=native)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        quiet_fit(make_learner().to_bf16(), 1)
-    assert not [o for o in w if o.category is RuntimeWarning]
+        quiet_fit(make_learner().to_bf16(), 1); quiet_fit(make_learner().to_native_bf16(), 1)
+    ours = _slow_warnings(w)
+    assert ours == [] if native else (len(ours) == 1 and ours[0].startswith('bf16') and 'slower than FP32' in ours[0])
+
+def test_fp16_native_cpu_does_not_warn(reset_warned, monkeypatch):
+    "A CPU with AVX512-FP16 / AMX-FP16 computes fp16 natively: no warning."
+    _native(monkeypatch, fp16=True, bf16=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
+    assert _slow_warnings(w) == []
+
+def test_cpu_native_probe_matches_torch():
+    "`cpu_has_native` is torch's own oneDNN probe (this machine, AVX2: neither)."
+    assert fp16cb.dtypes.cpu_has_native(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert fp16cb.dtypes.cpu_has_native(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 def test_model_to_half_alone_restores_exactly():
     "Without MixedPrecision the model still runs 16-bit and comes back FP32 (params it did not train: exactly)."

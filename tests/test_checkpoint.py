@@ -6,7 +6,7 @@ from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, MSELossFla
 from fastai.callback.tracker import SaveModelCallback
 from fastai.optimizer import OptimWrapper
 
-warnings.filterwarnings('ignore', message='fp16 training on the CPU')
+warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
 
 def make_dls(n=64, bs=16):
     set_seed(0)

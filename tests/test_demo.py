@@ -5,6 +5,7 @@ import pytest
 import torch
 from fp16cb.demo import parse_args, main, format_table
 from fp16cb import ModelToHalf
+from fp16cb.dtypes import has_fast_half_math
 from fp16cb.experiments import run_mode, MODES, HalfLossScale, make_learner, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +52,9 @@ def test_tiny_run_prints_the_table_and_plots(tmp_path, capsys):
     assert lines['to_fp16'][3].startswith('2^') and int(lines['to_fp16'][4]) > 0  # 2^24 overflowed: skipped steps
     assert lines['fp32'][3] == '-' and lines['to_bf16'][3] == '1'
     assert out.exists() and out.stat().st_size > 10_000
+    slow = [n for n, dt in (('fp16', torch.float16), ('bf16', torch.bfloat16)) if not has_fast_half_math(dt, 'cpu')]
+    notes = [l for l in text.splitlines() if l.startswith('note:')]
+    assert (notes == []) if not slow else (len(notes) == 1 and ' or '.join(slow) in notes[0])  # AVX2 here: both
 
 def test_vanishing_updates_without_masters():
     "Weights near 24 (fp16 spacing 2^-6) and Adam steps of about 5e-3: pure fp16 cannot move them, FP32 masters do."

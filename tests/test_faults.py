@@ -10,7 +10,7 @@ from fp16cb import ModelToHalf, MixedPrecision, LossScaleError, BNStatsGuard
 try: from test_workflow import make_learner, fit, clone_state, assert_same_state, assert_fp32_between_fits, opt_state, assert_same_opt_state
 except ImportError: from tests.test_workflow import make_learner, fit, clone_state, assert_same_state, assert_fp32_between_fits, opt_state, assert_same_opt_state
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 training on the CPU:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:(fp16|bf16) training on the CPU:RuntimeWarning")
 
 @pytest.fixture(autouse=True, scope='module')
 def one_thread():

@@ -8,7 +8,7 @@ from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
 from fp16cb.scalers import make_scaler, FP16_MAX
 from fp16cb.overflow import OverflowCheck
 
-warnings.filterwarnings('ignore', message='fp16 training on the CPU')
+warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
 FAST = settings(max_examples=60, deadline=None)
 
 # ---------- Static ----------

@@ -14,7 +14,7 @@ from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.callback.tracker import EarlyStoppingCallback
 from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 training on the CPU:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:(fp16|bf16) training on the CPU:RuntimeWarning")
 
 @pytest.fixture(autouse=True, scope='module')
 def one_thread():

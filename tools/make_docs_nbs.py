@@ -15,7 +15,7 @@ from fastai.basics import *
 import matplotlib; matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import fp16cb
-warnings.filterwarnings('ignore', message='.*fp16 training on the CPU.*')  # said once: fp16 on a CPU is emulated
+warnings.filterwarnings('ignore', message='.*(fp16|bf16) training on the CPU.*')  # said once: 16-bit math on a CPU may be emulated
 
 def show_sig(f):
     "Print `f`'s signature and docstring, like fastai's `show_doc`."
