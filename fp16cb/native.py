@@ -82,13 +82,15 @@ class NativeMixedPrecision(Callback):
     def before_step(self):
         "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
         self.skipped, self._stepped = True, True
-        scale = self.loss_scale
         if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
+        # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
+        # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
+        scale = self.loss_scale
         self.scales.append(scale); self.skips.append(self.skipped)
         if self.skipped: self.bn_stats.restore()  # the skipped batch leaves no trace in BatchNorm's statistics
         with lr_find_stops_on(self.learn):
             self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
-                                               f"{self.dtype} autocast, loss scale {self.loss_scale:g}")
+                                               f"{self.dtype} autocast, loss scale {scale:g}")
         if self.skipped: raise CancelStepException()
 
     def _grads_finite(self) -> bool:

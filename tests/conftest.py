@@ -77,6 +77,26 @@ class Record(Callback):
 @pytest.fixture
 def learner(): return make_learner
 
+_HOST_READS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'numpy')
+
+def count_host_reads(monkeypatch, cls, events=('before_step', 'after_step', 'before_backward')) -> list:
+    "Patch `Tensor`'s device-to-host reads to be logged (in the returned list) while `cls` runs one of its `events`."
+    calls, active = [], [False]
+    for name in _HOST_READS:
+        orig = getattr(torch.Tensor, name)
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            if active[0]: calls.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for event in events:
+        orig = getattr(cls, event)
+        def wrapped(self, _orig=orig):
+            active[0] = True
+            try: return _orig(self)
+            finally: active[0] = False
+        monkeypatch.setattr(cls, event, wrapped)
+    return calls
+
 @pytest.fixture
 def reset_warned():
     "Forget which slow-fp16 warnings were already given in this process (`fp16cb.dtypes._warned`)."

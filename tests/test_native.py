@@ -3,7 +3,7 @@ import pytest
 import torch
 from fastai.basics import Callback
 from fp16cb import NativeMixedPrecision
-from conftest import make_learner, quiet_fit, Record
+from conftest import make_learner, quiet_fit, Record, count_host_reads
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -99,3 +99,16 @@ def test_native_bf16_shortcut_and_to_fp32():
 ])
 def test_native_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name): NativeMixedPrecision(**kwargs)
+
+@pytest.mark.parametrize('dtype', HALF)
+def test_native_host_reads_per_step(monkeypatch, dtype):
+    """fp16: GradScaler's own inf check, then the scale read once, after it (nothing is queued on the device by then:
+    no second stall); bf16 (no GradScaler): our one fused check. The recorded scales are the ones each step used."""
+    calls = count_host_reads(monkeypatch, NativeMixedPrecision)
+    learn = make_learner().to_native_fp16(dtype=dtype, init_scale=2.**8, backoff_factor=.5)
+    quiet_fit(learn, 1, lr=1e-2, cbs=Inject([1]))
+    monkeypatch.undo()
+    mp = learn.native_mixed_precision
+    assert mp.skips == [False, True, False, False]
+    assert len(calls) == (2 if dtype == torch.float16 else 1) * 4, calls
+    assert mp.scales == ([2.**8, 2.**8, 2.**7, 2.**7] if dtype == torch.float16 else [1.] * 4)

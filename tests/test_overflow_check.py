@@ -7,7 +7,7 @@ import fp16cb.overflow as ov  # `ov.test_overflow`: never bind a `test_*` name t
 from fp16cb import grad_overflow
 from fp16cb.overflow import OverflowCheck
 from fastai.basics import Callback
-from conftest import make_learner, quiet_fit, Record, clones, flat_pgs
+from conftest import make_learner, quiet_fit, Record, clones, flat_pgs, count_host_reads
 
 INF, NAN = float('inf'), float('nan')
 
@@ -207,27 +207,12 @@ def test_clip_unscaled_master_grads_per_group(clip):
 
 # ---- one host synchronisation per step ---------------------------------------------------------------------------
 
-_SYNCS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'numpy')
-
 @pytest.mark.parametrize('kwargs', [dict(), dict(clip=1.), dict(flat_master=True, clip=.1), dict(dynamic=False),
                                     dict(dtype=torch.bfloat16, loss_scale=1., dynamic=False)])
 def test_one_host_sync_per_step(monkeypatch, kwargs):
     "MixedPrecision's step work reads one value back from the device per step, whatever the number of params."
     from fp16cb import MixedPrecision
-    calls, active = [], [False]
-    for name in _SYNCS:
-        orig = getattr(torch.Tensor, name)
-        def counted(self, *a, _orig=orig, _name=name, **k):
-            if active[0]: calls.append(_name)
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    for event in ('before_step', 'after_step', 'before_backward'):
-        orig = getattr(MixedPrecision, event)
-        def wrapped(self, _orig=orig):
-            active[0] = True
-            try: return _orig(self)
-            finally: active[0] = False
-        monkeypatch.setattr(MixedPrecision, event, wrapped)
+    calls = count_host_reads(monkeypatch, MixedPrecision)
     learn = make_learner().to_fp16(max_loss_scale=2.**8, **kwargs)
     quiet_fit(learn, 1, lr=1e-2, cbs=Inject([2]))
     monkeypatch.undo()
