@@ -111,7 +111,7 @@ class MixedPrecision(Callback):
         check_positive('loss_scale', loss_scale); check_positive('max_loss_scale', max_loss_scale)
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
-                                  max_skipped=max_skipped)
+                                  max_skipped=max_skipped, dtype=self.dtype)
         self.master, self.check, self.skipped, self.grads_cleared = None, OverflowCheck(), False, False
         self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 

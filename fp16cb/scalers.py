@@ -1,6 +1,7 @@
 """Loss scalers: small strategy objects with explicit state that pick the loss scale step after step."""
 from __future__ import annotations
 import math
+import torch
 from statistics import NormalDist
 from .dtypes import FP16_MAX
 
@@ -201,8 +202,9 @@ class LogNormalScaler(LossScaler):
         return f"LogNormalScaler(scale={self.scale:g}, mu={self.mu:.2f}, sigma={self.sigma:.2f}, overflow_prob={self.overflow_prob:g})"
 
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
-                max_skipped=50) -> LossScaler:
-    "A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps seed 001's behaviour, a name or an instance picks."
+                max_skipped=50, dtype=None) -> LossScaler:
+    """A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps seed 001's behaviour, a name or an instance picks.
+    `dtype`: the model's 16-bit dtype, whose largest finite value 'lognormal' keeps the gradients under (fp16's if None)."""
     if isinstance(scaler, LossScaler): return scaler
     if scaler is None: scaler = 'backoff' if dynamic else 'static'
     if not isinstance(scaler, str): raise ValueError(f"`scaler` must be None, a LossScaler or a name, got {scaler!r}")
@@ -214,5 +216,5 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     if name == 'lognormal':
         lo = min(min_loss_scale, max_loss_scale)
         return LogNormalScaler(min(max(2.**16, lo), max_loss_scale), min_scale=lo, max_scale=max_loss_scale,
-                               max_skipped=max_skipped)
+                               max_skipped=max_skipped, max_value=FP16_MAX if dtype is None else torch.finfo(dtype).max)
     raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")

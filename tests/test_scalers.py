@@ -156,6 +156,11 @@ def test_make_scaler_and_bad_input():
     assert isinstance(make_scaler(None, **{**kw, 'dynamic': False}), StaticScaler)
     ln = make_scaler('LogNormal', **kw)
     assert isinstance(ln, LogNormalScaler) and ln.scale == 2.**16 and ln.max_scale == 2.**20 and ln.needs_max_grad
+    assert ln.max_value == 65504.  # fp16's largest finite value, by default
+    assert make_scaler('lognormal', **kw, dtype=torch.float16).max_value == 65504.
+    assert make_scaler('lognormal', **kw, dtype=torch.bfloat16).max_value == torch.finfo(torch.bfloat16).max
+    bf = make_learner().to_bf16(scaler='lognormal', dynamic=True).mixed_precision.scaler
+    assert isinstance(bf, LogNormalScaler) and bf.max_value == torch.finfo(torch.bfloat16).max  # bf16's own range
     inst = StaticScaler(3.); assert make_scaler(inst, **kw) is inst
     with pytest.raises(ValueError, match='lognormal'): make_scaler('logmax', **kw)
     for bad in [dict(overflow_prob=0.), dict(overflow_prob=.7), dict(window=0), dict(min_sigma=-1.), dict(backoff=1.),
