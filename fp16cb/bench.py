@@ -213,6 +213,8 @@ def _held_bytes(learn) -> int:
         for rec in (getattr(cb, 'originals', None) or {}).values(): add(rec[3])  # fp16cb keeps exact FP32 originals
         for pg in (getattr(cb, 'master_pgs', None) or []):
             for m in pg: add(m.data); add(m.grad)
+        master = getattr(cb, 'master', None)  # fp16cb: the master grads are dropped between steps, not their buffers
+        for t in (master.buffers() if hasattr(master, 'buffers') else []): add(t)
     return sum(held.values())
 
 def _copy_bound(n_params, dtype, device, reps=3, cold=True) -> float:

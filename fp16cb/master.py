@@ -304,6 +304,10 @@ class MasterWeights:
                 o += p.numel()
         return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
 
+    def buffers(self) -> list:
+        "The flat buffers behind the model's 16-bit params and grads and the FP32 masters and grads (memory accounting)."
+        return self._run_bufs + self._run_grads + self._run_masters + self._run_master_grads
+
     def fp32_views(self) -> dict:
         "`{model param: the FP32 tensor that holds its current master value}`."
         return dict(zip(self.models, self.masters))

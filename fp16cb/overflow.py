@@ -29,6 +29,8 @@ def grad_overflow(pgs:list) -> bool:
     maxes = [_max_abs(ts).to(grads[0].device) for ts in _by_device(grads).values()]
     return not bool(torch.isfinite(torch.stack(maxes)).all())
 
+_FEW = 8  # up to this many tensors, a check at scale 1 reads them with one `aminmax` each; more: the fused kernel
+
 class OverflowCheck:
     "Unscale gradients in place and detect inf/NaN in the same fused pass; optionally the largest |grad| too."
     def __init__(self): self._bufs, self._grads, self._groups = {}, None, None
@@ -49,7 +51,11 @@ class OverflowCheck:
         inv_scale:float, # 1/loss_scale
         with_max:bool=False, # also return the largest |unscaled grad|
     ) -> Tensor: # `[found_inf]` or `[found_inf, max_abs_grad]` on the first grad's device; read it once per step
-        if inv_scale == 1.: return self._check_only(grads, with_max)
+        if inv_scale == 1. and len(grads) <= _FEW: return self._check_only(grads, with_max)
+        return self._check_and_unscale(grads, inv_scale, with_max)
+
+    def _check_and_unscale(self, grads, inv_scale:float, with_max:bool) -> Tensor:
+        "The fused kernel: one call per (device, dtype) whatever the number of tensors."
         groups = self._grouped(grads)
         first = grads[0].device if grads else torch.device('cpu')
         founds, maxes = [], []
@@ -64,7 +70,8 @@ class OverflowCheck:
         return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])
 
     def _check_only(self, grads, with_max:bool) -> Tensor:
-        "Unscaling by 1 changes nothing: a read-only `aminmax` pass (an inf/NaN shows in a min or a max) gives both stats."
+        """Unscaling by 1 changes nothing: a read-only `aminmax` pass (an inf/NaN shows in a min or a max) gives both
+        stats. One `aminmax` per tensor: for the few flat buffers `MixedPrecision` passes, not for hundreds of grads."""
         first = grads[0].device if grads else torch.device('cpu')
         ts = [t for t in grads if t.numel()]
         if not ts: return torch.zeros(2 if with_max else 1, device=first)
