@@ -152,15 +152,12 @@ class MixedPrecision(Callback):
         grads = self.master.grads_to_master()
         if not grads: return
         scale = self.loss_scale
-        # at scale 1 there is nothing to unscale: check the 16-bit grads the FP32 ones are exact copies of (fewer bytes)
-        if scale == 1.: grads = self.master.model_grads
-        stats = self.check(grads, 1. / scale, with_max=self.scaler.needs_max_grad)
-        # the masters hold the grads now: clear the 16-bit ones for the next backward while they are still in cache
-        self.master.zero_model_grads(reattach=False)
+        stats = self._check_and_clear(grads, scale).tolist()  # the one host sync
         self.grads_cleared = True
-        stats = stats.tolist()  # the one host sync
         found = stats[0] > 0
-        if found: self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
+        if found:
+            self.master.zero_model_grads(reattach=False)  # `_check_and_clear` may have left NaN where an inf was
+            self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
         with lr_find_stops_on(self.learn): self.scaler.update(found, stats[1] if len(stats) > 1 else None)
         if found:
@@ -169,6 +166,17 @@ class MixedPrecision(Callback):
         if self.clip is not None:
             for pg in self.master.master_pgs:
                 if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
+
+    def _check_and_clear(self, grads:list, scale:float) -> torch.Tensor:
+        """Check the grads for inf/NaN (unscaling the FP32 ones), and clear the 16-bit ones for the next backward: the
+        masters hold the grads now, and the 16-bit ones are still in cache. At scale 1 nothing needs unscaling: the
+        16-bit grads (the FP32 ones are exact copies) are checked and cleared in ONE fused pass, by "unscaling" them
+        by 0 (an inf or NaN becomes NaN: on such a step the caller zeroes them again)."""
+        needs_max = self.scaler.needs_max_grad
+        if scale == 1. and not needs_max: return self.check(self.master.model_grads, 0.)
+        stats = self.check(self.master.model_grads if scale == 1. else grads, 1. / scale, with_max=needs_max)
+        self.master.zero_model_grads(reattach=False)
+        return stats
 
     def after_step(self):
         "fastai calls this even for a cancelled step: copy the masters only when they moved."

@@ -58,13 +58,14 @@ class OverflowCheck:
         "The fused kernel: one call per (device, dtype) whatever the number of tensors."
         groups = self._grouped(grads)
         first = grads[0].device if grads else torch.device('cpu')
-        founds, maxes = [], []
+        founds, maxes = {}, []
         for (device, _), ts in groups.items():
             found, inv = self._buf(device)
-            found.zero_(); inv.fill_(inv_scale)
+            if device not in founds:  # once per device: its dtypes (e.g. bf16 + FP32 BatchNorm) share the flag
+                found.zero_(); inv.fill_(inv_scale); founds[device] = found
             torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
-            founds.append(found.to(first))
             if with_max: maxes.append(_max_abs(ts).to(first).reshape(1))
+        founds = [f.to(first) for f in founds.values()]
         found = founds[0] if len(founds) == 1 else torch.stack(founds).sum(0) if founds else torch.zeros(1, device=first)
         if not with_max: return found
         return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])

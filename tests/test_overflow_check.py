@@ -83,6 +83,26 @@ def test_overflow_check_at_scale_one_many_tensors(n, dtype):
         gs[n // 2][0] = bad
         assert OverflowCheck()(gs, 1.).tolist() == [1.]
 
+@pytest.mark.parametrize('inv_scale', [.5, 0., 1.])
+@pytest.mark.parametrize('bad_first', [True, False])
+def test_overflow_check_mixed_dtypes(inv_scale, bad_first):
+    "An inf in one dtype's tensors is found whatever the other dtypes (bf16 weights + FP32 BatchNorm) hold."
+    for bad in (INF, NAN):
+        half = torch.tensor([1., bad, 2.]).to(torch.bfloat16)
+        gs = [half, torch.ones(3)] if bad_first else [torch.ones(3), half]
+        gs += [torch.ones(2, dtype=torch.bfloat16)] * 20 if inv_scale == 1. else []  # many: the fused kernel at scale 1
+        assert OverflowCheck()(gs, inv_scale).tolist() == [1.]
+    ok = [torch.tensor([1., -4.]).to(torch.bfloat16), torch.tensor([2.])]
+    assert OverflowCheck()(ok, .5, with_max=True).tolist() == [0., 2.]
+    assert ok[0].tolist() == [.5, -2.] and ok[1].tolist() == [1.]
+
+def test_overflow_check_by_zero_clears():
+    "Unscaling by 0 checks and clears in one pass (`MixedPrecision` at scale 1): finite -> 0, inf/NaN -> NaN."
+    g = torch.tensor([3., -2., 0.]).to(torch.bfloat16)
+    assert OverflowCheck()([g], 0.).tolist() == [0.] and not g.any()
+    g = torch.tensor([3., INF, -2.]).to(torch.bfloat16)
+    assert OverflowCheck()([g], 0.).tolist() == [1.] and g[[0, 2]].eq(0).all() and g[1].isnan()
+
 # ---- the skipped step during a fit ----------------------------------------------------------------------------
 
 class Inject(Callback):
