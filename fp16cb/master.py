@@ -213,7 +213,7 @@ class _FlatRun:
         "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
         for p in self.params:
             if self._owns(p.data, self.buf): p.data = p.data.clone()
-            if self._owns(p.grad, self.grad):  # zero since `after_step`; a 16-bit grad can't go on an FP32 param
+            if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
                 p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
 
 def _storage_runs(models:list, masters:list) -> tuple:
