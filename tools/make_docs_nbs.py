@@ -79,7 +79,7 @@ assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # after 
 assert mp.skips[0] and mp.scales[0] == 2.**24 and not mp.skips[-1]"""),
 md("""### `to_bf16`
 bfloat16 has FP32's exponent range, so there is nothing to scale: FP32 masters, loss scale 1.
-(On this CPU without native bf16 math it is no faster than FP32; on a recent GPU it is.)"""),
+(On a CPU without native bf16 math, such as this AVX2 one, it is slower than FP32, and fp16cb says so once; with AVX512-BF16/AMX, or on a recent GPU, it is faster.)"""),
 code("""learn = make_learner('digits', 'fp32', seed=0).to_bf16()
 with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
 assert learn.mixed_precision.loss_scale == 1 and not any(learn.mixed_precision.skips)
