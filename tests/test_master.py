@@ -326,6 +326,9 @@ def test_masters_grads_dropped_not_zeroed_after_each_step(flat):
     assert all(g is None for gs in rec.log['before_batch'][1:] for g in gs)  # dropped after every step
     assert rec.log['before_step'] == [True] * 4 and rec.log['after_epoch'] == [True]  # ours during the fit
     assert 'zero_grad' not in vars(learn.opt)  # fastai's again
+    boom = Record(after_step=lambda l: 1 / 0)  # a fit interrupted mid-step gives the optimizer its zero_grad back too
+    with pytest.raises(ZeroDivisionError): quiet_fit(learn, 1, lr=1e-2, cbs=boom)
+    assert 'zero_grad' not in vars(learn.opt) and learn.model[0].weight.dtype == torch.float32
     learn2 = make_learner(opt_func=lambda ps, lr: _CountingSGD(ps, [sgd_step], lr=lr))
     learn2.to_fp16(flat_master=flat, max_loss_scale=2.**8)
     quiet_fit(learn2, 1, lr=1e-2)
