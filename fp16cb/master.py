@@ -178,7 +178,10 @@ def _stock_zero_grad(opt) -> bool:
 class _FlatRun:
     """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
     flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
-    `keep_none`: a param without grad keeps none (non-flat semantics); else it gets a zero grad (flat semantics)."""
+    `keep_none`: a param without grad keeps none (non-flat semantics); else it gets a zero grad (flat semantics).
+    With `keep_none`, a param without grad still gets its view at once (else autograd would allocate a grad of its own
+    for the first backward, on top of the buffer: a peak of 2 bytes/param more on each fit's first step); a hook
+    notes which of them the backward reaches, and the others lose the view again at the first `reattach_grads`."""
     def __init__(self, params, master:Tensor, master_grad:Tensor, keep_none:bool=False):
         n = sum(p.numel() for p in params)
         p0 = params[0]
@@ -187,17 +190,32 @@ class _FlatRun:
         self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
         self.views, self.grad_views = _flat_views(self.buf, params), _flat_views(self.grad, params)
         with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
+        self.pending, self.reached, self._hooks = [], set(), []  # params with no grad yet; those a backward reached
         for p, v, g in zip(params, self.views, self.grad_views):
             p.data = v
             if p.grad is not None: g.copy_(p.grad)
-            elif keep_none: continue
+            elif keep_none: self.pending.append(p)
             p.grad = g
+        self._hooks = [p.register_post_accumulate_grad_hook(self._reach) for p in self.pending]
+
+    def _reach(self, p): self.reached.add(id(p))
+
+    def _settle_pending(self):
+        "After the first backward(s): a param without grad before the fit that no backward reached goes back to None."
+        for p in self.pending:
+            if id(p) not in self.reached and p.grad is not None and self._owns(p.grad, self.grad): p.grad = None
+        self._drop_hooks()
+
+    def _drop_hooks(self):
+        for h in self._hooks: h.remove()
+        self.pending, self.reached, self._hooks = [], set(), []
 
     def _owns(self, t:Tensor, buf:Tensor) -> bool:
         return t is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
     def reattach_grads(self) -> list:
         "Grads that someone replaced go back into the flat grad buffer; returns the params left without grad."
+        if self.pending: self._settle_pending()
         if all(map(operator.is_, map(_grad_of, self.params), self.grad_views)): return []  # the usual case, ~50ns/param
         missing = []
         for p, g in zip(self.params, self.grad_views):
@@ -211,6 +229,7 @@ class _FlatRun:
 
     def release(self):
         "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
+        if self.pending: self._settle_pending()  # a fit that ended before any step
         for p in self.params:
             if self._owns(p.data, self.buf): p.data = p.data.clone()
             if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param

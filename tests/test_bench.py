@@ -134,9 +134,9 @@ def test_bench_smoke(tmp_path, capsys):
         assert o['all_steps'] == 3 and 0 <= o['skipped'] <= 3  # warm-up, timed round, memory fit
     assert data['act']['fp32']['mem_MB'] > 0 and data['act']['bf16-flat']['mem_ratio'] > 0
     # flat or not, the same buffers (16-bit params and grads, FP32 masters, grads, Adam state), counted even while
-    # the master grads are dropped between steps; non-flat also holds autograd's own 16-bit grads on a fit's first
-    # step (a param without grad keeps None, so nothing is attached before its first backward)
-    assert book['bf16']['mem_MB'] >= book['bf16-flat']['mem_MB'] > book['fp32']['mem_MB']
+    # the master grads are dropped between steps; and on a fit's first step too (non-flat attaches the grad views
+    # before the first backward, so autograd allocates no 16-bit grads of its own)
+    assert book['bf16']['mem_MB'] == book['bf16-flat']['mem_MB'] > book['fp32']['mem_MB']
     assert format_table(res) == table.strip()
 
 def test_bench_bad_input():
@@ -158,8 +158,23 @@ def test_a_param_without_grad_stays_without_grad_when_not_flat():
         dls = DataLoaders(_Batches(batches), _Batches(batches[:1])); dls.device = torch.device('cpu')
         learn = Learner(dls, copy.deepcopy(init), loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=LR, wd=0.5)
         learn.to_bf16(flat_master=flat)
-        grab = _GrabGrads(); learn.add_cb(grab)
-        _fit(learn)
+        grab, first = _GrabGrads(), _FirstBackward(); learn.add_cbs([grab, first])
+        _fit(learn, 2)  # the second fit starts from params without grads again
         w = list(learn.model.parameters())[-2]
         assert (grab.grads[-2] is None) == (not flat)  # non-flat: no grad, no step; flat: a zero grad (seed semantics)
         assert torch.equal(w.data, init.unused.weight.data) == (not flat)  # a zero grad still gets weight decay
+        # even the first backward of a fit accumulates into the flat buffer: autograd allocates no 16-bit grad of its own
+        assert first.log == [True, True], first.log
+
+class _FirstBackward(Callback):
+    "At the first `after_backward` of each fit: whether every 16-bit grad (of the used params) is a view of a run's buffer."
+    order = 20
+    def __init__(self): self.log = []
+    def before_fit(self): self.seen = False
+    def after_backward(self):
+        if self.seen: return
+        self.seen = True
+        mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).master
+        bufs = {r.grad.untyped_storage().data_ptr() for r in mw.runs}
+        used = list(self.learn.model.body.parameters())
+        self.log.append(all(p.grad.untyped_storage().data_ptr() in bufs for p in used))
