@@ -107,8 +107,9 @@ class MixedPrecision(Callback):
         scaler=None, # None (seed behaviour), 'backoff', 'lognormal', 'static' or a `LossScaler`
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
+        clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
     ):
-        self.dtype = resolve_dtype(dtype)
+        self.dtype, self.clip_global = resolve_dtype(dtype), bool(clip_global)
         self.flat_master, self.clip = bool(flat_master), _check_clip(clip)
         check_positive('loss_scale', loss_scale); check_positive('max_loss_scale', max_loss_scale)
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
@@ -165,9 +166,13 @@ class MixedPrecision(Callback):
         if found:
             self.skipped = True
             raise CancelStepException()
-        if self.clip is not None:
-            for pg in self.master.master_pgs:
-                if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
+        if self.clip is not None: self._clip()
+
+    def _clip(self):
+        "Clip the unscaled FP32 master grads: each param group's norm (seed 001), or their global norm."
+        pgs = self.master.master_pgs
+        for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
+            if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
 
     def _check_and_clear(self, grads:list, scale:float) -> torch.Tensor:
         """Check the grads for inf/NaN (unscaling the FP32 ones), and clear the 16-bit ones for the next backward: the

@@ -38,8 +38,9 @@ def reject_gradient_clip(learn):
     if clips:
         raise ValueError(f"fastai's GradientClip(max_norm={clips[0].max_norm}) cannot be used with `to_fp16`/`to_bf16`: "
                          f"it would clip the model's loss-scaled 16-bit gradients, which the optimizer never steps. Use "
-                         f"`learn.to_fp16(clip={clips[0].max_norm})` (clips the unscaled FP32 master gradients, per "
-                         f"param group) instead, or `to_native_fp16`, with which GradientClip works.")
+                         f"`learn.to_fp16(clip={clips[0].max_norm}, clip_global=True)` instead: the same global L2 norm as "
+                         f"GradientClip, of the unscaled FP32 master gradients (without `clip_global`, each param group's "
+                         f"norm is clipped, as in seed 001). Or use `to_native_fp16`, with which GradientClip works.")
 
 def count_skip(n_in_a_row:int, skipped:bool, max_skipped:int, what:str) -> int:
     "Consecutive skipped steps after this one; past `max_skipped` the scalers' loud `LossScaleError`."

@@ -216,19 +216,23 @@ def test_static_scale_stays(scale):
 
 # ---- clipping --------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize('clip_global', [False, True])
 @pytest.mark.parametrize('clip', [1e-3, 0.1, 1e3])
-def test_clip_unscaled_master_grads_per_group(clip):
+def test_clip_unscaled_master_grads(clip, clip_global):
+    "Each param group's norm (seed 001), or with `clip_global` the norm over all groups, as fastai's `GradientClip`."
     learn = make_learner()
-    learn.to_fp16(dynamic=False, loss_scale=128., clip=clip)
+    learn.to_fp16(dynamic=False, loss_scale=128., clip=clip, clip_global=clip_global)
     mp = lambda l: l.mixed_precision
     rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs],
                  before_step=lambda l: [[m.grad.clone() for m in mg] for mg in mp(l).master_pgs])
     quiet_fit(learn, 1, lr=1e-2, cbs=rec)
+    assert len(rec.log['before_step']) == 4 and len(rec.log['before_step'][0]) == 2  # 4 steps, 2 param groups
     for g16, gm in zip(rec.log['after_backward'], rec.log['before_step']):
+        if clip_global: g16, gm = [[g for pg in g16 for g in pg]], [[g for pg in gm for g in pg]]
         for pg16, pgm in zip(g16, gm):
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in pgm]))
             assert norm <= clip * (1 + 1e-5)
-            # the FP32 reference: unscale the 16-bit grads in FP32, clip the group's global norm to `clip`
+            # the FP32 reference: unscale the 16-bit grads in FP32, clip the (group's or global) norm to `clip`
             ref = [nn.Parameter(torch.zeros_like(g, dtype=torch.float32)) for g in pg16]
             for r, g in zip(ref, pg16): r.grad = g.float() / 128.
             total = nn.utils.clip_grad_norm_(ref, clip)

@@ -256,7 +256,7 @@ def test_gradient_accumulation_matches_fp32(mode):
 def test_fastai_gradient_clip_is_rejected_with_masters(mode):
     learn = make_learner(mode)
     w0 = clone_state(learn.model)
-    with pytest.raises(ValueError, match=r"to_fp16\(clip=0.5\)"): fit(learn, 'fit', 1, 1e-2, cbs=GradientClip(0.5))
+    with pytest.raises(ValueError, match=r"to_fp16\(clip=0.5, clip_global=True\)"): fit(learn, 'fit', 1, 1e-2, cbs=GradientClip(0.5))
     assert_same_state(w0, clone_state(learn.model))
     assert_fp32_between_fits(learn)
     fit(learn, 'fit', 1, 1e-2)  # the learner is fine afterwards
@@ -279,6 +279,11 @@ def test_our_clip_clips_unscaled_master_grads():
     spy = NormSpy()
     fit(learn, 'fit', 1, 1e-2, cbs=spy)
     assert spy.norms and max(spy.norms) <= 0.05 * 2 ** .5 * 1.001  # per param group (two groups)
+    assert max(spy.norms) > 0.05 * 1.01  # ... which lets the global norm exceed `clip`
+    learn = make_learner('fp16', clip=0.05, clip_global=True, dynamic=False, loss_scale=2.**10)
+    spy = NormSpy()
+    fit(learn, 'fit', 1, 1e-2, cbs=spy)
+    assert spy.norms and max(spy.norms) <= 0.05 * 1.001  # the global norm, as fastai's GradientClip
 
 # ---- inference, outputs, inputs ---------------------------------------------------------------------------------
 class InferDuringFit(Callback):
