@@ -32,12 +32,13 @@ class BNStatsGuard:
         self.armed = True
 
 def reject_gradient_clip(learn):
-    "fastai's `GradientClip` would clip the model's *scaled* 16-bit grads, not the FP32 masters the optimizer steps: refuse it."
+    "fastai's `GradientClip` would clip the model's 16-bit grads, not the FP32 masters the optimizer steps: refuse it."
     from fastai.callback.training import GradientClip
     clips = [cb for cb in learn.cbs if isinstance(cb, GradientClip)]
     if clips:
         raise ValueError(f"fastai's GradientClip(max_norm={clips[0].max_norm}) cannot be used with `to_fp16`/`to_bf16`: "
-                         f"it would clip the model's loss-scaled 16-bit gradients, which the optimizer never steps. Use "
+                         f"it would clip the model's 16-bit gradients, which MixedPrecision has already copied (unscaled) "
+                         f"into the FP32 masters that the optimizer steps, and cleared. Use "
                          f"`learn.to_fp16(clip={clips[0].max_norm}, clip_global=True)` instead: the same global L2 norm as "
                          f"GradientClip, of the unscaled FP32 master gradients (without `clip_global`, each param group's "
                          f"norm is clipped, as in seed 001). Or use `to_native_fp16`, with which GradientClip works.")

@@ -172,7 +172,9 @@ for f in (ModelToHalf, MixedPrecision, NativeMixedPrecision): show_sig(f)"""),
 md("""## What each event sees
 A small callback records dtypes during a fit: the model is fp16 (BatchNorm FP32), the input batch fp16, the predictions
 and the loss FP32; `learn.loss` is the real, unscaled loss while `learn.loss_grad` (what is backpropagated) is
-multiplied by the loss scale."""),
+multiplied by the loss scale. From `MixedPrecision.before_step` on, the step's gradients are in the FP32 masters
+(the optimizer's params, unscaled); the model's 16-bit grads are cleared there, for the next backward: a callback
+that looks at gradients reads `learn.opt`'s params."""),
 code("""from fp16cb.experiments import make_learner
 class Spy(Callback):
     order = 50
@@ -181,12 +183,16 @@ class Spy(Callback):
         self.pred, self.conv, self.bn = self.learn.pred.dtype, self.learn.model[0].weight.dtype, self.learn.model[1].weight.dtype
     def before_backward(self):
         self.ratio = (self.learn.loss_grad / self.learn.loss).item(); self.scale = self.learn.mixed_precision.loss_scale
+    def before_step(self):
+        self.master_grads = {p.grad.dtype for p, *_ in self.opt.all_params(with_grad=True)}
+        self.model_grads_cleared = all(p.grad is None or not p.grad.any() for p in self.learn.model.parameters())
 learn = make_learner('digits', 'fp32', seed=0).add_cbs([ModelToHalf(), MixedPrecision(), Spy()])
 with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
 s = learn.spy
-print(s.x, s.conv, s.bn, s.pred, s.ratio)
+print(s.x, s.conv, s.bn, s.pred, s.ratio, s.master_grads, s.model_grads_cleared)
 assert (s.x, s.conv, s.bn, s.pred) == (torch.float16, torch.float16, torch.float32, torch.float32)
-assert s.ratio == s.scale > 1"""),
+assert s.ratio == s.scale > 1
+assert s.master_grads == {torch.float32} and s.model_grads_cleared"""),
 md("""## Overflow: skip the step, lower the scale
 On an inf/NaN in the gradients (checked in one fused pass, one host sync per step) the step is skipped (masters
 untouched) and the scale divided by `div_factor`; after `scale_wait` clean steps it is multiplied again, never above
