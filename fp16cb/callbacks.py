@@ -155,11 +155,12 @@ class MixedPrecision(Callback):
         grads = self.master.grads_to_master()
         if not grads: return
         scale = self.loss_scale
-        stats = self._check_and_clear(grads, scale).tolist()  # the one host sync
-        self.grads_cleared = True
+        clear = self._may_clear_early()
+        stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
+        self.grads_cleared = clear
         found = stats[0] > 0
         if found:
-            self.master.zero_model_grads(reattach=False)  # `_check_and_clear` may have left NaN where an inf was
+            if clear: self.master.zero_model_grads(reattach=False)  # `_check_and_clear` may have left NaN for an inf
             self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
         with lr_find_stops_on(self.learn): self.scaler.update(found, stats[1] if len(stats) > 1 else None)
@@ -174,21 +175,31 @@ class MixedPrecision(Callback):
         for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
             if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
 
+    def _may_clear_early(self) -> bool:
+        """Whether no callback after this one has a `before_step`: one could raise `CancelBatchException` there, and
+        fastai then skips `after_step` and `zero_grad` so that the grads accumulate into the next batch (gradient
+        accumulation ordered after us). They must then still be in the 16-bit grads: clearing waits for `after_step`."""
+        return not any(cb.order > self.order and callable(getattr(cb, 'before_step', None)) for cb in self.learn.cbs)
+
+    def _check(self, grads:list, scale:float) -> torch.Tensor:
+        "The check alone: unscale the FP32 grads; at scale 1 a read-only pass over the 16-bit ones (exact copies)."
+        needs_max = self.scaler.needs_max_grad
+        return self.check(self.master.model_grads if scale == 1. else grads, 1. / scale, with_max=needs_max)
+
     def _check_and_clear(self, grads:list, scale:float) -> torch.Tensor:
         """Check the grads for inf/NaN (unscaling the FP32 ones), and clear the 16-bit ones for the next backward: the
         masters hold the grads now, and the 16-bit ones are still in cache. At scale 1 nothing needs unscaling: the
         16-bit grads (the FP32 ones are exact copies) are checked and cleared in ONE fused pass, by "unscaling" them
         by 0 (an inf or NaN becomes NaN: on such a step the caller zeroes them again)."""
-        needs_max = self.scaler.needs_max_grad
-        if scale == 1. and not needs_max: return self.check(self.master.model_grads, 0.)
-        stats = self.check(self.master.model_grads if scale == 1. else grads, 1. / scale, with_max=needs_max)
+        if scale == 1. and not self.scaler.needs_max_grad: return self.check(self.master.model_grads, 0.)
+        stats = self._check(grads, scale)
         self.master.zero_model_grads(reattach=False)
         return stats
 
     def after_step(self):
         "fastai calls this even for a cancelled step: copy the masters only when they moved."
         if not self.skipped: self.master.master_to_model()
-        if not self.grads_cleared: self.master.zero_model_grads()  # an earlier callback cancelled the step
+        if not self.grads_cleared: self.master.zero_model_grads()  # not cleared early, or the step was cancelled before us
         self.skipped = self.grads_cleared = False
         self.bn_stats.arm()
 

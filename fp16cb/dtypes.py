@@ -62,6 +62,7 @@ _ONEDNN_PROBES = {torch.bfloat16: '_is_mkldnn_bf16_supported', torch.float16: '_
 def cpu_has_native(dtype:torch.dtype) -> bool:
     """Whether this CPU computes `dtype` matmuls natively, as torch's oneDNN sees it: bf16 with AVX512 (or AVX512-BF16,
     AMX, Arm BF16), fp16 with AVX512-FP16 or AMX-FP16. Without, torch falls back to slow reference kernels."""
+    if dtype not in _ONEDNN_PROBES: return True  # FP32 (and anything else) needs no 16-bit instructions
     try: return bool(getattr(torch.ops.mkldnn, _ONEDNN_PROBES[dtype])())
     except (AttributeError, RuntimeError): return dtype == torch.bfloat16  # a torch without the probe: the usual case
 

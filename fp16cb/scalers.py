@@ -3,7 +3,7 @@ from __future__ import annotations
 import math
 import torch
 from statistics import NormalDist
-from .dtypes import FP16_MAX
+from .dtypes import FP16_MAX, resolve_dtype
 
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
@@ -216,5 +216,5 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     if name == 'lognormal':
         lo = min(min_loss_scale, max_loss_scale)
         return LogNormalScaler(min(max(2.**16, lo), max_loss_scale), min_scale=lo, max_scale=max_loss_scale,
-                               max_skipped=max_skipped, max_value=FP16_MAX if dtype is None else torch.finfo(dtype).max)
+                               max_skipped=max_skipped, max_value=FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max)
     raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback, CancelStepException, CancelBatchException
+from fastai.optimizer import Optimizer, sgd_step
 from fastai.layers import BatchNorm
 import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
@@ -187,10 +188,15 @@ def test_fp16_native_cpu_does_not_warn(reset_warned, monkeypatch):
         quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
     assert _slow_warnings(w) == []
 
-def test_cpu_native_probe_matches_torch():
-    "`cpu_has_native` is torch's own oneDNN probe (this machine, AVX2: neither)."
-    assert fp16cb.dtypes.cpu_has_native(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert fp16cb.dtypes.cpu_has_native(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
+def test_cpu_native_probe(monkeypatch):
+    "`cpu_has_native` asks torch's oneDNN probe; a torch without it: bf16 assumed native, fp16 not; FP32 always."
+    probe = fp16cb.dtypes.cpu_has_native.__wrapped__  # uncached
+    assert probe(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert probe(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert probe(torch.float32) and fp16cb.dtypes.has_fast_half_math(torch.float32, 'cpu')
+    monkeypatch.setattr(fp16cb.dtypes, '_ONEDNN_PROBES', {torch.bfloat16: '_no_such_probe', torch.float16: '_no_such_probe'})
+    assert probe(torch.bfloat16) and not probe(torch.float16)
+    assert fp16cb.dtypes.has_fast_half_math(torch.float16, 'cuda')  # GPUs compute both natively
 
 def test_model_to_half_alone_restores_exactly():
     "Without MixedPrecision the model still runs 16-bit and comes back FP32 (params it did not train: exactly)."
@@ -281,21 +287,35 @@ class _LateCancelBatch(Callback):
         self.n += 1
         if self.n == 1: raise CancelBatchException()
 
-@pytest.mark.parametrize('late_cancel', [False, True])
+def _zero(l): return all(p.grad is None or not p.grad.any() for p in l.model.parameters())
+
+def _spying_sgd(seen:list):
+    "A fastai SGD that records, at each optimizer step, whether the model's 16-bit grads are zero already."
+    learn_ref = []
+    def spy(p, **kwargs):  # called per param: note the step once, at its first param
+        if p is learn_ref[0].opt.param_lists[0][0]: seen.append(_zero(learn_ref[0]))
+    return learn_ref, lambda params, lr: Optimizer(params, [spy, sgd_step], lr=lr)
+
+@pytest.mark.parametrize('late', [None, 'observe', 'cancel'])
 @pytest.mark.parametrize('flat', [False, True])
 @pytest.mark.parametrize('dtype', HALF)
-def test_each_backward_starts_from_zero_model_grads(dtype, flat, late_cancel):
-    """The 16-bit grads are cleared once copied into the masters (in `before_step`): every backward starts from zero,
-    after an ordinary step, after a step an earlier callback cancelled, and after an overflow-skipped step; and a
-    callback after `MixedPrecision` reads the grads from the optimizer's FP32 params (the masters)."""
-    learn = make_learner()
+def test_each_backward_starts_from_zero_model_grads(dtype, flat, late):
+    """Every backward starts from zero 16-bit grads: after an ordinary step, a step an earlier callback cancelled and
+    an overflow-skipped step. They are cleared as soon as they are in the masters (in `before_step`, where they are
+    hot), unless a later callback has a `before_step` (`late`): it could raise `CancelBatchException` to accumulate
+    them into the next batch (fastai then skips `after_step`), so clearing waits for `after_step`, and a batch
+    cancelled that way does carry its grads into the next one."""
+    seen = []
+    learn_ref, opt_func = _spying_sgd(seen)
+    learn = make_learner(opt_func=opt_func); learn_ref.append(learn)
     _to(learn, dtype, flat_master=flat)
-    zero = lambda l: all(p.grad is None or not p.grad.any() for p in l.model.parameters())
-    rec = Record(before_backward=zero, after_backward=zero,
-                 before_step=lambda l: (zero(l), any(p.grad.any() for p, *_ in l.opt.all_params(with_grad=True))))
-    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, _CancelAndOverflow()] + ([_LateCancelBatch()] if late_cancel else []))
-    assert rec.log['before_backward'] == [True] * 4
+    rec = Record(before_backward=_zero, after_backward=_zero)
+    cbs = [rec, _CancelAndOverflow()] + {None: [], 'observe': [Record(before_step=lambda l: None)],
+                                         'cancel': [_LateCancelBatch()]}[late]
+    quiet_fit(learn, 1, lr=1e-2, cbs=cbs)
+    # batch 1 is stepped, or cancelled late (its grads carry into batch 2); 2 is cancelled early; 3 overflows
+    assert rec.log['before_backward'] == ([True, False, True, True] if late == 'cancel' else [True] * 4)
     assert rec.log['after_backward'] == [False] * 4  # each backward did produce grads
-    # batch 2 never reached MixedPrecision.before_step, batch 3 was skipped there; 1 and 4 left the grads in the masters
-    assert rec.log['before_step'] == [(True, True)] * (1 if late_cancel else 2)
+    # at each optimizer step (1 and 4; 1 is cancelled when `late == 'cancel'`): were the 16-bit grads cleared already?
+    assert seen == [late is None] * (1 if late == 'cancel' else 2)
     assert learn.mixed_precision.skips == [False, True, False]

@@ -329,8 +329,8 @@ def test_masters_grads_dropped_not_zeroed_after_each_step(flat):
     boom = Record(after_step=lambda l: 1 / 0)  # a fit interrupted mid-step gives the optimizer its zero_grad back too
     with pytest.raises(ZeroDivisionError): quiet_fit(learn, 1, lr=1e-2, cbs=boom)
     assert 'zero_grad' not in vars(learn.opt) and learn.model[0].weight.dtype == torch.float32
+    _CountingSGD.calls = 0
     learn2 = make_learner(opt_func=lambda ps, lr: _CountingSGD(ps, [sgd_step], lr=lr))
     learn2.to_fp16(flat_master=flat, max_loss_scale=2.**8)
     quiet_fit(learn2, 1, lr=1e-2)
     assert _CountingSGD.calls == 4 and 'zero_grad' not in vars(learn2.opt)
-    _CountingSGD.calls = 0

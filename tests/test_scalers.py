@@ -159,6 +159,7 @@ def test_make_scaler_and_bad_input():
     assert ln.max_value == 65504.  # fp16's largest finite value, by default
     assert make_scaler('lognormal', **kw, dtype=torch.float16).max_value == 65504.
     assert make_scaler('lognormal', **kw, dtype=torch.bfloat16).max_value == torch.finfo(torch.bfloat16).max
+    assert make_scaler('lognormal', **kw, dtype='bf16').max_value == torch.finfo(torch.bfloat16).max
     bf = make_learner().to_bf16(scaler='lognormal', dynamic=True).mixed_precision.scaler
     assert isinstance(bf, LogNormalScaler) and bf.max_value == torch.finfo(torch.bfloat16).max  # bf16's own range
     inst = StaticScaler(3.); assert make_scaler(inst, **kw) is inst
