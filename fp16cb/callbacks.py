@@ -89,8 +89,9 @@ def _check_clip(clip):
 
 class MixedPrecision(Callback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
-    From its `before_step` on, a step's gradients are in the masters (the optimizer's params, unscaled): the model's
-    16-bit grads are cleared there, for the next backward."""
+    From its `before_step` on, a step's gradients are in the masters (the optimizer's params, unscaled); the model's
+    16-bit grads are cleared for the next backward there (in cache), or in `after_step` when a later callback has a
+    `before_step` (it could cancel the batch to accumulate them)."""
     order = 10
     bn_stats = None  # a `BNStatsGuard` during a fit
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)

@@ -45,12 +45,16 @@ def fp32_view(learn):
     mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision) and cb.master is not None), None)
     if mth is None and mp is None:
         yield learn; return
+    # grads accumulated so far (gradient accumulation across the save: fastai's FP32 save leaves them alone)
+    grads = [(p, p.grad) for p in learn.model.parameters() if p.grad is not None]
     if mth is not None: mth.restore()
     if mp is not None: mp.restore()
     try: yield learn
     finally:
         if mth is not None: mth.before_fit()
         if mp is not None: mp.before_fit()
+        for p, g in grads:  # the next step copies them into the fit's flat grad buffers, as any replaced grad
+            if g.dtype == p.dtype and g.shape == p.shape: p.grad = g
 
 class _OptLoader:
     "Stands in for the optimizer in fastai's `load_model`: takes our key out of the state dict before loading it."

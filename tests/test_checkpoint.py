@@ -167,3 +167,18 @@ def test_lr_find_restores_model_and_scaler():
     with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=10, show_plot=False)
     for k, v in learn.model.state_dict().items(): assert torch.equal(v, before[k]), k
     assert learn.mixed_precision.scaler.state_dict() == sc and len(learn.metrics) == 0
+
+@pytest.mark.parametrize('flat', [False, True])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_save_mid_accumulation_keeps_the_accumulated_grads(mode, flat):
+    """Gradient accumulation across an epoch's end, with `SaveModelCallback(every_epoch=True)` saving there: the grads
+    accumulated so far survive the save (fastai's FP32 save leaves them alone), so the run ends exactly as without it."""
+    from fastai.callback.training import GradientAccumulation
+    finals = []
+    for save in (False, True):
+        learn = make_learner()
+        getattr(learn, f'to_{mode}')(flat_master=flat, **({'max_loss_scale': 2.**8} if mode == 'fp16' else {}))
+        cbs = [GradientAccumulation(48)] + ([SaveModelCallback(every_epoch=True)] if save else [])  # 3 batches of 16
+        fit(learn, 3, 1e-1, cbs=cbs)  # 4 batches an epoch: accumulations span the epochs' ends
+        finals.append([p.detach().clone() for p in learn.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals))

@@ -173,8 +173,9 @@ md("""## What each event sees
 A small callback records dtypes during a fit: the model is fp16 (BatchNorm FP32), the input batch fp16, the predictions
 and the loss FP32; `learn.loss` is the real, unscaled loss while `learn.loss_grad` (what is backpropagated) is
 multiplied by the loss scale. From `MixedPrecision.before_step` on, the step's gradients are in the FP32 masters
-(the optimizer's params, unscaled); the model's 16-bit grads are cleared there, for the next backward: a callback
-that looks at gradients reads `learn.opt`'s params."""),
+(the optimizer's params, unscaled): a callback that looks at gradients reads `learn.opt`'s params. The model's 16-bit
+grads are cleared for the next backward, right there while they are in cache, or in `after_step` when a later
+callback has a `before_step` of its own (like this spy: it could cancel the batch to accumulate the grads)."""),
 code("""from fp16cb.experiments import make_learner
 class Spy(Callback):
     order = 50
@@ -183,8 +184,8 @@ class Spy(Callback):
         self.pred, self.conv, self.bn = self.learn.pred.dtype, self.learn.model[0].weight.dtype, self.learn.model[1].weight.dtype
     def before_backward(self):
         self.ratio = (self.learn.loss_grad / self.learn.loss).item(); self.scale = self.learn.mixed_precision.loss_scale
-    def before_step(self):
-        self.master_grads = {p.grad.dtype for p, *_ in self.opt.all_params(with_grad=True)}
+    def before_step(self): self.master_grads = {p.grad.dtype for p, *_ in self.opt.all_params(with_grad=True)}
+    def after_step(self):
         self.model_grads_cleared = all(p.grad is None or not p.grad.any() for p in self.learn.model.parameters())
 learn = make_learner('digits', 'fp32', seed=0).add_cbs([ModelToHalf(), MixedPrecision(), Spy()])
 with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
