@@ -190,7 +190,7 @@ class _FlatRun:
         self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
         self.views, self.grad_views = _flat_views(self.buf, params), _flat_views(self.grad, params)
         with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
-        self.pending, self.reached, self._hooks = [], set(), []  # params with no grad yet; those a backward reached
+        self.pending, self.reached = [], set()  # params with no grad yet; those a backward reached
         for p, v, g in zip(params, self.views, self.grad_views):
             p.data = v
             if p.grad is not None: g.copy_(p.grad)
@@ -204,9 +204,6 @@ class _FlatRun:
         "After the first backward(s): a param without grad before the fit that no backward reached goes back to None."
         for p in self.pending:
             if id(p) not in self.reached and p.grad is not None and self._owns(p.grad, self.grad): p.grad = None
-        self._drop_hooks()
-
-    def _drop_hooks(self):
         for h in self._hooks: h.remove()
         self.pending, self.reached, self._hooks = [], set(), []
 
@@ -345,9 +342,9 @@ class MasterWeights:
     def _attach_master_grads(self, missing:list):
         "Non-flat: each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
         views = self._master_grad_views
-        if not missing and all(map(operator.is_, map(_grad_of, self.master_params), views)): return
-        if not missing:
-            for m, v in zip(self.master_params, views): m.grad = v
+        if not missing:  # the usual case: all attached, or all dropped by `drop_master_grads`
+            if not all(map(operator.is_, map(_grad_of, self.master_params), views)):
+                for m, v in zip(self.master_params, views): m.grad = v
             return
         drop = {id(p) for p in missing}
         for p, m, v in zip(self.models, self.master_params, views):
