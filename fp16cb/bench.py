@@ -263,6 +263,16 @@ def _fit(learn):
         warnings.simplefilter('ignore')
         fit(learn, 1)
 
+def _check_device(device):
+    "The benchmark runs on the CPU or an available CUDA device: anything else is a clear error, not a traceback."
+    try: d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError): raise ValueError(f"not a torch device: {device!r} (expected cpu or cuda)")
+    if d.type not in ('cpu', 'cuda'): raise ValueError(f"unsupported device {device!r}: the benchmark runs on cpu or cuda")
+    if d.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"{device!r}: CUDA is not available on this machine (try --device cpu)")
+    if d.type == 'cuda' and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
 def run_bench(
     workloads=('mlp', 'book', 'conv', 'act'), # which of `WORKLOADS`
     modes=tuple(MODES), # which of `MODES`
@@ -280,6 +290,7 @@ def run_bench(
     for name in list(workloads) + list(modes):
         if name not in WORKLOADS and name not in MODES: raise ValueError(f"unknown workload or mode {name!r}")
     if steps < 1 or rounds < 1: raise ValueError("`steps` and `rounds` must be >= 1")
+    _check_device(device)
     is_cuda = torch.device(device).type == 'cuda'
     clock = clock or ('wall' if is_cuda else 'cpu')
     if clock not in ('wall', 'cpu') or (clock == 'cpu' and is_cuda): raise ValueError(f"bad clock {clock!r} for {device}")
@@ -385,8 +396,9 @@ def main(argv=None):
     p.add_argument('--json', default=None, help='also write the results as JSON to this file')
     a = p.parse_args(argv)
     if a.threads: torch.set_num_threads(a.threads)
-    res = run_bench(a.workloads, a.modes, a.steps, a.rounds, warmup=a.warmup, device=a.device, scale=a.scale,
-                    clock=a.clock)
+    try: res = run_bench(a.workloads, a.modes, a.steps, a.rounds, warmup=a.warmup, device=a.device, scale=a.scale,
+                         clock=a.clock)
+    except ValueError as e: p.error(str(e))  # bad input: a usage error (exit 2), not a traceback
     print(format_table(res))
     if a.json:
         with open(a.json, 'w') as f: json.dump(res, f, indent=1)

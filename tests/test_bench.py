@@ -139,9 +139,17 @@ def test_bench_smoke(tmp_path, capsys):
     assert book['bf16']['mem_MB'] == book['bf16-flat']['mem_MB'] > book['fp32']['mem_MB']
     assert format_table(res) == table.strip()
 
-def test_bench_bad_input():
+def test_bench_bad_input(capsys):
     with pytest.raises(ValueError, match='unknown'): run_bench(['nope'], ['fp32'], verbose=False)
     with pytest.raises(ValueError, match='steps'): run_bench(['book'], ['fp32'], steps=0, verbose=False)
+    with pytest.raises(ValueError, match='not a torch device'): run_bench(['book'], ['fp32'], device='gpu0', verbose=False)
+    with pytest.raises(ValueError, match='cpu or cuda'): run_bench(['book'], ['fp32'], device='meta', verbose=False)
+    # on the command line: a usage error (exit 2) that says what is wrong, not a traceback
+    bad = [(['--workloads', 'nope'], 'unknown workload')] + ([] if torch.cuda.is_available() else
+                                                             [(['--device', 'cuda'], 'CUDA is not available')])
+    for argv, msg in bad:
+        with pytest.raises(SystemExit) as e: main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
 
 class _Unused(nn.Module):
     "A model with a param that never gets a gradient."
