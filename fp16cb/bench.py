@@ -21,6 +21,7 @@ import fastai.callback.fp16 as ffp16
 
 from .callbacks import ModelToHalf, MixedPrecision, model_device
 from .native import NativeMixedPrecision
+from .devices import resolve_device
 from .dtypes import cast_floats
 from . import learner as _patches  # noqa: F401 (Learner.to_fp16 & co.)
 
@@ -263,16 +264,6 @@ def _fit(learn):
         warnings.simplefilter('ignore')
         fit(learn, 1)
 
-def _check_device(device):
-    "The benchmark runs on the CPU or an available CUDA device: anything else is a clear error, not a traceback."
-    try: d = torch.device(device)
-    except (RuntimeError, ValueError, TypeError): raise ValueError(f"not a torch device: {device!r} (expected cpu or cuda)")
-    if d.type not in ('cpu', 'cuda'): raise ValueError(f"unsupported device {device!r}: the benchmark runs on cpu or cuda")
-    if d.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f"{device!r}: CUDA is not available on this machine (try --device cpu)")
-    if d.type == 'cuda' and d.index is not None and d.index >= torch.cuda.device_count():
-        raise ValueError(f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
 def run_bench(
     workloads=('mlp', 'book', 'conv', 'act'), # which of `WORKLOADS`
     modes=tuple(MODES), # which of `MODES`
@@ -290,7 +281,7 @@ def run_bench(
     for name in list(workloads) + list(modes):
         if name not in WORKLOADS and name not in MODES: raise ValueError(f"unknown workload or mode {name!r}")
     if steps < 1 or rounds < 1: raise ValueError("`steps` and `rounds` must be >= 1")
-    _check_device(device)
+    resolve_device(device, ('cpu', 'cuda'), 'cpu or cuda')
     is_cuda = torch.device(device).type == 'cuda'
     clock = clock or ('wall' if is_cuda else 'cpu')
     if clock not in ('wall', 'cpu') or (clock == 'cpu' and is_cuda): raise ValueError(f"bad clock {clock!r} for {device}")

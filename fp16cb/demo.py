@@ -5,21 +5,14 @@ import argparse, math, sys, time, warnings
 import torch
 
 from .dtypes import has_fast_half_math
+from .devices import resolve_device
 from .experiments import MODES, DEFAULT_MODES, TOLERANCE, run_many, run_experiments, mean_acc
 
 __all__ = ['parse_args', 'format_table', 'format_experiments', 'main']
 
 def _device(s:str) -> torch.device:
-    try: d = torch.device(s)
-    except (RuntimeError, ValueError): raise argparse.ArgumentTypeError(f"not a torch device: {s!r} (expected cpu, cuda, cuda:N or mps)")
-    if d.type == 'cuda' and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{s!r}: CUDA is not available on this machine (try --device cpu)")
-    if d.type == 'cuda' and d.index is not None and d.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{s!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if d.type == 'mps' and not (hasattr(torch.backends, 'mps') and torch.backends.mps.is_available()):
-        raise argparse.ArgumentTypeError(f"{s!r}: MPS is not available on this machine")
-    if d.type not in ('cpu', 'cuda', 'mps'): raise argparse.ArgumentTypeError(f"unsupported device type: {s!r} (expected cpu, cuda, cuda:N or mps)")
-    return d
+    try: return resolve_device(s)
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e))
 
 def _modes(s:str) -> list:
     modes = [m.strip() for m in s.split(',') if m.strip()]
