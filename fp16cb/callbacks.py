@@ -6,6 +6,7 @@ from fastai.callback.core import Callback, CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_slow_half
 from .master import MasterWeights
+from .layout import with_layout_of
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
 from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
@@ -73,8 +74,9 @@ class ModelToHalf(Callback):
             cur = (module._parameters if is_param else module._buffers).get(name)
             if cur is None: continue
             master = self.masters.get(id(cur)) if is_param else None
-            if master is not None: new = master.clone() if master._base is not None else master
-            elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = orig  # unchanged: exact original
+            # each in the layout the model has now (e.g. channels_last set during the fit), in storage of its own
+            if master is not None: new = with_layout_of(master, cur)
+            elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = with_layout_of(orig, cur)  # unchanged: exact original
             else: new = cur.to(orig.dtype)  # trained in 16-bit without master: nothing better than its value
             if is_param:
                 if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param

@@ -6,6 +6,8 @@ from torch import nn, Tensor
 from fastcore.foundation import L
 from fastai.optimizer import Optimizer
 
+from .layout import flat_views as _flat_views, flatten_like, dense_strides
+
 __all__ = ['get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'move_opt_state']
 
 def _trainable(pg): return [p for p in pg if getattr(p, 'requires_grad', False) and hasattr(p, 'data')]
@@ -50,18 +52,11 @@ def get_master(
         flats, parts = [], _flat_partitions(pg, opt)
         model_pgs[i] = [p for part in parts for p in part]  # params in the order of their flat masters
         for part in parts:
-            flat = nn.Parameter(torch.cat([src(p).reshape(-1) for p in part]), requires_grad=True)
+            flat = nn.Parameter(flatten_like([src(p) for p in part], part, torch.float32), requires_grad=True)
             flat.grad = torch.zeros_like(flat)
             flats.append(flat)
         master_pgs.append(flats)
     return model_pgs, master_pgs
-
-def _flat_views(flat:Tensor, params) -> list:
-    "Views into `flat` shaped like each of `params`, in order."
-    res, o = [], 0
-    for p in params:
-        res.append(flat[o:o+p.numel()].view_as(p)); o += p.numel()
-    return res
 
 def _pairs(model_pgs, master_pgs, flat_master):
     "`(model params, master tensors)` matched one to one (views into the flat masters when flat)."
@@ -133,8 +128,8 @@ def _merge_states(states:list, params:list) -> dict:
     for k in keys:
         vals = [s.get(k) for s in states]
         if any(isinstance(v, Tensor) and v.dim() > 0 for v in vals):
-            out[k] = torch.cat([(v if v is not None else torch.zeros_like(p, dtype=torch.float32)).detach().float().reshape(-1)
-                                for v, p in zip(vals, params)])
+            out[k] = flatten_like([v if v is not None else torch.zeros_like(p, dtype=torch.float32) for v, p in zip(vals, params)],
+                                  params, torch.float32)
         else: out[k] = next(v for v in vals if v is not None)
     return out
 
@@ -244,8 +239,9 @@ def _storage_runs(models:list, masters:list) -> tuple:
         o = 0
         for i in idx:
             m, k = masters[i], masters[i].numel()
-            data[o:o+k].copy_(m.data.reshape(-1))
-            m.data, o = data[o:o+k].view_as(m), o + k
+            view = _flat_views(data[o:o+k], [models[i]])[0]  # laid out as the model param (channels_last stays)
+            view.copy_(m.data)
+            m.data, o = view, o + k
             m.grad = None
         o, j = 0, 0
         while j < len(idx):
@@ -316,7 +312,7 @@ class MasterWeights:
         for r in self.runs:
             o = r.master_grad.storage_offset()
             for p in r.params:  # aliases, not autograd views: fastai's `zero_grad` calls `grad.detach_()`
-                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape)
+                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape, dense_strides(p))
                 o += p.numel()
         return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
 

@@ -4,7 +4,7 @@ import operator
 import torch
 from torch import Tensor
 
-__all__ = ['test_overflow', 'grad_overflow', 'OverflowCheck']
+__all__ = ['test_overflow', 'grad_overflow', 'OverflowCheck', 'check_and_unscale_', 'fused_supported']
 
 def test_overflow(x:Tensor) -> bool:
     "Whether `x` holds an inf, -inf or NaN anywhere."
@@ -15,12 +15,17 @@ def _by_device(tensors) -> dict:
     for t in tensors: res.setdefault((t.device, t.dtype), []).append(t)
     return res
 
+def _real(ts) -> list:
+    "The non-empty tensors of `ts`, complex ones as real views (the checks and reductions want real numbers)."
+    return [torch.view_as_real(t) if t.is_complex() else t for t in ts if t.numel()]
+
 def _max_abs(tensors) -> Tensor:
     "Largest |value| over `tensors` (NaN if any is NaN), as a 0-dim FP32 tensor on their device; no host sync."
-    if tensors[0].device.type != 'cpu': return torch.stack(torch._foreach_norm(tensors, float('inf'))).float().max()
+    ts = _real(tensors)
+    if not ts: return torch.zeros((), device=tensors[0].device if tensors else 'cpu')
+    if ts[0].device.type != 'cpu': return torch.stack(torch._foreach_norm(ts, float('inf'))).float().max()
     # on the CPU `_foreach_norm(inf)` is a slow generic reduction (6.8 ms vs 0.34 ms for `aminmax` on 2M floats)
-    return torch.stack([torch.stack(torch.aminmax(t)).abs().max() for t in tensors if t.numel()] or
-                       [torch.zeros((), dtype=tensors[0].dtype)]).float().max()
+    return torch.stack([torch.stack(torch.aminmax(t)).abs().max().float() for t in ts]).max()
 
 def grad_overflow(pgs:list) -> bool:
     "Whether any gradient of any param of the groups `pgs` holds an inf or NaN; a single host sync."
@@ -28,6 +33,37 @@ def grad_overflow(pgs:list) -> bool:
     if not grads: return False
     maxes = [_max_abs(ts).to(grads[0].device) for ts in _by_device(grads).values()]
     return not bool(torch.isfinite(torch.stack(maxes)).all())
+
+def _not_implemented(e:Exception) -> bool:
+    "Whether `e` is a kernel refusing a dtype (torch says so with NotImplementedError, some builds a RuntimeError)."
+    return isinstance(e, NotImplementedError) or 'not implemented for' in str(e)
+
+_REFUSED = set()  # (device type, dtype) whose fused check-and-unscale kernel refused them: use the generic pass
+
+def fused_supported(device_type:str, dtype:torch.dtype) -> bool:
+    "Whether the fused kernel took `dtype` on `device_type` so far (it is tried once per pair; a refusal is kept)."
+    return (device_type, dtype) not in _REFUSED
+
+def _generic_check_and_unscale(ts:list, found:Tensor, inv_scale:float):
+    """What the fused kernel does, from stock foreach ops (no host sync): flag an inf/NaN anywhere into `found`,
+    multiply by `inv_scale`. For the dtypes a device's kernel lacks (bf16 on CUDA) and complex grads (as real views)."""
+    ts = _real(ts)
+    if not ts: return
+    norms = torch.stack(torch._foreach_norm(ts, float('inf')))  # inf or NaN exactly when a tensor holds one
+    found.add_(norms.isfinite().all().logical_not().to(found.dtype))
+    if inv_scale == 0.: torch._foreach_mul_(ts, 0.)  # as the kernel: finite -> 0, inf/NaN -> NaN
+    elif inv_scale != 1.: torch._foreach_mul_(ts, inv_scale)
+
+def check_and_unscale_(ts:list, found:Tensor, inv:Tensor, inv_scale:float):
+    """`torch._amp_foreach_non_finite_check_and_unscale_` on tensors of one device and dtype, or the generic pass where
+    the kernel does not take their dtype on that device (probed on first use, per (device type, dtype))."""
+    key = (ts[0].device.type, ts[0].dtype)
+    if key not in _REFUSED and not ts[0].is_complex():
+        try: return torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
+        except (NotImplementedError, RuntimeError) as e:
+            if not _not_implemented(e): raise
+            _REFUSED.add(key)
+    _generic_check_and_unscale(ts, found, inv_scale)
 
 _FEW = 8  # up to this many tensors, a check at scale 1 reads them with one `aminmax` each; more: the fused kernel
 
@@ -63,7 +99,7 @@ class OverflowCheck:
             found, inv = self._buf(device)
             if device not in founds:  # once per device: its dtypes (e.g. bf16 + FP32 BatchNorm) share the flag
                 found.zero_(); inv.fill_(inv_scale); founds[device] = found
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
+            check_and_unscale_(ts, found, inv, inv_scale)
             if with_max: maxes.append(_max_abs(ts).to(first).reshape(1))
         founds = [f.to(first) for f in founds.values()]
         found = founds[0] if len(founds) == 1 else torch.stack(founds).sum(0) if founds else torch.zeros(1, device=first)
@@ -74,7 +110,7 @@ class OverflowCheck:
         """Unscaling by 1 changes nothing: a read-only `aminmax` pass (an inf/NaN shows in a min or a max) gives both
         stats. One `aminmax` per tensor: for the few flat buffers `MixedPrecision` passes, not for hundreds of grads."""
         first = grads[0].device if grads else torch.device('cpu')
-        ts = [t for t in grads if t.numel()]
+        ts = _real(grads)
         if not ts: return torch.zeros(2 if with_max else 1, device=first)
         mm = torch.stack([torch.stack(torch.aminmax(t)).to(first, torch.float32) for t in ts])
         found = torch.isfinite(mm).all().logical_not_().float().reshape(1)
