@@ -211,7 +211,7 @@ def _held_bytes(learn) -> int:
     for s in learn.opt.state.values():
         for v in (s.values() if isinstance(s, dict) else []): add(v)
     for cb in learn.cbs:
-        for rec in (getattr(cb, 'originals', None) or {}).values(): add(rec[3])  # fp16cb keeps exact FP32 originals
+        for rec in (getattr(cb, 'originals', None) or {}).values(): add(rec.original)  # fp16cb keeps exact FP32 originals
         for pg in (getattr(cb, 'master_pgs', None) or []):
             for m in pg: add(m.data); add(m.grad)
         master = getattr(cb, 'master', None)  # fp16cb: the master grads are dropped between steps, not their buffers

@@ -10,36 +10,55 @@ from .layout import with_layout_of
 from .overflow import OverflowCheck
 from .scalers import make_scaler, check_positive
 from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
-from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, in_fit, fit_begins, fit_ends
+from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, warn_all_skipped
 from .monitor import add_precision_metrics, remove_precision_metrics
+from .devices import model_device
+from .session import session_of
 
-__all__ = ['ModelToHalf', 'MixedPrecision', 'model_device']
+__all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
-def model_device(model:nn.Module) -> torch.device:
-    "The device of `model`'s first parameter (or buffer); CPU for a model without any."
-    for t in model.parameters(): return t.device
-    for t in model.buffers(): return t.device
-    return torch.device('cpu')
+class SessionCallback(Callback):
+    "A precision callback whose `setup`/`teardown` the learner's `PrecisionSession` calls (once per fit, not per event)."
+    @property
+    def session(self): return session_of(self.learn)
+    def before_fit(self): self.session.begin(self)
+    def after_fit(self): self.session.end(self)
+    def setup(self): pass
+    def teardown(self): pass
+    def restore(self):
+        "Tear this callback's setup down now (the learner is FP32 again as far as this callback is concerned)."
+        learn = self.__dict__.get('learn')
+        if learn is not None: session_of(learn).drop(self)
+        else: self.teardown()
 
-class ModelToHalf(Callback):
+def _cast_inputs(dtype):
+    "A forward pre-hook: floating inputs in `dtype`, whatever a callback did to `learn.xb` after `before_batch` (MixUp)."
+    def hook(module, args, kwargs): return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+    return hook
+
+class ModelToHalf(SessionCallback):
     "Run the model in 16-bit during a fit (BatchNorm stays FP32); floating inputs go in 16-bit, predictions come out FP32."
     order = -50  # before every other callback: the model is 16-bit when they see it
     def __init__(self,
         dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
     ):
         self.dtype = resolve_dtype(dtype)
-        self.originals, self.masters = None, {}
+        self.originals, self.masters, self._hook = None, {}, None
 
     @property
     def converted(self) -> bool:
-        "Whether the model is in 16-bit now (from `before_fit` until `after_fit` or `restore`)."
+        "Whether the model is in 16-bit now (set up by the session for a fit, until its end)."
         return self.originals is not None
 
-    def before_fit(self):
-        if not fit_begins(self, self.converted): return  # get_preds/validate inside a fit: the model is 16-bit already
-        self.restore()  # a fit interrupted by an exception (fastai then skips after_fit) left the model converted
+    def setup(self):
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
+        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
+
+    def teardown(self):
+        if self._hook is not None: self._hook.remove()
+        self._hook = None
+        self._restore_model()
 
     def before_batch(self):
         if self.converted: self.learn.xb = cast_floats(self.learn.xb, self.dtype)
@@ -47,13 +66,10 @@ class ModelToHalf(Callback):
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
 
-    def after_fit(self):
-        if fit_ends(self): self.restore()
-
     def fp32_of(self, p) -> torch.Tensor:
         "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
         rec = self.originals.get(id(p)) if self.converted else None
-        return p.data if rec is None else rec[3]
+        return p.data if rec is None else rec.original
 
     def link_masters(self, fp32_views:dict):
         "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
@@ -64,10 +80,10 @@ class ModelToHalf(Callback):
         "An original that a master copied (flat masters) is never used again (`restore` takes the master): free it."
         for k, t in self.masters.items():
             rec = self.originals.get(k) if self.originals else None
-            if rec is not None and rec[3].untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-                self.originals[k] = (*rec[:3], t)
+            if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                self.originals[k] = rec._replace(original=t)
 
-    def restore(self):
+    def _restore_model(self):
         "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
         if not self.converted: return
         for module, name, is_param, orig in self.originals.values():
@@ -89,7 +105,7 @@ class ModelToHalf(Callback):
 def _check_clip(clip):
     return check_positive('clip', clip, allow_none=True)
 
-class MixedPrecision(Callback):
+class MixedPrecision(SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
     From its `before_step` on, a step's gradients are in the masters (the optimizer's params, unscaled); the model's
     16-bit grads are cleared for the next backward there (in cache), or in `after_step` when a later callback has a
@@ -118,11 +134,14 @@ class MixedPrecision(Callback):
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)
-        self.master, self.check, self.skipped, self.grads_cleared = None, OverflowCheck(), False, False
+        self.master, self.check, self.skipped, self.grads_cleared, self.owed = None, OverflowCheck(), False, False, False
+        self.fit_start = 0  # index in `skips` of the current fit's first step
         self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
     def loss_scale(self) -> float: return self.scaler.scale
+    @property
+    def loss_scaler(self): return self.scaler
     @property
     def model_pgs(self): return None if self.master is None else self.master.model_pgs
     @property
@@ -134,18 +153,35 @@ class MixedPrecision(Callback):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
 
     def before_fit(self):
-        if not fit_begins(self, self.master is not None): return  # get_preds/validate inside a fit: keep the masters
-        self.restore()  # an interrupted fit left the optimizer on the masters
+        if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()
+        super().before_fit()
+
+    def setup(self):
+        "Masters for the optimizer's params (made from the exact FP32 originals `ModelToHalf` kept), Recorder columns."
         reject_gradient_clip(self.learn)
         if self.learn.opt is None: self.learn.create_opt()
         mth = self._model_to_half()
         half = mth is not None and mth.converted
-        self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None)
+        names = {id(p): n for n, p in self.learn.model.named_parameters()}
+        self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names)
         if half: mth.link_masters(self.master.fp32_views())
-        if self.log_scale and in_fit(self.learn): add_precision_metrics(self.learn, self)  # not in validate()'s result
-        self.bn_stats = BNStatsGuard(self.learn.model)
+        if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
+        self.bn_stats, self.owed = BNStatsGuard(self.learn.model), False
+
+    def teardown(self):
+        "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
+        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
+        self.bn_stats = None
+        if self.master is None: return
+        self.master.restore_opt()
+        self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads
+
+    def after_fit(self):
+        if self.session.depth.get(id(self)) == 1: warn_all_skipped(self.skips[self.fit_start:], 'MixedPrecision')
+        super().after_fit()
 
     def before_batch(self):
+        if self.owed or (self.master is not None and self.master.stepped): self._settle()  # `after_step` was skipped (a callback before us raised there): finish that step's work now
         # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
         if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
 
@@ -156,7 +192,7 @@ class MixedPrecision(Callback):
     def before_step(self):
         self.skipped = False
         grads = self.master.grads_to_master()
-        if not grads: return
+        if not grads and not self.master.own_params: return
         scale = self.loss_scale
         clear = self._may_clear_early()
         stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
@@ -166,15 +202,14 @@ class MixedPrecision(Callback):
             if clear: self.master.zero_model_grads(reattach=False)  # `_check_and_clear` may have left NaN for an inf
             self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
         self.scales.append(scale); self.skips.append(found)
+        self.skipped = self.owed = found  # a skip is a finished step: its `after_step` work is owed from here on
         with lr_find_stops_on(self.learn): self.scaler.update(found, stats[1] if len(stats) > 1 else None)
-        if found:
-            self.skipped = True
-            raise CancelStepException()
+        if found: raise CancelStepException()
         if self.clip is not None: self._clip()
 
     def _clip(self):
         "Clip the unscaled FP32 master grads: each param group's norm (seed 001), or their global norm."
-        pgs = self.master.master_pgs
+        pgs = self.master.opt_pgs
         for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
             if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
 
@@ -187,30 +222,33 @@ class MixedPrecision(Callback):
     def _check(self, grads:list, scale:float) -> torch.Tensor:
         "The check alone: unscale the FP32 grads; at scale 1 a read-only pass over the 16-bit ones (exact copies)."
         needs_max = self.scaler.needs_max_grad
-        return self.check(self.master.model_grads if scale == 1. else grads, 1. / scale, with_max=needs_max)
+        grads = (self.master.model_grads if scale == 1. else grads) + self.master.own_grads()
+        return self.check(grads, 1. / scale, with_max=needs_max)
 
     def _check_and_clear(self, grads:list, scale:float) -> torch.Tensor:
         """Check the grads for inf/NaN (unscaling the FP32 ones), and clear the 16-bit ones for the next backward: the
         masters hold the grads now, and the 16-bit ones are still in cache. At scale 1 nothing needs unscaling: the
         16-bit grads (the FP32 ones are exact copies) are checked and cleared in ONE fused pass, by "unscaling" them
         by 0 (an inf or NaN becomes NaN: on such a step the caller zeroes them again)."""
-        if scale == 1. and not self.scaler.needs_max_grad: return self.check(self.master.model_grads, 0.)
+        if scale == 1. and not self.scaler.needs_max_grad and not self.master.own_params:
+            return self.check(self.master.model_grads, 0.)
         stats = self._check(grads, scale)
         self.master.zero_model_grads(reattach=False)
         return stats
 
     def after_step(self):
-        "fastai calls this even for a cancelled step: copy the masters only when they moved."
-        if not self.skipped: self.master.master_to_model()
+        """fastai calls this even for a cancelled step. The model already follows the masters: `MasterWeights` copies
+        them in right after the optimizer's `step` (a callback before us that raises here cannot make it miss that)."""
+        self._settle()
+
+    def _settle(self):
+        "After a step (or skip): clear the 16-bit grads unless already done, and arm BatchNorm's snapshot for the next."
         if not self.grads_cleared: self.master.zero_model_grads()  # not cleared early, or the step was cancelled before us
-        self.skipped = self.grads_cleared = False
+        self.skipped = self.grads_cleared = self.owed = self.master.stepped = False
         self.bn_stats.arm()
 
     def after_epoch(self):
         scale_health(self)
-
-    def after_fit(self):
-        if fit_ends(self): self.restore()
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the loss scaler's state."
@@ -218,11 +256,3 @@ class MixedPrecision(Callback):
 
     def load_state_dict(self, sd:dict):
         self.scaler.load_state_dict(sd['scaler'])
-
-    def restore(self):
-        "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
-        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
-        self.bn_stats = None
-        if self.master is None: return
-        self.master.restore_opt()
-        self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads

@@ -14,6 +14,7 @@ import torch
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
+from .session import session_of
 
 __all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view']
 
@@ -41,20 +42,14 @@ def fp32_view(learn):
     """Within: the model holds its exact FP32 master weights and the optimizer points at the model's own params with
     their state, even in the middle of a mixed-precision fit; on exit the fit's 16-bit model and masters come back
     (re-created from the FP32 values, so nothing is rounded twice and the optimizer state is moved, not copied)."""
-    mth = next((cb for cb in learn.cbs if isinstance(cb, ModelToHalf) and cb.converted), None)
-    mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision) and cb.master is not None), None)
-    if mth is None and mp is None:
+    session = session_of(learn)
+    if not session.active:
         yield learn; return
     # grads accumulated so far (gradient accumulation across the save: fastai's FP32 save leaves them alone)
     grads = [(p, p.grad) for p in learn.model.parameters() if p.grad is not None]
-    if mth is not None: mth.restore()
-    if mp is not None: mp.restore()
-    try: yield learn
-    finally:
-        if mth is not None: mth.before_fit()
-        if mp is not None: mp.before_fit()
-        for p, g in grads:  # the next step copies them into the fit's flat grad buffers, as any replaced grad
-            if g.dtype == p.dtype and g.shape == p.shape: p.grad = g
+    with session.suspended(): yield learn
+    for p, g in grads:  # the next step copies them into the fit's flat grad buffers, as any replaced grad
+        if g.dtype == p.dtype and g.shape == p.shape: p.grad = g
 
 class _OptLoader:
     "Stands in for the optimizer in fastai's `load_model`: takes our key out of the state dict before loading it."

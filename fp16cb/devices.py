@@ -2,7 +2,7 @@
 from __future__ import annotations
 import torch
 
-__all__ = ['resolve_device']
+__all__ = ['resolve_device', 'model_device']
 
 def resolve_device(
     s, # a device name: 'cpu', 'cuda', 'cuda:1', 'mps', ...
@@ -20,3 +20,9 @@ def resolve_device(
     if d.type == 'mps' and not (hasattr(torch.backends, 'mps') and torch.backends.mps.is_available()):
         raise ValueError(f"{s!r}: MPS is not available on this machine")
     return d
+
+def model_device(model) -> torch.device:
+    "The device of `model`'s first parameter (or buffer); CPU for a model without any."
+    for t in model.parameters(): return t.device
+    for t in model.buffers(): return t.device
+    return torch.device('cpu')

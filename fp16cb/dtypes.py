@@ -1,10 +1,11 @@
 """Dtype policy: which 16-bit dtypes we train in, which layers stay FP32, and how tensors are cast."""
 from __future__ import annotations
 import functools, warnings
+from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ['HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
+__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
            'cpu_has_native', 'has_fast_half_math', 'warn_slow_half']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -24,27 +25,37 @@ def keeps_fp32(module:nn.Module) -> bool:
     "BatchNorm layers (torch's and fastai's `BatchNorm`, which builds them) keep FP32 parameters and statistics."
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
-def _floating(t): return t is not None and torch.is_floating_point(t)
+_CONVERTIBLE = (torch.float32, torch.float16, torch.bfloat16)  # float64 (kept on purpose) and complex keep their dtype
+def _convertible(t): return t is not None and t.dtype in _CONVERTIBLE
+
+class Converted(NamedTuple):
+    "What `convert_network_keeping` converted: where the tensor lives, and its exact value before."
+    module: nn.Module
+    name: str
+    is_param: bool
+    original: torch.Tensor
+
 
 def convert_network_keeping(model:nn.Module, dtype:torch.dtype) -> dict:
-    """Convert `model`'s floating parameters and buffers to `dtype`, BatchNorm layers excepted, in place.
-    Returns `{id(tensor): (module, name, is_param, original)}` with the original tensor of everything converted,
-    so the exact values can be restored later (the originals are kept, not copied)."""
+    """Convert `model`'s FP32/fp16/bf16 parameters and buffers to `dtype`, BatchNorm layers excepted, in place.
+    Tensors of any other dtype (float64, complex, integer) keep theirs. Returns `{id(tensor): Converted}` with the original tensor of
+    everything converted, so the exact values can be restored later (the originals are kept, not copied)."""
     converted, seen = {}, set()
     for module in model.modules():
         if keeps_fp32(module): continue
         for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
             for name, t in tensors.items():
-                if not _floating(t) or t.dtype == dtype or id(t) in seen: continue
+                if not _convertible(t) or t.dtype == dtype or id(t) in seen: continue
                 seen.add(id(t))
-                converted[id(t)] = (module, name, is_param, t.data if is_param else t)
+                converted[id(t)] = Converted(module, name, is_param, t.data if is_param else t)
                 if is_param: t.data = t.data.to(dtype)
                 else: tensors[name] = t.to(dtype)
         if isinstance(module, nn.RNNBase): module.flatten_parameters()
     return converted
 
 def convert_network(model:nn.Module, dtype:torch.dtype) -> nn.Module:
-    "Convert `model`'s parameters and buffers to `dtype`, except BatchNorm layers, which stay FP32. Returns `model`."
+    """Convert `model`'s FP32/fp16/bf16 parameters and buffers to `dtype`, except BatchNorm layers, which stay FP32
+    (float64 and complex tensors keep their dtype). Returns `model`."""
     convert_network_keeping(model, dtype)
     return model
 

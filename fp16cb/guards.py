@@ -4,7 +4,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on', 'in_fit', 'fit_begins', 'fit_ends']
+__all__ = ['BNStatsGuard', 'reject_gradient_clip', 'count_skip', 'lr_find_stops_on', 'warn_all_skipped']
 
 class BNStatsGuard:
     "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
@@ -63,23 +63,10 @@ def lr_find_stops_on(learn):
         if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
         raise
 
-def in_fit(learn) -> bool:
-    "Whether `learn` is inside `Learner.fit` (a flag set by `workflow`'s patch of `fit`), not a bare `validate`/`get_preds`."
-    return learn is not None and learn.__dict__.get('_fp16cb_fitting', False)
-
-def fit_begins(cb, set_up:bool) -> bool:
-    '''In `before_fit`: False for the `before_fit` that `get_preds`/`validate` fire inside a running fit, while `cb` is
-    `set_up` for it (then `after_fit` must not restore either); True when `cb` must set itself up: a fit begins, or
-    `cb` was restored in the middle of one to be set up again (`checkpoint.fp32_view`: `learn.save` mid-fit, lr_find).'''
-    fitting = in_fit(getattr(cb, 'learn', None))
-    n = cb.__dict__.get('_fits', 0)
-    if fitting and set_up:
-        cb._fits = n + 1
-        return False
-    cb._fits = max(n, 1) if fitting else 1  # outside `fit` nothing can be nested
-    return True
-
-def fit_ends(cb) -> bool:
-    "In `after_fit`: True when the outermost fit ends (then restore), False at the end of a nested `get_preds`/`validate`."
-    cb._fits = max(cb.__dict__.get('_fits', 0) - 1, 0)
-    return cb._fits == 0
+def warn_all_skipped(skips:list, what:str):
+    "At the end of a fit: warn when every optimizer step of it was skipped for inf/NaN gradients (the weights never moved)."
+    if skips and all(skips):
+        import warnings
+        warnings.warn(f"all {len(skips)} optimizer steps of this fit were skipped for inf/NaN gradients ({what}): the "
+                      f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or try "
+                      f"`learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)

@@ -12,7 +12,7 @@ def _calibration_end(skips) -> int:
     return i
 
 def scale_health(
-    cb, # a callback that records `scales` and `skips` (`MixedPrecision`, `NativeMixedPrecision`)
+    cb, # a callback with `loss_scaler` that records `scales` and `skips` (`MixedPrecision`, `NativeMixedPrecision`)
     window:int=200, # how many of the latest steps to judge
     max_skip_frac:float=.1, # warn when more of the window's steps than this were skipped
 ) -> list:
@@ -26,11 +26,9 @@ def scale_health(
                    "loss scale is too high for too long (lower `scale_wait`/`growth_interval`?), or the forward pass "
                    "overflows in fp16 (try `learn.to_bf16()`).")
         warned.add('skips')
-    scaler = getattr(cb, 'scaler', None)
-    floor = getattr(scaler, 'min_scale', 1.)
-    if hasattr(scaler, 'is_enabled'): dynamic = scaler.is_enabled()  # torch's GradScaler (off for bf16)
-    else: dynamic = getattr(scaler, 'wait', None) is not None  # a growing `LossScaler` such as `BackoffScaler`
-    if dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
+    scaler = cb.loss_scaler  # a `LossScaler`, or torch's GradScaler behind `GradScalerAdapter`
+    floor = scaler.floor
+    if scaler.is_dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
         out.append(f"the dynamic loss scale sits at its floor ({floor:g}) for most of the last {len(scales)} steps: "
                    "the gradients (or the loss) are too large for fp16 even unscaled. Check the learning rate and "
                    "the inputs, or train with `learn.to_bf16()`.")

@@ -9,20 +9,25 @@ from fastcore.meta import delegates
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 
-__all__ = ['precision_callbacks']
+from .session import session_of
 
-_FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
-                 if hasattr(_fastai_fp16, n))
-_OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
+__all__ = ['precision_callbacks', 'OURS', 'FOREIGN']
+
+FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
+                if hasattr(_fastai_fp16, n))  # fastai's own precision callbacks
+OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
 
 @patch
 def precision_callbacks(self:Learner) -> list:
     "The mixed-precision callbacks of this learner (ours and fastai's)."
-    return [cb for cb in self.cbs if isinstance(cb, _OURS + _FOREIGN)]
+    return [cb for cb in self.cbs if isinstance(cb, OURS + FOREIGN)]
 
 @patch
 def _set_precision(self:Learner, cbs:list):
     "Replace whatever precision callbacks the learner has with `cbs`, restoring the FP32 model and optimizer first."
+    if session_of(self).in_fit:
+        raise RuntimeError("the precision of a learner cannot change during a fit (`to_fp16`/`to_bf16`/`to_fp32`/"
+                           "`to_native_fp16` was called from a callback or in a fit): set it before `fit`, or after it.")
     old = self.precision_callbacks()
     for cb in old:
         if hasattr(cb, 'restore'): cb.restore()

@@ -8,9 +8,25 @@ from fastai.optimizer import Optimizer
 
 from .layout import flat_views as _flat_views, flatten_like, dense_strides
 
-__all__ = ['get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'move_opt_state']
+__all__ = ['MASTERED', 'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'move_opt_state']
 
-def _trainable(pg): return [p for p in pg if getattr(p, 'requires_grad', False) and hasattr(p, 'data')]
+MASTERED = (torch.float32, torch.float16, torch.bfloat16)  # params of other dtypes (float64, complex) train as they are
+
+def _trainable(pg, own:bool=False):
+    "The trainable params of `pg` that get FP32 masters (`own`: those that train in their own dtype, without)."
+    return [p for p in pg if getattr(p, 'requires_grad', False) and hasattr(p, 'data') and (p.dtype not in MASTERED) == own]
+
+def check_unique_params(param_lists, names:dict|None=None):
+    "A `ValueError` naming the param and its groups when a param is in two param groups (or twice in one)."
+    where = {}
+    for i, pg in enumerate(param_lists):
+        for p in pg:
+            if id(p) in where:
+                name = (names or {}).get(id(p), f'of shape {tuple(p.shape)}')
+                raise ValueError(f"parameter {name} is in param groups {where[id(p)]} and {i} of the optimizer: mixed "
+                                 f"precision keeps one FP32 master per parameter, so it must be in exactly one group "
+                                 f"(check the learner's `splitter`).")
+            where[id(p)] = i
 
 def _state_key(state:dict):
     "What must be equal for params to share one flat master: every non-tensor (or 0-dim tensor) state entry."
@@ -43,7 +59,7 @@ def get_master(
     fp32_of=None, # `param -> exact FP32 value`; given, masters share these tensors instead of cloning `param.data`
 ) -> tuple: # `(model_pgs, master_pgs)`: trainable model params per group and their FP32 masters
     "Per param group of `opt`, the trainable model params and FP32 master copies of them."
-    model_pgs = [_trainable(pg) for pg in opt.param_lists]
+    model_pgs = [_trainable(pg) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
     src = (lambda p: _fp32_leaf(fp32_of(p))) if fp32_of is not None else (lambda p: p.data.detach().clone().float())
     if not flat_master:
         return model_pgs, [[nn.Parameter(src(p), requires_grad=True) for p in pg] for pg in model_pgs]
@@ -278,10 +294,14 @@ class MasterWeights:
         opt, # the learner's optimizer
         flat:bool=False, # one flat FP32 master per group (per run of params with equal flags)
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
+        names:dict=None, # `{id(param): name}` for error messages
     ):
         self.opt, self.flat = opt, flat
+        check_unique_params(opt.param_lists, names)
         self.old_param_lists = list(opt.param_lists)
         self.model_pgs, self.master_pgs = get_master(opt, flat, fp32_of=fp32_of)
+        self.own_pgs = [_trainable(pg, own=True) for pg in opt.param_lists]  # stepped as they are, outside the masters
+        self.own_params = [p for pg in self.own_pgs for p in pg]
         self.master_params = [m for mg in self.master_pgs for m in mg]
         if flat: self.runs = _flat_runs(self.model_pgs, self.master_pgs)
         else:
@@ -293,18 +313,31 @@ class MasterWeights:
         self.flat_grads = [m.grad for m in self.flats]
         if not flat: self._master_grad_views = self._master_grads_of_runs()
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if flat else None)
+        self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
+        if self.own_params: _set_param_lists(opt, self.opt_pgs)
         self._run_bufs = [r.buf for r in self.runs]
         self._run_grads = [r.grad for r in self.runs]
         self._run_masters = [r.master for r in self.runs]
         self._run_master_grads = [r.master_grad for r in self.runs]
         self._own_zero_grad = _stock_zero_grad(opt)
         if self._own_zero_grad: opt.zero_grad = self.drop_master_grads
+        self.stepped, self._prev_step, self._inner_step = False, vars(opt).get('step'), opt.step
+        opt.step = self._step_then_copy
+
+    def _step_then_copy(self, *args, **kwargs):
+        """The optimizer's `step` during a fit: step the masters, then copy them into the model at once, so the model
+        follows the masters whatever a callback raises in `after_step`."""
+        out = self._inner_step(*args, **kwargs)
+        self.master_to_model()
+        self.stepped = True
+        return out
 
     def drop_master_grads(self):
         """The optimizer's `zero_grad` during a fit (fastai calls it after every step): the next `grads_to_master`
         overwrites every master grad, so zeroing them is a wasted pass (and, non-flat, a Python loop of `detach_` and
         `zero_` per param): drop them (None), as torch's `zero_grad(set_to_none=True)` does."""
         for m in self.master_params: m.grad = None
+        for p in self.own_params: p.grad = None
 
     def _master_grads_of_runs(self) -> list:
         "Non-flat: the view into the FP32 grad buffers that each master's grad is, in `master_params` order."
@@ -346,6 +379,10 @@ class MasterWeights:
         for p, m, v in zip(self.models, self.master_params, views):
             m.grad = None if id(p) in drop else v
 
+    def own_grads(self) -> list:
+        "The grads of the params that train in their own dtype (loss-scaled like the others: check and unscale them too)."
+        return [p.grad for p in self.own_params if p.grad is not None]
+
     @property
     def model_grads(self) -> list:
         "The model's grads, as one flat buffer per run: after `grads_to_master`, exactly the values of the FP32 grads."
@@ -367,5 +404,7 @@ class MasterWeights:
         "Point the optimizer at the model's params again, moving (splitting, when flat) the state back."
         for r in self.runs: r.release()
         if self._own_zero_grad: self.opt.__dict__.pop('zero_grad', None)
+        if self._prev_step is None: self.opt.__dict__.pop('step', None)
+        else: self.opt.step = self._prev_step
         move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None)
         _set_param_lists(self.opt, self.old_param_lists)

@@ -2,18 +2,19 @@
 from __future__ import annotations
 import torch
 from torch.amp import GradScaler
-from fastai.callback.core import Callback, CancelStepException
+from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, cast_floats, warn_slow_half
-from .callbacks import model_device
-from .scalers import check_positive
+from .devices import model_device
+from .callbacks import SessionCallback
+from .scalers import check_positive, GradScalerAdapter
 from .overflow import OverflowCheck
 from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
-from .guards import BNStatsGuard, count_skip, lr_find_stops_on, fit_begins, fit_ends
+from .guards import BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped
 
 __all__ = ['NativeMixedPrecision']
 
-class NativeMixedPrecision(Callback):
+class NativeMixedPrecision(SessionCallback):
     "Mixed precision with PyTorch's autocast and GradScaler, on the model's device (CPU included)."
     order = 10
     _stateattrs = ('_autocast',)  # not pickled (export): an autocast context belongs to one fit
@@ -38,6 +39,7 @@ class NativeMixedPrecision(Callback):
         self.max_skipped = int(check_positive('max_skipped', max_skipped, strict_min=0))
         self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
+        self.fit_start = 0  # index in `skips` of the current fit's first step
         self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
@@ -45,19 +47,31 @@ class NativeMixedPrecision(Callback):
         "The GradScaler's current scale (1. when scaling is off)."
         return self.scaler.get_scale() if self.scaler is not None and self.scaler.is_enabled() else 1.
 
+    @property
+    def loss_scaler(self) -> GradScalerAdapter:
+        "The GradScaler behind the `LossScaler` interface (health checks, diagnostics)."
+        return GradScalerAdapter(self.scaler)
+
     def _make_scaler(self, device_type):
         return GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor,
                           backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
                           enabled=self.enabled and self.dtype == torch.float16)
 
     def before_fit(self):
-        if not fit_begins(self, self.bn_stats is not None): return  # get_preds/validate inside a fit
-        self._exit_autocast()
+        if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()
+        super().before_fit()
+
+    def setup(self):
         device_type = model_device(self.learn.model).type
         if self.enabled: warn_slow_half(self.dtype, device_type)
         if self.scaler is None or device_type != self.device_type:  # kept across fits: its scale is learned state
             self.scaler, self.device_type = self._make_scaler(device_type), device_type
         self.bn_stats, self.skipped_in_a_row = BNStatsGuard(self.learn.model), 0
+
+    def teardown(self):
+        "Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`)."
+        self._exit_autocast()
+        self.bn_stats = None
 
     def before_batch(self):
         if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
@@ -68,7 +82,9 @@ class NativeMixedPrecision(Callback):
     def after_loss(self): self._exit_autocast()
     def after_batch(self): self._exit_autocast()
     def after_fit(self):
-        if fit_ends(self): self.restore()
+        if self.session.depth.get(id(self)) == 1:
+            warn_all_skipped(self.skips[self.fit_start:], f'{self.dtype} autocast'.replace('torch.', ''))
+        super().after_fit()
     def after_epoch(self):
         scale_health(self)
 
@@ -97,11 +113,6 @@ class NativeMixedPrecision(Callback):
         "Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the weights."
         grads = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
         return not grads or not self._check(grads, 1.).item() > 0  # inv_scale 1: the grads are left as they are
-
-    def restore(self):
-        "Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`)."
-        self._exit_autocast()
-        self.bn_stats = None
 
     def after_step(self):
         if self._stepped: self.scaler.update()

@@ -7,7 +7,7 @@ from .dtypes import FP16_MAX, resolve_dtype
 
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
-           'make_scaler', 'FP16_MAX']
+           'make_scaler', 'FP16_MAX', 'GradScalerAdapter']
 
 class LossScaleError(FloatingPointError):
     "Training cannot go on: gradients keep overflowing whatever the loss scale."
@@ -51,6 +51,16 @@ class LossScaler:
                        f"(loss scale now {self.scale:g}).")
 
     def _update(self, found_inf, grad_stats): pass
+
+    @property
+    def is_dynamic(self) -> bool:
+        "Whether the scale moves with the gradients (a static scale never does)."
+        return False
+
+    @property
+    def floor(self) -> float:
+        "The lowest scale this strategy goes to (a static scale: itself)."
+        return self.scale
 
     def _fail(self, what): raise LossScaleError(f"Mixed-precision training stopped: {what} {_HINT}")
 
@@ -108,6 +118,9 @@ class BackoffScaler(LossScaler):
             if self.clean_in_a_row >= self.wait:
                 self.clean_in_a_row, self.overflows_left = 0, self.hysteresis
                 self.scale = min(self.scale * self.factor, self.max_scale)
+
+    is_dynamic = property(lambda self: True, doc="Backoff scaling moves the scale: down on overflow, up after `wait` clean steps.")
+    floor = property(lambda self: self.min_scale, doc="`min_scale`.")
 
     def __repr__(self): return f"BackoffScaler(scale={self.scale:g}, factor={self.factor:g}, wait={self.wait})"
 
@@ -198,8 +211,25 @@ class LogNormalScaler(LossScaler):
             self.observe(_censored_mean(self.mu, self.sigma, cutoff))
         self.scale = max(min(self.target() if self.n_obs else self.scale, self.scale / self.backoff), self.min_scale)
 
+    is_dynamic = property(lambda self: True, doc="The scale follows the statistics of the gradients.")
+    floor = property(lambda self: self.min_scale, doc="`min_scale`.")
+
     def __repr__(self):
         return f"LogNormalScaler(scale={self.scale:g}, mu={self.mu:.2f}, sigma={self.sigma:.2f}, overflow_prob={self.overflow_prob:g})"
+
+class GradScalerAdapter:
+    """torch's `GradScaler` behind the `LossScaler` interface (`scale`, `is_dynamic`, `floor`, `state_dict`), so that
+    health checks and diagnostics read `NativeMixedPrecision` as they read `MixedPrecision`. GradScaler updates itself."""
+    def __init__(self, gs): self.gs = gs
+    @property
+    def scale(self) -> float: return self.gs.get_scale() if self.gs is not None and self.gs.is_enabled() else 1.
+    @property
+    def is_dynamic(self) -> bool: return self.gs is not None and self.gs.is_enabled()
+    floor = 1.  # GradScaler has no floor; a scale held under 1 means gradients too large for fp16 even unscaled
+    def state_dict(self) -> dict: return self.gs.state_dict() if self.gs is not None else {}
+    def load_state_dict(self, sd:dict):
+        if self.gs is not None and self.gs.is_enabled(): self.gs.load_state_dict(sd)
+    def __repr__(self): return f"GradScalerAdapter(scale={self.scale:g})"
 
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
                 max_skipped=50, dtype=None) -> LossScaler:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, SGD, MSELossFlat
-from fp16cb import BackoffScaler
+from fp16cb import BackoffScaler, StaticScaler, LogNormalScaler
 from fp16cb.diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, scale_health, scaling_callback,
                                 GradientReport)
 
@@ -85,7 +85,7 @@ def test_gradient_report_uses_the_current_scale():
     plot_gradient_range(learn, n_batches=1); plt.close('all')
 
 def _fake(scales, skips, scaler):
-    return SimpleNamespace(scales=scales, skips=skips, scaler=scaler)
+    return SimpleNamespace(scales=scales, skips=skips, loss_scaler=scaler)
 
 def test_scale_health_warns_once_about_skips():
     cb = _fake([2.**10] * 100, [False, True] * 50, BackoffScaler(2.**10, wait=2))
@@ -102,8 +102,13 @@ def test_scale_health_warns_once_about_skips():
 def test_scale_health_warns_about_a_scale_at_its_floor():
     cb = _fake([1.] * 50, [False] * 50, BackoffScaler(1., wait=500))
     with pytest.warns(RuntimeWarning, match="sits at its floor"): scale_health(cb)
-    static = _fake([1.] * 50, [False] * 50, SimpleNamespace(min_scale=1.))  # a static scale of 1 is not stuck
+    static = _fake([1.] * 50, [False] * 50, StaticScaler(1.))  # a static scale of 1 is not stuck
     assert scale_health(static) == []
+
+def test_scale_health_knows_every_dynamic_scaler():
+    "The floor warning fires for any dynamic strategy (it never did for LogNormalScaler), from `is_dynamic`/`floor`."
+    cb = _fake([2.] * 50, [False] * 50, LogNormalScaler(2., min_scale=2.))
+    with pytest.warns(RuntimeWarning, match=r"sits at its floor \(2\)"): scale_health(cb)
 
 def test_mixed_precision_warns_during_a_fit():
     "A scale that keeps growing back into overflow (scale_wait=1) makes MixedPrecision warn at the end of the epoch."
