@@ -32,12 +32,14 @@ class SessionCallback(Callback):
         else: self.teardown()
 
 def _cast_inputs(dtype):
-    "A forward pre-hook: floating inputs in `dtype`, whatever a callback did to `learn.xb` after `before_batch` (MixUp)."
+    "A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp)."
     def hook(module, args, kwargs): return cast_floats(args, dtype), cast_floats(kwargs, dtype)
     return hook
 
 class ModelToHalf(SessionCallback):
-    "Run the model in 16-bit during a fit (BatchNorm stays FP32); floating inputs go in 16-bit, predictions come out FP32."
+    """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
+    to 16-bit as they enter the model (a forward pre-hook): `learn.xb` stays as the data gave it, so callbacks that
+    transform it (fastai's `MixUp`) work on FP32 inputs."""
     order = -50  # before every other callback: the model is 16-bit when they see it
     def __init__(self,
         dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
@@ -53,15 +55,12 @@ class ModelToHalf(SessionCallback):
     def setup(self):
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
+        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
         if self._hook is not None: self._hook.remove()
         self._hook = None
         self._restore_model()
-
-    def before_batch(self):
-        if self.converted: self.learn.xb = cast_floats(self.learn.xb, self.dtype)
 
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)

@@ -80,6 +80,6 @@ def _deepcopy_fp32(self, memo):
     with session_of(self).suspended():
         res = self.__class__.__new__(self.__class__)
         memo[id(self)] = res
-        for k, v in self.__dict__.items(): res.__dict__[k] = copy.deepcopy(v, memo)
+        res.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # fastai's: all but the lock, a new lock
     return res
 Learner.__deepcopy__ = _deepcopy_fp32

@@ -39,12 +39,16 @@ def _event_recorder(train_only=True):
 def test_dtypes_at_each_event(dtype):
     learn = _to(make_learner(), dtype)
     rec, val = _event_recorder(), _event_recorder(train_only=False)
+    seen = []
+    h = learn.model.register_forward_pre_hook(lambda m, args: seen.append([a.dtype for a in args]))
     quiet_fit(learn, 1, lr=1e-2, cbs=[rec])
+    h.remove()
     log = rec.log
     assert log['before_fit'] == [_expect(dtype)]  # 16-bit model, BatchNorm FP32
+    assert seen == [[dtype]] * (4 + 2)  # the model gets its floating inputs in 16-bit (train and valid)
     assert len(log['before_batch']) == 4
     for xs, ys, model, bn_stat in log['before_batch']:
-        assert xs == [dtype] and ys == [torch.float32]  # float inputs cast; targets untouched
+        assert xs == [torch.float32] and ys == [torch.float32]  # learn.xb as the data gave it (callbacks such as MixUp mix FP32)
         assert model == _expect(dtype) and bn_stat == torch.float32
     assert log['after_pred'] == [torch.float32]*4  # predictions back to FP32 -> loss in FP32
     for loss_dt, lg_dt, loss, recomputed in log['after_loss']:
@@ -60,7 +64,7 @@ def test_dtypes_at_each_event(dtype):
     # the validation batches too: inputs cast, predictions FP32
     learn2 = _to(make_learner(), dtype)
     quiet_fit(learn2, 1, lr=1e-2, cbs=[val])
-    assert len(val.log['before_batch']) == 4 + 2 and all(xs == [dtype] for xs, *_ in val.log['before_batch'])
+    assert len(val.log['before_batch']) == 4 + 2 and all(xs == [torch.float32] for xs, *_ in val.log['before_batch'])
     assert val.log['after_pred'] == [torch.float32]*6
 
 class EmbedLinear(nn.Module):
@@ -81,8 +85,12 @@ def test_integer_inputs_untouched():
     learn.to_fp16(**NO_OVERFLOW)
     rec = Record(before_batch=lambda l: [t.dtype for t in l.xb], after_pred=lambda l: l.pred.dtype,
                  before_fit=lambda l: (l.model.emb.weight.dtype, l.model.bn.weight.dtype))
+    seen = []
+    h = learn.model.register_forward_pre_hook(lambda m, args: seen.append([a.dtype for a in args]))
     quiet_fit(learn, 1, cbs=rec)
-    assert rec.log['before_batch'] == [[torch.float16, torch.long]]*4
+    h.remove()
+    assert rec.log['before_batch'] == [[torch.float32, torch.long]]*4  # learn.xb as the data gave it
+    assert seen[:4] == [[torch.float16, torch.long]]*4  # floating inputs cast as they enter the model; ints untouched
     assert rec.log['after_pred'] == [torch.float32]*4
     assert rec.log['before_fit'] == [(torch.float16, torch.float32)]
     assert learn.model.emb.weight.dtype == torch.float32

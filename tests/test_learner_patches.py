@@ -33,19 +33,19 @@ def test_to_bf16_defaults_and_overrides():
 
 def test_to_fp32_toggle():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)
-    dt = Record(before_batch=lambda l: (l.xb[0].dtype, l.model[0].weight.dtype))
+    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.model[0].weight.dtype))
     quiet_fit(learn, 1, lr=1e-2, cbs=dt)
-    assert dt.log['before_batch'] == [(torch.float16, torch.float16)]*4
+    assert dt.log['after_pred'] == [(torch.float16, torch.float16)]*4
     w = [p.detach().clone() for p in learn.model.parameters()]
     assert learn.to_fp32() is learn and learn.precision_callbacks() == []
     assert all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))  # to_fp32 leaves the weights alone
-    dt = Record(before_batch=lambda l: (l.xb[0].dtype, l.model[0].weight.dtype))
+    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.model[0].weight.dtype))
     quiet_fit(learn, 1, lr=1e-2, cbs=dt)
-    assert dt.log['before_batch'] == [(torch.float32, torch.float32)]*4
+    assert dt.log['after_pred'] == [(torch.float32, torch.float32)]*4
     learn.to_fp16(max_loss_scale=2.**8)
-    dt = Record(before_batch=lambda l: (l.xb[0].dtype, l.model[0].weight.dtype))
+    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.model[0].weight.dtype))
     quiet_fit(learn, 1, lr=1e-2, cbs=dt)
-    assert dt.log['before_batch'] == [(torch.float16, torch.float16)]*4
+    assert dt.log['after_pred'] == [(torch.float16, torch.float16)]*4
     assert learn.model[0].weight.dtype == torch.float32
     learn.to_fp32(); learn.to_fp32()  # idempotent
     assert learn.precision_callbacks() == []
