@@ -8,7 +8,7 @@ from fastai.optimizer import Optimizer
 
 from .layout import flat_views as _flat_views, flatten_like, dense_strides
 
-__all__ = ['MASTERED', 'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'move_opt_state']
+__all__ = ['MASTERED', 'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'MasterWeights', 'FlatMasters', 'ParamMasters', 'move_opt_state']
 
 MASTERED = (torch.float32, torch.float16, torch.bfloat16)  # params of other dtypes (float64, complex) train as they are
 
@@ -288,31 +288,33 @@ class MasterWeights:
     """FP32 masters of an optimizer's trainable params, and the fused copies between them and the model.
     The model's params and grads become views into one flat buffer per (device, dtype) run of the masters, so that
     grad->master, master->model and zeroing are one vectorised op per buffer (`restore_opt` gives the params ordinary
-    tensors back). Flat: one flat FP32 master per group; non-flat: one FP32 master per param whose data and grad
-    are views into one FP32 buffer per device (the optimizer still sees and steps per-param masters)."""
+    tensors back). Two kinds behind this one interface: `FlatMasters` (one flat FP32 master per group) and
+    `ParamMasters` (one FP32 master per param, whose data and grad are views into one FP32 buffer per device; the
+    optimizer still sees and steps per-param masters). `MasterWeights(opt, flat)` makes the right one.
+    During the fit, the optimizer's `step` copies the masters into the model right after stepping them, and (for
+    fastai's stock `Optimizer`) its `zero_grad` drops the master grads, which the next step overwrites anyway."""
+    flat = None
+    def __new__(cls, opt=None, flat:bool=False, *args, **kwargs):
+        if cls is MasterWeights: cls = FlatMasters if flat else ParamMasters
+        return super().__new__(cls)
+
     def __init__(self,
         opt, # the learner's optimizer
         flat:bool=False, # one flat FP32 master per group (per run of params with equal flags)
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
         names:dict=None, # `{id(param): name}` for error messages
     ):
-        self.opt, self.flat = opt, flat
+        self.opt = opt
         check_unique_params(opt.param_lists, names)
         self.old_param_lists = list(opt.param_lists)
-        self.model_pgs, self.master_pgs = get_master(opt, flat, fp32_of=fp32_of)
+        self.model_pgs, self.master_pgs = get_master(opt, self.flat, fp32_of=fp32_of)
         self.own_pgs = [_trainable(pg, own=True) for pg in opt.param_lists]  # stepped as they are, outside the masters
         self.own_params = [p for pg in self.own_pgs for p in pg]
         self.master_params = [m for mg in self.master_pgs for m in mg]
-        if flat: self.runs = _flat_runs(self.model_pgs, self.master_pgs)
-        else:
-            models = [p for pg in self.model_pgs for p in pg]
-            self.runs, self._grad_bufs = _storage_runs(models, self.master_params)
-        models, masters, grads = _pairs(self.model_pgs, self.master_pgs, flat)
-        self.models, self.masters, self.grad_views = models, masters, grads  # per model param: its master and (flat) master-grad view
-        self.flats = self.master_params if flat else []
-        self.flat_grads = [m.grad for m in self.flats]
-        if not flat: self._master_grad_views = self._master_grads_of_runs()
-        move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if flat else None)
+        self.runs = self._make_runs()
+        # per model param: its master and (flat) master-grad view
+        self.models, self.masters, self.grad_views = _pairs(self.model_pgs, self.master_pgs, self.flat)
+        move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None)
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
         if self.own_params: _set_param_lists(opt, self.opt_pgs)
         self._run_bufs = [r.buf for r in self.runs]
@@ -323,6 +325,11 @@ class MasterWeights:
         if self._own_zero_grad: opt.zero_grad = self.drop_master_grads
         self.stepped, self._prev_step, self._inner_step = False, vars(opt).get('step'), opt.step
         opt.step = self._step_then_copy
+
+    # what the two kinds do differently
+    def _make_runs(self) -> list: raise NotImplementedError
+    def _attach_master_grads(self, missing:list): raise NotImplementedError
+    def _master_grads(self) -> list: raise NotImplementedError
 
     def _step_then_copy(self, *args, **kwargs):
         """The optimizer's `step` during a fit: step the masters, then copy them into the model at once, so the model
@@ -339,16 +346,6 @@ class MasterWeights:
         for m in self.master_params: m.grad = None
         for p in self.own_params: p.grad = None
 
-    def _master_grads_of_runs(self) -> list:
-        "Non-flat: the view into the FP32 grad buffers that each master's grad is, in `master_params` order."
-        views = {}
-        for r in self.runs:
-            o = r.master_grad.storage_offset()
-            for p in r.params:  # aliases, not autograd views: fastai's `zero_grad` calls `grad.detach_()`
-                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape, dense_strides(p))
-                o += p.numel()
-        return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
-
     def buffers(self) -> list:
         "The flat buffers behind the model's 16-bit params and grads and the FP32 masters and grads (memory accounting)."
         return self._run_bufs + self._run_grads + self._run_masters + self._run_master_grads
@@ -360,24 +357,9 @@ class MasterWeights:
     def grads_to_master(self) -> list:
         "Copy model grads into master grads in one fused pass; returns the FP32 grads to check and unscale."
         if not self.runs: return []
-        missing = [p for r in self.runs for p in r.reattach_grads()]
-        if self.flat:
-            for m, g in zip(self.flats, self.flat_grads):
-                if m.grad is not g: m.grad = g  # an optimizer's zero_grad(set_to_none) dropped it
-        else: self._attach_master_grads(missing)
+        self._attach_master_grads([p for r in self.runs for p in r.reattach_grads()])
         torch._foreach_copy_(self._run_master_grads, self._run_grads)
-        return self.flat_grads if self.flat else self._grad_bufs
-
-    def _attach_master_grads(self, missing:list):
-        "Non-flat: each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
-        views = self._master_grad_views
-        if not missing:  # the usual case: all attached, or all dropped by `drop_master_grads`
-            if not all(map(operator.is_, map(_grad_of, self.master_params), views)):
-                for m, v in zip(self.master_params, views): m.grad = v
-            return
-        drop = {id(p) for p in missing}
-        for p, m, v in zip(self.models, self.master_params, views):
-            m.grad = None if id(p) in drop else v
+        return self._master_grads()
 
     def own_grads(self) -> list:
         "The grads of the params that train in their own dtype (loss-scaled like the others: check and unscale them too)."
@@ -408,3 +390,49 @@ class MasterWeights:
         else: self.opt.step = self._prev_step
         move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None)
         _set_param_lists(self.opt, self.old_param_lists)
+
+class FlatMasters(MasterWeights):
+    "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
+    flat = True
+    def _make_runs(self):
+        runs = _flat_runs(self.model_pgs, self.master_pgs)
+        self.flat_grads = [m.grad for m in self.master_params]
+        return runs
+
+    def _attach_master_grads(self, missing:list):
+        "A param without grad gets a zero grad (flat semantics); a flat grad an optimizer dropped is attached again."
+        for m, g in zip(self.master_params, self.flat_grads):
+            if m.grad is not g: m.grad = g
+
+    def _master_grads(self): return self.flat_grads
+
+class ParamMasters(MasterWeights):
+    "One FP32 master per param (per-param optimizer state and steps), their data and grads in one buffer per device."
+    flat = False
+    def _make_runs(self):
+        runs, self._grad_bufs = _storage_runs([p for pg in self.model_pgs for p in pg], self.master_params)
+        self._master_grad_views = self._master_grads_of_runs(runs)
+        return runs
+
+    def _master_grads_of_runs(self, runs) -> list:
+        "The view into the FP32 grad buffers that each master's grad is, in `master_params` order."
+        views = {}
+        for r in runs:
+            o = r.master_grad.storage_offset()
+            for p in r.params:  # aliases, not autograd views: fastai's `zero_grad` calls `grad.detach_()`
+                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape, dense_strides(p))
+                o += p.numel()
+        return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
+
+    def _attach_master_grads(self, missing:list):
+        "Each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
+        views = self._master_grad_views
+        if not missing:  # the usual case: all attached, or all dropped by `drop_master_grads`
+            if not all(map(operator.is_, map(_grad_of, self.master_params), views)):
+                for m, v in zip(self.master_params, views): m.grad = v
+            return
+        drop = {id(p) for p in missing}
+        for p, m, v in zip(self.models, self.master_params, views):
+            m.grad = None if id(p) in drop else v
+
+    def _master_grads(self): return self._grad_bufs
