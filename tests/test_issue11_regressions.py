@@ -377,3 +377,19 @@ def test_3_failed_export_keeps_the_previous_export(tmp_path, monkeypatch):
         warnings.simplefilter('ignore')
         new = load_learner(fname)
     for a, b in zip(weights(new), w): assert torch.equal(a, b)
+
+def test_3_atomic_write_replaces_only_on_success(tmp_path):
+    from fp16cb.atomic import atomic_write
+    fname = tmp_path/'f.bin'
+    with atomic_write(fname) as f: f.write(b'old')
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(fname) as f:
+            f.write(b'new, half written'); raise KeyboardInterrupt()
+    assert fname.read_bytes() == b'old' and files(tmp_path) == ['f.bin']
+    with atomic_write(fname) as f: f.write(b'new')
+    assert fname.read_bytes() == b'new' and files(tmp_path) == ['f.bin']
+    assert fname.stat().st_mode & 0o777 == 0o666 & ~_umask()  # permissions of a file made with `open`, not 0o600
+
+def _umask():
+    m = os.umask(0); os.umask(m)
+    return m
