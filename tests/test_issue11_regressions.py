@@ -26,6 +26,8 @@ def to_mode(learn, mode, **kwargs):
     name, kw = MODES[mode]
     return getattr(learn, name)(**{**kw, **kwargs})
 
+def flat_kw(mode, flat): return {} if mode == 'fp32' else {'flat_master': flat}
+
 def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
 
 # ---- 1: a complex parameter --------------------------------------------------------------------------------------
@@ -39,7 +41,7 @@ class WithComplex(nn.Module):
 
 def complex_run(mode, flat=False):
     seed_all(); model = WithComplex()
-    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **({} if mode == 'fp32' else {'flat_master': flat}))
+    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **flat_kw(mode, flat))
     dtypes = Record(before_batch=lambda l: l.model.c.dtype)
     quiet_fit(learn, 1, lr=1e-1, cbs=dtypes)
     return learn.model.c.detach().clone(), dtypes.log['before_batch']
@@ -68,7 +70,7 @@ class WithDouble(nn.Module):
 
 def double_run(mode, flat=False):
     seed_all(); model = WithDouble()
-    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **({} if mode == 'fp32' else {'flat_master': flat}))
+    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **flat_kw(mode, flat))
     dtypes = Record(before_batch=lambda l: l.model.d.dtype)
     quiet_fit(learn, 1, lr=1e-1, cbs=dtypes)
     return learn.model.d.detach().clone(), dtypes.log['before_batch']
@@ -277,13 +279,16 @@ BAD = [
     ('MixedPrecision', dict(max_skipped=.5), 'max_skipped'), ('to_bf16', dict(max_skipped=.5), 'max_skipped'),
     ('NativeMixedPrecision', dict(max_skipped=.5), 'max_skipped'),
     ('to_bf16', dict(scale_wait=0), 'scale_wait'), ('to_bf16', dict(div_factor=.5), 'div_factor'),
-    ('to_bf16', dict(min_loss_scale=-1.), 'min_loss_scale'), ('MixedPrecision', dict(dynamic=False, scale_wait=1.5), 'scale_wait'),
+    ('to_bf16', dict(min_loss_scale=-1.), 'min_loss_scale'),
+    ('MixedPrecision', dict(dynamic=False, scale_wait=1.5), 'scale_wait'),
     ('MixedPrecision', dict(dynamic=False, div_factor=1.), 'div_factor'),
     ('MixedPrecision', dict(scaler='static', min_loss_scale=0.), 'min_loss_scale'),
     ('MixedPrecision', dict(min_loss_scale=float('inf')), 'min_loss_scale'),
     ('MixedPrecision', dict(min_loss_scale=2.**10, max_loss_scale=2.**5), _names('min_loss_scale', 'max_loss_scale')),
-    ('to_fp16', dict(scaler='lognormal', min_loss_scale=2.**10, max_loss_scale=2.**5), _names('min_loss_scale', 'max_loss_scale')),
-    ('NativeMixedPrecision', dict(init_scale=1e308), 'init_scale'), ('to_native_fp16', dict(init_scale=10**400), 'init_scale'),
+    ('to_fp16', dict(scaler='lognormal', min_loss_scale=2.**10, max_loss_scale=2.**5),
+     _names('min_loss_scale', 'max_loss_scale')),
+    ('NativeMixedPrecision', dict(init_scale=1e308), 'init_scale'),
+    ('to_native_fp16', dict(init_scale=10**400), 'init_scale'),
     ('NativeMixedPrecision', dict(growth_interval=10**19), 'growth_interval'),
     ('NativeMixedPrecision', dict(growth_interval=2**31), 'growth_interval'),
 ]
@@ -299,7 +304,8 @@ GOOD = [
     ('MixedPrecision', dict(loss_scale=np.float32(8.), dynamic=False), lambda cb: cb.loss_scale, 8.),
     ('MixedPrecision', dict(clip=np.float64(1.)), lambda cb: cb.clip, 1.),
     ('MixedPrecision', dict(scale_wait=np.int64(10)), lambda cb: cb.scaler.wait, 10),
-    ('MixedPrecision', dict(max_loss_scale=np.float32(2.**10), min_loss_scale=np.int64(2)), lambda cb: cb.scaler.min_scale, 2.),
+    ('MixedPrecision', dict(max_loss_scale=np.float32(2.**10), min_loss_scale=np.int64(2)),
+     lambda cb: cb.scaler.min_scale, 2.),
     ('MixedPrecision', dict(max_skipped=np.int64(5)), lambda cb: cb.scaler.max_skipped, 5),
     ('MixedPrecision', dict(div_factor=np.float32(4.)), lambda cb: cb.scaler.factor, 4.),
     ('MixedPrecision', dict(flat_master=np.bool_(True)), lambda cb: cb.flat_master, True),
