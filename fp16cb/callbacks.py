@@ -14,6 +14,7 @@ from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, warn_a
 from .monitor import add_precision_metrics, remove_precision_metrics
 from .devices import model_device
 from .session import session_of
+from .validation import check_bool, check_real, check_int, FP32_MAX
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
@@ -127,9 +128,15 @@ class MixedPrecision(SessionCallback):
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
         clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
     ):
-        self.dtype, self.clip_global = resolve_dtype(dtype), bool(clip_global)
-        self.flat_master, self.clip = bool(flat_master), _check_clip(clip)
-        check_positive('loss_scale', loss_scale); check_positive('max_loss_scale', max_loss_scale)
+        self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
+        self.flat_master, self.clip = check_bool('flat_master', flat_master), _check_clip(clip)
+        dynamic = check_bool('dynamic', dynamic)
+        # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
+        loss_scale = check_real('loss_scale', loss_scale, 0., FP32_MAX, lo_open=True)  # the FP32 loss is multiplied by it
+        max_loss_scale = check_real('max_loss_scale', max_loss_scale, 0., FP32_MAX, lo_open=True)
+        min_loss_scale = check_real('min_loss_scale', min_loss_scale, 0., max_loss_scale, lo_open=True, hi_name='max_loss_scale')
+        div_factor, scale_wait = check_real('div_factor', div_factor, 1., lo_open=True), check_int('scale_wait', scale_wait, 1)
+        max_skipped = check_int('max_skipped', max_skipped, 1)
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)

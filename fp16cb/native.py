@@ -7,9 +7,10 @@ from fastai.callback.core import CancelStepException
 from .dtypes import resolve_dtype, cast_floats, warn_slow_half
 from .devices import model_device
 from .callbacks import SessionCallback
-from .scalers import check_positive, GradScalerAdapter
+from .scalers import GradScalerAdapter
 from .overflow import OverflowCheck
 from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
+from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
 from .guards import BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped
 
 __all__ = ['NativeMixedPrecision']
@@ -29,14 +30,12 @@ class NativeMixedPrecision(SessionCallback):
         max_skipped:int=50, # more skipped (inf/NaN) steps in a row than this stops training with `LossScaleError`
     ):
         self.dtype = resolve_dtype(dtype)
-        check_positive('init_scale', init_scale); check_positive('growth_factor', growth_factor, strict_min=1.)
-        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
-            raise ValueError(f"`backoff_factor` must be in (0, 1), got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"`growth_interval` must be an integer >= 1, got {growth_interval!r}")
-        self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
-        self.growth_interval, self.enabled = growth_interval, bool(enabled)
-        self.max_skipped = int(check_positive('max_skipped', max_skipped, strict_min=0))
+        # GradScaler keeps the scale in an FP32 tensor and counts the interval in an int32 one: their limits, checked now
+        self.init_scale = check_real('init_scale', init_scale, 0., FP32_MAX, lo_open=True)
+        self.growth_factor = check_real('growth_factor', growth_factor, 1., lo_open=True)
+        self.backoff_factor = check_real('backoff_factor', backoff_factor, 0., 1., lo_open=True, hi_open=True)
+        self.growth_interval = check_int('growth_interval', growth_interval, 1, INT32_MAX)
+        self.enabled, self.max_skipped = check_bool('enabled', enabled), check_int('max_skipped', max_skipped, 1)
         self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
         self.fit_start = 0  # index in `skips` of the current fit's first step

@@ -4,6 +4,7 @@ import math
 import torch
 from statistics import NormalDist
 from .dtypes import FP16_MAX, resolve_dtype
+from .validation import check_positive, check_real, check_int, check_bool  # `check_positive` was defined here: kept importable
 
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
@@ -12,12 +13,10 @@ __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'Lo
 class LossScaleError(FloatingPointError):
     "Training cannot go on: gradients keep overflowing whatever the loss scale."
 
-def check_positive(name, v, strict_min=0., allow_none=False):
-    "Raise a `ValueError` that names `name` unless `v` is a number > `strict_min`."
-    if v is None and allow_none: return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= strict_min:
-        raise ValueError(f"`{name}` must be a finite number > {strict_min:g}, got {v!r}")
-    return v
+def _check_scale_range(min_scale, max_scale) -> tuple:
+    "`(min_scale, max_scale)` as floats, both > 0 and min <= max (an error names both: neither is clamped silently)."
+    max_scale = check_positive('max_loss_scale', max_scale)
+    return check_real('min_loss_scale', min_scale, 0., max_scale, lo_open=True, hi_name='max_loss_scale'), max_scale
 
 _HINT = ("Likely causes: NaN/inf in the inputs, targets or loss; a learning rate that is too high (the weights "
          "diverged); or activations beyond the fp16 range in the forward pass (try `learn.to_bf16()`, which has "
@@ -32,8 +31,8 @@ class LossScaler:
         scale:float, # initial loss scale
         max_skipped:int=50, # more overflowing steps in a row than this is an error, not training
     ):
-        self.scale = float(check_positive('loss_scale', scale))
-        self.max_skipped = int(check_positive('max_skipped', max_skipped, strict_min=0))
+        self.scale = check_positive('loss_scale', scale)
+        self.max_skipped = check_int('max_skipped', max_skipped, 1)
         self.skipped_in_a_row, self.n_skipped, self.n_steps = 0, 0, 0
 
     def update(self,
@@ -91,15 +90,11 @@ class BackoffScaler(LossScaler):
         hysteresis:int=1, # the scale drops only after this many overflows (each one still skips its step)
         max_skipped:int=50, # more overflowing steps in a row than this is an error
     ):
-        check_positive('div_factor', factor, strict_min=1.)
-        if isinstance(wait, bool) or not isinstance(wait, int) or wait < 1:
-            raise ValueError(f"`scale_wait` must be an integer >= 1, got {wait!r}")
-        check_positive('min_loss_scale', min_scale); check_positive('max_loss_scale', max_scale)
-        if min_scale > max_scale: raise ValueError(f"`min_loss_scale` ({min_scale:g}) > `max_loss_scale` ({max_scale:g})")
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ValueError(f"`hysteresis` must be an integer >= 1, got {hysteresis!r}")
+        factor, wait = check_positive('div_factor', factor, strict_min=1.), check_int('scale_wait', wait, 1)
+        min_scale, max_scale = _check_scale_range(min_scale, max_scale)
+        hysteresis = check_int('hysteresis', hysteresis, 1)
         super().__init__(min(max(check_positive('loss_scale', init_scale), min_scale), max_scale), max_skipped)
-        self.factor, self.wait, self.min_scale, self.max_scale, self.hysteresis = float(factor), wait, float(min_scale), float(max_scale), hysteresis
+        self.factor, self.wait, self.min_scale, self.max_scale, self.hysteresis = factor, wait, min_scale, max_scale, hysteresis
         self.clean_in_a_row, self.overflows_left = 0, hysteresis
 
     def _update(self, found_inf, grad_stats):
@@ -123,11 +118,6 @@ class BackoffScaler(LossScaler):
     floor = property(lambda self: self.min_scale, doc="`min_scale`.")
 
     def __repr__(self): return f"BackoffScaler(scale={self.scale:g}, factor={self.factor:g}, wait={self.wait})"
-
-def _check_int(name, v, lo=1):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"`{name}` must be an integer >= {lo}, got {v!r}")
-    return v
 
 def _censored_mean(mu, sigma, cutoff):
     "E[X | X > cutoff] for X ~ N(mu, sigma^2): the mean of a normal observation known only to exceed `cutoff`."
@@ -163,19 +153,15 @@ class LogNormalScaler(LossScaler):
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
         max_skipped:int=50, # more overflowing steps in a row than this is an error
     ):
-        if not (isinstance(overflow_prob, (int, float)) and 0 < overflow_prob < .5):
-            raise ValueError(f"`overflow_prob` must be in (0, 0.5), got {overflow_prob!r}")
-        _check_int('window', window); _check_int('warmup', warmup, 0)
-        if isinstance(min_sigma, bool) or not isinstance(min_sigma, (int, float)) or not 0 <= min_sigma < math.inf:
-            raise ValueError(f"`min_sigma` must be a finite number >= 0, got {min_sigma!r}")
-        check_positive('backoff', backoff, strict_min=1.)
-        check_positive('min_loss_scale', min_scale); check_positive('max_loss_scale', max_scale)
-        check_positive('max_value', max_value)
-        if min_scale > max_scale: raise ValueError(f"`min_loss_scale` ({min_scale:g}) > `max_loss_scale` ({max_scale:g})")
+        overflow_prob = check_real('overflow_prob', overflow_prob, 0., .5, lo_open=True, hi_open=True)
+        window, warmup = check_int('window', window, 1), check_int('warmup', warmup, 0)
+        min_sigma, backoff = check_real('min_sigma', min_sigma, 0.), check_positive('backoff', backoff, strict_min=1.)
+        min_scale, max_scale = _check_scale_range(min_scale, max_scale)
+        max_value, pow2 = check_positive('max_value', max_value), check_bool('pow2', pow2)
         super().__init__(min(max(check_positive('loss_scale', init_scale), min_scale), max_scale), max_skipped)
-        self.overflow_prob, self.window, self.warmup, self.min_sigma = float(overflow_prob), window, warmup, float(min_sigma)
-        self.min_scale, self.max_scale, self.backoff, self.pow2 = float(min_scale), float(max_scale), float(backoff), bool(pow2)
-        self.max_value, self.z = float(max_value), NormalDist().inv_cdf(1 - overflow_prob)
+        self.overflow_prob, self.window, self.warmup, self.min_sigma = overflow_prob, window, warmup, min_sigma
+        self.min_scale, self.max_scale, self.backoff, self.pow2 = min_scale, max_scale, backoff, pow2
+        self.max_value, self.z = max_value, NormalDist().inv_cdf(1 - overflow_prob)
         self.mu, self.var, self.n_obs = 0., 0., 0
 
     @property
@@ -241,10 +227,9 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     name = scaler.lower()
     if name == 'static': return StaticScaler(loss_scale, max_skipped=max_skipped)
     if name == 'backoff':
-        return BackoffScaler(max_loss_scale, div_factor, scale_wait, min_scale=min(min_loss_scale, max_loss_scale),
-                             max_scale=max_loss_scale, max_skipped=max_skipped)
-    if name == 'lognormal':
-        lo = min(min_loss_scale, max_loss_scale)
-        return LogNormalScaler(min(max(2.**16, lo), max_loss_scale), min_scale=lo, max_scale=max_loss_scale,
+        return BackoffScaler(max_loss_scale, div_factor, scale_wait, min_scale=min_loss_scale, max_scale=max_loss_scale,
+                             max_skipped=max_skipped)
+    if name == 'lognormal':  # starts at 2**16, within [min_loss_scale, max_loss_scale]
+        return LogNormalScaler(2.**16, min_scale=min_loss_scale, max_scale=max_loss_scale,
                                max_skipped=max_skipped, max_value=FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max)
     raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")

@@ -1,0 +1,70 @@
+"""Argument checks for the constructors: a bad value raises a `ValueError` that names the argument (at construction,
+not at fit time), and numpy scalars are accepted as the Python numbers they stand for."""
+from __future__ import annotations
+import math, numbers
+import numpy as np
+
+__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int']
+
+FP32_MAX = 3.4028234663852886e38  # the largest finite float32 (`torch.finfo(torch.float32).max`)
+INT32_MAX = 2**31 - 1
+
+def _fmt(x) -> str: return str(x) if isinstance(x, int) else f'{x:g}'
+
+def _range(lo, hi, lo_open, hi_open, hi_name) -> str:
+    "The allowed range in words: '> 0', '>= 1 and <= 2147483647', '> 0 and <= `max_loss_scale` (1024)'."
+    parts = []
+    if lo is not None: parts.append(f"{'>' if lo_open else '>='} {_fmt(lo)}")
+    if hi is not None: parts.append(f"{'<' if hi_open else '<='} " + (f"`{hi_name}` ({_fmt(hi)})" if hi_name else _fmt(hi)))
+    return ' and '.join(parts)
+
+def _in_range(x, lo, hi, lo_open, hi_open) -> bool:
+    if lo is not None and (x <= lo if lo_open else x < lo): return False
+    return hi is None or (x < hi if hi_open else x <= hi)
+
+def _is_bool(v) -> bool: return isinstance(v, (bool, np.bool_))
+
+def check_bool(
+    name:str, # the argument's name, for the error
+    v, # the value: `True`/`False` (or a numpy bool); not a truthy string or number
+) -> bool:
+    "`v` as a Python bool; a `ValueError` naming `name` for anything else ('False', 'yes', 1, None)."
+    if not _is_bool(v): raise ValueError(f"`{name}` must be True or False, got {v!r}")
+    return bool(v)
+
+def check_real(
+    name:str, # the argument's name, for the error
+    v, # the value: a real number (Python or numpy), not a bool
+    lo=None, # lower bound (None: none)
+    hi=None, # upper bound (None: none)
+    *,
+    lo_open:bool=False, # `v > lo` (else `v >= lo`)
+    hi_open:bool=False, # `v < hi` (else `v <= hi`)
+    hi_name:str=None, # the name of the argument `hi` comes from (the error then names both)
+    allow_none:bool=False, # None is accepted (and returned)
+) -> float:
+    "`v` as a finite Python float within the bounds; a `ValueError` naming `name` otherwise (overflow and inf included)."
+    if v is None and allow_none: return v
+    rng = _range(lo, hi, lo_open, hi_open, hi_name)
+    err = ValueError(f"`{name}` must be a finite number{' ' + rng if rng else ''}, got {v!r}")
+    if not isinstance(v, numbers.Real) or _is_bool(v): raise err
+    try: x = float(v)
+    except OverflowError: raise err from None  # an int beyond the float range (10**400)
+    if not math.isfinite(x) or not _in_range(x, lo, hi, lo_open, hi_open): raise err
+    return x
+
+def check_positive(name:str, v, strict_min:float=0., allow_none:bool=False) -> float:
+    "`v` as a Python float; a `ValueError` naming `name` unless it is a finite number > `strict_min`."
+    return check_real(name, v, strict_min, lo_open=True, allow_none=allow_none)
+
+def check_int(
+    name:str, # the argument's name, for the error
+    v, # the value: an integer (Python or numpy), not a bool nor a float such as 2.0
+    lo:int=None, # smallest value allowed (None: none)
+    hi:int=None, # largest value allowed (None: none)
+) -> int:
+    "`v` as a Python int in `[lo, hi]`; a `ValueError` naming `name` otherwise."
+    if not isinstance(v, numbers.Integral) or _is_bool(v) or not _in_range(int(v), lo, hi, False, False):
+        rng = _range(lo, hi, False, False, None)
+        raise ValueError(f"`{name}` must be an integer{' ' + rng if rng else ''}, got {v!r}")
+    return int(v)
