@@ -187,7 +187,8 @@ class MixedPrecision(SessionCallback):
         super().after_fit()
 
     def before_batch(self):
-        if self.owed or (self.master is not None and self.master.stepped): self._settle()  # `after_step` was skipped (a callback before us raised there): finish that step's work now
+        # a callback before us raised in `after_step`, so ours did not run: finish that step's work now
+        if self.owed or (self.master is not None and self.master.stepped): self._settle()
         # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
         if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
 
