@@ -9,7 +9,7 @@ from fastai.optimizer import Optimizer, sgd_step
 from fastai.layers import BatchNorm
 import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
-from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all
+from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all, DEVICE
 
 NO_OVERFLOW = dict(max_loss_scale=2.**8)
 HALF = [torch.float16, torch.bfloat16]
@@ -76,8 +76,8 @@ def test_integer_inputs_untouched():
     seed_all(0)
     x, cat, y = torch.randn(32, 4), torch.randint(0, 5, (32,)), torch.randn(32, 1)
     items = [(x[i], cat[i], y[i]) for i in range(32)]
-    dls = DataLoaders(DataLoader(items, bs=8), DataLoader(items[:8], bs=8), device=torch.device('cpu'))
-    learn = Learner(dls, EmbedLinear(), loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2)
+    dls = DataLoaders(DataLoader(items, bs=8), DataLoader(items[:8], bs=8), device=DEVICE)
+    learn = Learner(dls, EmbedLinear().to(DEVICE), loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2)
     learn.to_fp16(**NO_OVERFLOW)
     rec = Record(before_batch=lambda l: [t.dtype for t in l.xb], after_pred=lambda l: l.pred.dtype,
                  before_fit=lambda l: (l.model.emb.weight.dtype, l.model.bn.weight.dtype))
@@ -161,13 +161,13 @@ def test_fp16_on_cpu_warns_once(reset_warned, monkeypatch, bf16_native):
     _native(monkeypatch, fp16=False, bf16=bf16_native)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        learn = make_learner().to_fp16(**NO_OVERFLOW)
+        learn = make_learner(device='cpu').to_fp16(**NO_OVERFLOW)  # the CPU's warning, whatever the test device
         quiet_fit(learn, 1); quiet_fit(learn, 1)
-        quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
+        quiet_fit(make_learner(device='cpu').to_fp16(**NO_OVERFLOW), 1)
         ours = _slow_warnings(w)
         assert len(ours) == 1 and ours[0].startswith('fp16') and 'to_bf16' in ours[0]
         assert ('Use `learn.to_bf16()`' in ours[0]) == bf16_native  # suggested only where it is native
-        quiet_fit(make_learner(), 1)
+        quiet_fit(make_learner(device='cpu'), 1)
         assert len(_slow_warnings(w)) == 1
 
 @pytest.mark.parametrize('native', [True, False])
@@ -176,7 +176,7 @@ def test_bf16_on_cpu_warns_once_only_without_native_bf16(reset_warned, monkeypat
     _native(monkeypatch, fp16=False, bf16=native)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        quiet_fit(make_learner().to_bf16(), 1); quiet_fit(make_learner().to_native_bf16(), 1)
+        quiet_fit(make_learner(device='cpu').to_bf16(), 1); quiet_fit(make_learner(device='cpu').to_native_bf16(), 1)
     ours = _slow_warnings(w)
     assert ours == [] if native else (len(ours) == 1 and ours[0].startswith('bf16') and 'slower than FP32' in ours[0])
 
@@ -185,7 +185,7 @@ def test_fp16_native_cpu_does_not_warn(reset_warned, monkeypatch):
     _native(monkeypatch, fp16=True, bf16=True)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
+        quiet_fit(make_learner(device='cpu').to_fp16(**NO_OVERFLOW), 1)
     assert _slow_warnings(w) == []
 
 def test_cpu_native_probe(monkeypatch):
