@@ -319,3 +319,25 @@ def test_each_backward_starts_from_zero_model_grads(dtype, flat, late):
     # at each optimizer step (1 and 4; 1 is cancelled when `late == 'cancel'`): were the 16-bit grads cleared already?
     assert seen == [late is None] * (1 if late == 'cancel' else 2)
     assert learn.mixed_precision.skips == [False, True, False]
+
+_NCHW = "fp16cb's params become views of flat buffers (`master._flat_views`, `view_as`), which are NCHW: fastai's "\
+        "`ChannelsLast` is undone during the fit (core; found by the benchmark's resnet50_cl workload)"
+
+@pytest.mark.parametrize('setup', [lambda l: l, lambda l: l.to_native_fp16(dtype=torch.bfloat16),
+                                   pytest.param(lambda l: l.to_bf16(), marks=pytest.mark.xfail(strict=True, reason=_NCHW)),
+                                   pytest.param(lambda l: l.to_bf16(flat_master=True),
+                                                marks=pytest.mark.xfail(strict=True, reason=_NCHW))],
+                         ids=['fp32', 'native', 'bf16', 'bf16-flat'])
+def test_channels_last_is_kept_during_the_fit(setup):
+    "With fastai's `ChannelsLast` callback the conv weights train in channels-last format, in any precision."
+    from fastai.callback.channelslast import ChannelsLast
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 4, 4, generator=g), torch.randn(32, 1, generator=g)
+    items = list(zip(x, y))
+    dls = DataLoaders(DataLoader(items, bs=16), DataLoader(items[:16], bs=16), device=DEVICE)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 1)).to(DEVICE)
+    learn = setup(Learner(dls, model, loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2, cbs=ChannelsLast()))
+    rec = Record(after_pred=lambda l: l.model[0].weight.is_contiguous(memory_format=torch.channels_last))
+    quiet_fit(learn, 1, cbs=rec)
+    assert rec.log['after_pred'] == [True, True]
