@@ -48,7 +48,7 @@ for m in modes:
             for cb in learn.cbs:
                 if isinstance(cb, C.MixedPrecision): cb.check = C.OverflowCheck()
             for _ in range(3): R._fit(learn)  # warm-up
-            rec.update(steps=[], cb_steps=[], events={})
+            rec.update(steps=[], cb_steps=[], skips=[], events={})
         L[(m, v)] = (learn, rec)
 n_params, bounds, keys = sum(p.numel() for p in init.parameters()), [], list(L)
 for r in range(rounds):

@@ -6,7 +6,7 @@ import time
 import torch
 from fastai.basics import Callback, CrossEntropyLossFlat
 
-__all__ = ['set_clock', 'clock', 'sync', 'new_record', 'StepClock', 'time_events', 'SavedTensors', 'CpuMemory',
+__all__ = ['set_clock', 'clock', 'sync', 'new_record', 'end_step', 'StepClock', 'time_events', 'SavedTensors', 'CpuMemory',
            'held_bytes', 'copy_bound', 'evaluate', 'channels_last_share', 'move_state']
 
 _now = time.perf_counter
@@ -20,8 +20,9 @@ def sync(device):
     if torch.device(device).type == 'cuda': torch.cuda.synchronize()
 
 def new_record() -> dict:
-    "What a mode's timed steps fill in."
-    return {'steps': [], 'cb_steps': [], 'cb': 0., 'events': {}, 't0': 0., 'skipped': 0, 'all': 0, 'channels_last': None}
+    "What a mode's timed steps fill in (`skips`: per step in `steps`, whether it was skipped for an overflow)."
+    return {'steps': [], 'cb_steps': [], 'skips': [], 'cb': 0., 'events': {}, 't0': 0., 'skipped': 0, 'all': 0,
+            'channels_last': None, 'skip': False}
 
 def channels_last_share(model) -> float|None:
     "The share of the 4-d params with a kernel bigger than 1x1 that are channels-last now (None: there are none)."
@@ -41,13 +42,18 @@ class StepClock(Callback):
     def after_pred(self):  # the layout the model trains in (after every before_fit/before_batch conversion)
         if not self.first and self.training: self.rec['channels_last'] = channels_last_share(self.learn.model)
     def after_cancel_step(self):
-        if not self.first and self.training: self.rec['skipped'] += 1  # fp16cb, autocast: an overflow skips the step
+        if not self.first and self.training: self.rec['skip'] = True  # fp16cb, autocast: an overflow skips the step
     def after_cancel_batch(self):
-        if not self.first and self.training: self.rec['skipped'] += 1  # fastai's algorithm skips the whole batch
+        if not self.first and self.training: self.rec['skip'] = True  # fastai's algorithm skips the whole batch
     def after_batch(self):
         if not self.first and self.training:
             sync(self.device); self.rec['steps'].append(clock() - self.rec['t0'])
-            self.rec['cb_steps'].append(self.rec['cb']); self.rec['cb'] = 0.; self.rec['all'] += 1
+            self.rec['cb_steps'].append(self.rec['cb']); self.rec['cb'] = 0.
+            end_step(self.rec)
+
+def end_step(rec):
+    "Count the step that just ended (and whether it was skipped) in `rec`."
+    rec['skips'].append(rec['skip']); rec['skipped'] += rec['skip']; rec['all'] += 1; rec['skip'] = False
 
 def time_events(cb, rec, device):
     """Wrap `cb`'s per-batch event methods so their time adds to `rec['cb']` while training (on CUDA each is

@@ -3,7 +3,7 @@ framework costs. Timed like a fastai step: from the start of the forward to the 
 from __future__ import annotations
 import torch
 
-from .measure import new_record, sync, clock, SavedTensors, held_bytes, channels_last_share
+from .measure import new_record, end_step, sync, clock, SavedTensors, held_bytes, channels_last_share
 from .modes import half_dtype, plain_loss
 
 __all__ = ['PlainAMP']
@@ -44,6 +44,7 @@ class PlainAMP:
         self.opt.zero_grad(set_to_none=True)
         sync(self.device)
         rec = self.rec
-        rec['steps'].append(clock() - t0); rec['cb_steps'].append(0.); rec['all'] += 1
+        rec['steps'].append(clock() - t0); rec['cb_steps'].append(0.)
         rec['channels_last'] = channels_last_share(self.model)
-        if self.scaler.get_scale() < scale: rec['skipped'] += 1  # GradScaler backs off exactly when it skipped the step
+        rec['skip'] = self.scaler.get_scale() < scale  # GradScaler backs off exactly when it skipped the step
+        end_step(rec)

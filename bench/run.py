@@ -5,7 +5,8 @@ One process; every mode trains its own copy of the same model on the same synthe
 after `--warmup` untimed steps; each mode with fastai's Adam and/or torch's fused AdamW (`--opts`); `torch-amp` is
 the same training in a plain PyTorch loop. A step is timed from the first `before_batch` to the last `after_batch`
 callback (forward, loss, backward, optimizer step, zero_grad and every callback: data loading and validation
-excluded), synchronised on CUDA. Reported: median ms/step and speedup vs fp32 (same optimizer); ms/step inside the
+excluded), synchronised on CUDA. Reported: median ms/step over the timed steps not skipped for an overflow (a
+skipped step skips the optimizer) and speedup vs fp32 (same optimizer); ms/step inside the
 precision callbacks (`--cb-timers`: their event methods wrapped by timers; default on a CPU only, as the timers
 synchronise the GPU); the bookkeeping bound = 12 bytes/param / copy bandwidth (a 16->32 and a 32->16
 `_foreach_copy_` of the model's size, caches flushed first, timed in every round); on a CPU times are this process's
@@ -112,7 +113,7 @@ def _memory(learners, device, is_cuda, park) -> dict:
             mem = CpuMemory()
             _fit(learn, mem)
             mems[k] = learn.mem_peak if isinstance(learn, PlainAMP) else mem.peak
-        del rec['steps'][n:], rec['cb_steps'][n:]; rec['events'] = ev
+        del rec['steps'][n:], rec['cb_steps'][n:], rec['skips'][n:]; rec['events'] = ev
     return mems
 
 def _figures(learn, rec, batches, valid, mem, device, parked, timed) -> dict:
@@ -122,10 +123,12 @@ def _figures(learn, rec, batches, valid, mem, device, parked, timed) -> dict:
     train_loss = statistics.mean(evaluate(learn.model, b)[0] for b in batches)
     if parked: move_state(learn, 'cpu')
     n = len(rec['steps'])
-    return {'ms_step': 1e3*statistics.median(rec['steps']), 'ms_cb': 1e3*statistics.median(rec['cb_steps']) if timed else None,
+    kept = [i for i, s in enumerate(rec['skips']) if not s] or range(n)  # a skipped step skips the optimizer: not timed
+    return {'ms_step': 1e3*statistics.median(rec['steps'][i] for i in kept),
+            'ms_cb': 1e3*statistics.median(rec['cb_steps'][i] for i in kept) if timed else None,
             'events_ms': {k: 1e3*v/n for k, v in rec['events'].items()}, 'mem_MB': mem/2**20, 'loss': loss, 'acc': acc,
-            'train_loss': train_loss, 'n_steps': n, 'skipped': rec['skipped'], 'all_steps': rec['all'],
-            'channels_last': rec['channels_last']}
+            'train_loss': train_loss, 'n_steps': n, 'timed_skipped': sum(rec['skips']), 'skipped': rec['skipped'],
+            'all_steps': rec['all'], 'channels_last': rec['channels_last']}
 
 def _ratios(out, runs):
     "Speedup and memory vs fp32 with the same optimizer (`torch-amp` against fp32 with fused AdamW, when it ran)."
@@ -159,7 +162,7 @@ def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, lr, cb_ti
         learners[k] = _learner(wl, m, o, device, batches, valid, init, lr, cb_timers, fused_ok)
         if parked: move_state(learners[k][0], 'cpu')
         for _ in range(max(1, math.ceil(warmup/steps))): _fit_parked(learners[k][0], device, parked)
-        learners[k][1].update(steps=[], cb_steps=[], events={})
+        learners[k][1].update(steps=[], cb_steps=[], skips=[], events={})
     keys, bounds = [k for k, _, _ in runs], []
     for r in range(rounds):
         bounds.append(copy_bound(n_par, half_dtype(device), device))
@@ -286,7 +289,8 @@ def _workload_table(wl, out) -> list:
         if k == '_workload': continue
         lines.append(f"| {k} | {o['ms_step']:.1f} | {_f(o['speedup'], '.2f')}x | {_f(o['ms_cb'], '.2f')} | "
                      f"{_f(o['cb_over_bound'], '.2f')} | {o['mem_MB']:.1f} | {_f(o['mem_ratio'], '.2f')} | "
-                     f"{o['train_loss']:.4f} | {o['loss']:.4f} | {o['acc']:.3f} | {o['skipped']}/{o['all_steps']} |"
+                     f"{o['train_loss']:.4f} | {o['loss']:.4f} | {o['acc']:.3f} | {o['skipped']}/{o['all_steps']}"
+                     f"{f' ({t} timed)' if (t := o.get('timed_skipped')) else ''} |"
                      + (f" {_f(o['channels_last'], '.0%')} |" if cl else ''))
     return lines
 

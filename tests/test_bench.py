@@ -136,6 +136,7 @@ def test_bench_smoke(tmp_path, capsys):
         o = book[m]
         assert o['ms_step'] > 0 and o['mem_MB'] > 0 and 0 <= o['acc'] <= 1 and o['loss'] > 0 and o['n_steps'] == 1
         assert o['all_steps'] == 3 and 0 <= o['skipped'] <= 3  # warm-up, timed round, memory fit
+        assert 0 <= o['timed_skipped'] <= min(o['n_steps'], o['skipped'])  # timed only when not skipped (unless all were)
         assert o['mode'] == m and o['opt'] == 'adam'
     assert data['act']['fp32']['mem_MB'] > 0 and data['act']['bf16-flat']['mem_ratio'] > 0
     if DEVICE.type == 'cpu':  # (CUDA's allocator rounds each block: exact only on the CPU, where bytes are counted)
