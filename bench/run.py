@@ -2,8 +2,8 @@
 
 One process; every mode trains its own copy of the same model on the same synthetic batches with fastai's real
 `Learner.fit` (one epoch of `--steps` batches per round), the modes interleaved round-robin over `--rounds` rounds
-after `--warmup` untimed steps; each mode with fastai's Adam and/or torch's fused AdamW (`--opts`); `torch-amp` is
-the same training in a plain PyTorch loop. A step is timed from the first `before_batch` to the last `after_batch`
+after `--warmup` untimed steps (more, up to `--warmup-max`, while a dynamic loss scale still skips steps); each mode
+with fastai's Adam and/or torch's fused AdamW (`--opts`); `torch-amp` is the same training in a plain PyTorch loop. A step is timed from the first `before_batch` to the last `after_batch`
 callback (forward, loss, backward, optimizer step, zero_grad and every callback: data loading and validation
 excluded), synchronised on CUDA. Reported: median ms/step over the timed steps not skipped for an overflow (a
 skipped step skips the optimizer) and speedup vs fp32 (same optimizer); ms/step inside the
@@ -93,6 +93,14 @@ def _fit_parked(learn, device, park, memory=None):
     finally:
         if park: move_state(learn, 'cpu')
 
+def _warm_up(learn, rec, device, parked, steps, warmup, warmup_max):
+    "`warmup` untimed steps, then more (up to `warmup_max`) while a dynamic loss scale still overflows and skips steps."
+    n_fits = max(1, math.ceil(warmup/steps))
+    for i in range(max(n_fits, math.ceil(warmup_max/steps))):
+        _fit_parked(learn, device, parked)
+        if i + 1 >= n_fits and not any(rec['skips'][-steps:]): break
+    rec.update(steps=[], cb_steps=[], skips=[], events={})
+
 def _should_park(park, is_cuda, n_runs, n_par, device) -> bool:
     "'auto': on CUDA when the learners' FP32 params, grads and Adam state (16 bytes/param each) would fill 40% of the GPU."
     if park != 'auto': return bool(park)
@@ -147,7 +155,8 @@ def _names(given, known:dict, sets:dict, what:str) -> tuple:
         else: raise ValueError(f"unknown {what} {name!r} (expected {', '.join(list(known) + list(sets))})")
     return tuple(dict.fromkeys(res))
 
-def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, lr, cb_timers, park, fused_ok, verbose) -> dict:
+def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, warmup_max, lr, cb_timers, park, fused_ok,
+                  verbose) -> dict:
     "Every run of one workload, interleaved; returns its results."
     torch.manual_seed(0)
     init = WORKLOADS[wl].model(s)
@@ -161,8 +170,7 @@ def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, lr, cb_ti
     for k, m, o in runs:  # built and warmed up one by one (untimed; the dynamic loss scales settle meanwhile)
         learners[k] = _learner(wl, m, o, device, batches, valid, init, lr, cb_timers, fused_ok)
         if parked: move_state(learners[k][0], 'cpu')
-        for _ in range(max(1, math.ceil(warmup/steps))): _fit_parked(learners[k][0], device, parked)
-        learners[k][1].update(steps=[], cb_steps=[], skips=[], events={})
+        _warm_up(*learners[k], device, parked, steps, warmup, warmup_max)
     keys, bounds = [k for k, _, _ in runs], []
     for r in range(rounds):
         bounds.append(copy_bound(n_par, half_dtype(device), device))
@@ -201,10 +209,12 @@ def run_bench(
     opts=None, # names of `OPTS` (default: adam and fused on CUDA, adam elsewhere)
     cb_timers:bool=None, # time the precision callbacks' events (default: on a CPU; on CUDA they add syncs)
     park='auto', # learners' tensors on the CPU between their fits: 'auto' (when they would not fit the GPU), True, False
+    warmup_max:int=None, # warm-up steps at most, while a dynamic loss scale still skips steps (default 4 * `warmup`)
 ) -> dict:
     "Run the benchmark; returns `{workload: {run: figures}}` plus `'meta'` and `'targets'`."
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     if steps < 1 or rounds < 1: raise ValueError("`steps` and `rounds` must be >= 1")
+    warmup_max = 4 * warmup if warmup_max is None else warmup_max
     dev = resolve_device(device, ('cpu', 'cuda'), 'cpu or cuda')
     is_cuda = dev.type == 'cuda'
     dw, dm, do = defaults(is_cuda)
@@ -221,12 +231,14 @@ def run_bench(
     runs = _runs(modes, opts)
     cb_timers = (not is_cuda) if cb_timers is None else cb_timers
     res = {'meta': {'device': str(dev), 'torch': torch.__version__, 'steps': steps, 'rounds': rounds, 'warmup': warmup,
+                    'warmup_max': warmup_max,
                     'threads': torch.get_num_threads(), 'clock': clock, 'machine': _machine(dev), 'cb_timers': cb_timers,
                     'workloads': list(workloads), 'runs': [k for k, _, _ in runs], 'notes': notes,
                     'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}}
     for wl in workloads:
         s = scale if scale is not None else (1. if is_cuda else CPU_SCALE[wl])
-        res[wl] = _workload_run(wl, s, runs, dev, is_cuda, steps, rounds, warmup, lr, cb_timers, park, not fused_err, verbose)
+        res[wl] = _workload_run(wl, s, runs, dev, is_cuda, steps, rounds, warmup, warmup_max, lr, cb_timers, park,
+                                not fused_err, verbose)
     res['targets'] = targets(res)
     return res
 
@@ -330,6 +342,8 @@ def main(argv=None):
     p.add_argument('--steps', type=int, default=3, help='training steps per mode per round')
     p.add_argument('--rounds', type=int, default=3, help='timed rounds (after the warm-up)')
     p.add_argument('--warmup', type=int, default=8, help='untimed warm-up steps per mode')
+    p.add_argument('--warmup-max', type=int, default=None,
+                   help='more warm-up steps, up to this many, while a dynamic loss scale still skips steps (default 4x --warmup)')
     p.add_argument('--device', default=None, help='cpu or cuda (default: cuda when available)')
     p.add_argument('--scale', type=float, default=None, help='workload size factor (default: 1 on CUDA, smaller on CPU)')
     p.add_argument('--threads', type=int, default=None, help='torch.set_num_threads')
@@ -343,7 +357,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.threads: torch.set_num_threads(a.threads)
     if a.gpu and a.workloads: p.error("--gpu and --workloads: give one of them")
-    try: res = run_bench(('gpu',) if a.gpu else a.workloads, a.modes, a.steps, a.rounds, warmup=a.warmup, device=a.device,
+    try: res = run_bench(('gpu',) if a.gpu else a.workloads, a.modes, a.steps, a.rounds, warmup=a.warmup,
+                         warmup_max=a.warmup_max, device=a.device,
                          scale=a.scale, clock=a.clock, opts=a.opts, cb_timers=a.cb_timers,
                          park={'yes': True, 'no': False}.get(a.park, a.park))
     except ValueError as e: p.error(str(e))  # bad input: a usage error (exit 2), not a traceback

@@ -124,7 +124,8 @@ def test_flat_params_are_views_during_fit_and_ordinary_after():
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path/'res.json'
     res = main(['--workloads', 'book,act', '--modes', 'fp32,fastai,bf16,bf16-flat,native', '--steps', '1', '--rounds', '1',
-                '--warmup', '1', '--scale', '0.002', '--json', str(out), '--device', str(DEVICE), '--cb-timers'])
+                '--warmup', '1', '--warmup-max', '1', '--scale', '0.002', '--json', str(out), '--device', str(DEVICE),
+                '--cb-timers'])
     table = capsys.readouterr().out
     for name in ('fp32', 'fastai', 'bf16-flat', 'native', '**book**', '**act**', 'bookkeeping bound'): assert name in table
     data = json.loads(out.read_text())
@@ -149,7 +150,7 @@ def test_bench_smoke(tmp_path, capsys):
 def test_bench_gpu_workloads_smoke():
     "The GPU workloads at a tiny scale: every mode kind with both optimizers, the plain loop, the targets."
     res = run_bench(['resnet50_cl', 'lm'], ['fp32', 'autocast', 'fp16', 'torch-amp'], steps=1, rounds=1, warmup=1,
-                    device=DEVICE, scale=.002, opts=['adam', 'fused'], verbose=False)
+                    warmup_max=1, device=DEVICE, scale=.002, opts=['adam', 'fused'], verbose=False)
     keys = ['fp32', 'autocast', 'fp16', 'fp32+fused', 'autocast+fused', 'fp16+fused', 'torch-amp']
     for wl in ('resnet50_cl', 'lm'):
         assert list(res[wl])[1:] == keys
@@ -170,6 +171,14 @@ def test_bench_gpu_workloads_smoke():
     assert not any('ChannelsLast' in t['target'] for t in ts)  # needs the NCHW run too
     table = format_table(res)
     assert '**targets**' in table and 'channels-last' in table and '| torch-amp |' in table
+
+def test_warm_up_goes_on_while_the_loss_scale_skips_steps():
+    "fp16 starts at loss scale 2**24 and overflows: the warm-up goes on (up to `warmup_max`) until a step is clean."
+    res = run_bench(['book'], ['fp32', 'fp16'], steps=1, rounds=1, warmup=1, warmup_max=20, device=DEVICE, scale=.002,
+                    verbose=False)['book']
+    assert res['fp32']['all_steps'] == 1 + 1 + 1  # warm-up, 1 round, memory fit: fp32 never skips
+    fp16 = res['fp16']
+    assert 1 <= fp16['skipped'] < fp16['all_steps'] - 2 and fp16['timed_skipped'] == 0
 
 def _res(ms:dict, mem:dict=None) -> dict:
     "Results with only what `targets` reads: `{workload: {run: ms}}`."
