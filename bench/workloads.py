@@ -92,6 +92,7 @@ class GPT(nn.Module):
         self.blocks = nn.Sequential(*[_Block(d, n_heads) for _ in range(n_layers)])
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied
+        for e in (self.tok, self.pos): nn.init.normal_(e.weight, std=.02)  # GPT-2's init (N(0, 1) logits would be huge)
     def forward(self, x):
         h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         return self.head(self.ln(self.blocks(h)))
