@@ -1,10 +1,11 @@
 """A/B of the bookkeeping hot path in ONE process (the fair way to compare two versions on shared, noisy cores):
 `MasterWeights`, `OverflowCheck` and `MixedPrecision.before_step/after_step` of git revision REV ('old') against this
 checkout ('new'), on the bookkeeping-bound workload, learners interleaved round-robin, CPU clock.
-    PYTHONPATH=$PWD python bench/ab_book.py REV [MODES] [ROUNDS]    e.g. `HEAD~1 bf16-flat,bf16,fp16-flat 6`"""
+    python -m bench.ab_book REV [MODES] [ROUNDS]    e.g. `HEAD~1 bf16-flat,bf16,fp16-flat 6` (from the repository root)"""
 import sys, time, statistics, importlib.util, contextlib, subprocess, tempfile, ast, textwrap, os, torch
 torch.set_num_threads(1)
-from fp16cb import bench as B, callbacks as C
+from fp16cb import callbacks as C
+from bench import run as R, workloads as W, measure as M
 
 rev = sys.argv[1]
 modes = (sys.argv[2] if len(sys.argv) > 2 else 'bf16-flat,bf16,fp16-flat').split(',')
@@ -36,24 +37,24 @@ def version(v):
         C.MasterWeights, C.OverflowCheck = new_m, new_o
         for k, f in NEW.items(): setattr(C.MixedPrecision, k, f)
 
-B._now = time.process_time
-s = B.CPU_SCALE['book']; torch.manual_seed(0)
-init = B.WORKLOADS['book'][1](s); batches, valid = B._data('book', s, 'cpu', 3)
+M.set_clock('cpu')
+s = W.CPU_SCALE['book']; torch.manual_seed(0)
+init = W.WORKLOADS['book'].model(s); batches, valid = W.make_data('book', s, 'cpu', 3)
 L = {}
 for m in modes:
     for v in ('old', 'new'):
         with version(v):
-            learn, rec = B._learner('book', s, m, 'cpu', batches, valid, init, 1e-3)
+            learn, rec = R._learner('book', m, 'adam', 'cpu', batches, valid, init, 1e-3, cb_timers=True, fused_ok=False)
             for cb in learn.cbs:
                 if isinstance(cb, C.MixedPrecision): cb.check = C.OverflowCheck()
-            for _ in range(3): B._fit(learn)  # warm-up
-            rec.update(steps=[], cb_steps=[], events={})
+            for _ in range(3): R._fit(learn)  # warm-up
+            rec.update(steps=[], cb_steps=[], skips=[], events={})
         L[(m, v)] = (learn, rec)
 n_params, bounds, keys = sum(p.numel() for p in init.parameters()), [], list(L)
 for r in range(rounds):
-    bounds.append(B._copy_bound(n_params, torch.bfloat16, 'cpu'))
+    bounds.append(M.copy_bound(n_params, torch.bfloat16, 'cpu'))
     for k in (keys if r % 2 == 0 else keys[::-1]):
-        with version(k[1]): B._fit(L[k][0])
+        with version(k[1]): R._fit(L[k][0])
 bound = 1e3 * statistics.median(bounds)
 print(f"A/B {rev} (old) vs checkout (new), book workload, {rounds} rounds x 3 steps; bookkeeping bound {bound:.2f} ms\n")
 print("| mode | version | ms/step | ms in precision cbs | cbs / bound | before_step | after_step |\n|---|---|---:|---:|---:|---:|---:|")

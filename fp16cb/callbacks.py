@@ -54,6 +54,10 @@ class ModelToHalf(SessionCallback):
         return self.originals is not None
 
     def setup(self):
+        # on the data's device first (fastai's TrainEvalCallback moves it there only later, at order -10): the exact
+        # FP32 originals, and so the masters made from them, must live where the model trains
+        device = getattr(self.learn.dls, 'device', None)
+        if device is not None: self.learn.model.to(device)
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True, prepend=True)

@@ -60,7 +60,7 @@ def get_master(
 ) -> tuple: # `(model_pgs, master_pgs)`: trainable model params per group and their FP32 masters
     "Per param group of `opt`, the trainable model params and FP32 master copies of them."
     model_pgs = [_trainable(pg) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
-    src = (lambda p: _fp32_leaf(fp32_of(p))) if fp32_of is not None else (lambda p: p.data.detach().clone().float())
+    src = (lambda p: _fp32_leaf(fp32_of(p)).to(p.device)) if fp32_of is not None else (lambda p: p.data.detach().clone().float())
     if not flat_master:
         return model_pgs, [[nn.Parameter(src(p), requires_grad=True) for p in pg] for pg in model_pgs]
     master_pgs = []

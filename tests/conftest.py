@@ -1,5 +1,9 @@
-"""Shared tiny fixtures: a synthetic-regression `Learner` (Linear/BatchNorm, two param groups) on CPU, and a
-callback that records what the learner holds at each training event."""
+"""Shared tiny fixtures: a synthetic-regression `Learner` (Linear/BatchNorm, two param groups) on the test device, and a
+callback that records what the learner holds at each training event.
+
+`pytest --device cuda` (default: cpu) runs every test that trains, converts or benchmarks on that device: `DEVICE`
+(and the `device` fixture) is it, `make_learner` puts its model and data there, and fastai's own default device
+follows it (so that a GPU machine still tests the CPU by default). CUDA-only tests (`cuda_only()`) skip unless it is CUDA."""
 import random
 from functools import partial
 import numpy as np
@@ -8,10 +12,38 @@ import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, MSELossFlat, Callback
 from fastai.layers import BatchNorm
+from fastai.torch_core import defaults
 import fastai.callback.schedule  # Learner.fit_one_cycle
 
 import fp16cb  # patches Learner.to_fp16 & co.
 import fp16cb.dtypes as _dtypes
+from fp16cb.devices import resolve_device
+
+DEVICE = torch.device('cpu')  # the device of this run (`--device`), set by `pytest_configure`
+
+def pytest_addoption(parser):
+    parser.addoption('--device', default='cpu',
+                     help="device for the tests that train, convert or benchmark: cpu (default), cuda or cuda:N; "
+                          "the CUDA-only tests run with cuda and skip otherwise")
+
+def pytest_configure(config):
+    "Check `--device` (a usage error if this machine lacks it) and make it fastai's default device too."
+    global DEVICE
+    try: DEVICE = resolve_device(config.getoption('--device'), ('cpu', 'cuda'), 'cpu, cuda or cuda:N')
+    except ValueError as e: raise pytest.UsageError(f"--device: {e}")
+    defaults.use_cuda = DEVICE.type == 'cuda'  # fastai's `default_device()`: CUDA only when asked, even on a GPU machine
+    if DEVICE.type == 'cuda' and DEVICE.index is not None: torch.cuda.set_device(DEVICE)
+
+def pytest_report_header(config): return f"fp16cb test device: {DEVICE}"
+
+def cuda_only():
+    "`pytest.mark.skipif` for tests that need `--device cuda`."
+    return pytest.mark.skipif(DEVICE.type != 'cuda', reason="CUDA-only: run with `pytest --device cuda`")
+
+@pytest.fixture
+def device() -> torch.device:
+    "The device of this run (`pytest --device ...`)."
+    return DEVICE
 
 # The tests use batches of 16x8: with several threads each tiny op pays OpenMP fork/join (measured: a 6-batch fit
 # takes 0.5 s with 2 threads on a busy 2-core machine, 0.03 s with 1).
@@ -37,15 +69,17 @@ def two_groups(m):
     return [list(m[0].parameters()) + list(m[1].parameters()), list(m[3].parameters())]
 
 def make_learner(model=None, opt_func=None, lr=1e-2, n_train=64, n_valid=32, bs=16, seed=42, splitter=two_groups,
-                 cbs=None, **kwargs):
-    """A CPU `Learner` on fixed synthetic data: unshuffled train batches and the model initialised from `seed`, so
-    that two learners made with the same arguments train identically (in the same precision)."""
+                 cbs=None, device=None, **kwargs):
+    """A `Learner` on fixed synthetic data, model and data on `device` (default: the test device): unshuffled train
+    batches and the model initialised from `seed`, so that two learners made with the same arguments train identically
+    (in the same precision)."""
     seed_all(seed)
-    model = tiny_model() if model is None else model
+    device = DEVICE if device is None else torch.device(device)
+    model = (tiny_model() if model is None else model).to(device)
     train, valid = synth_data(n_train, seed=1), synth_data(n_valid, seed=2)
     dls = DataLoaders(DataLoader(train, bs=bs, shuffle=False, drop_last=False, num_workers=0),
                       DataLoader(valid, bs=bs, num_workers=0),
-                      device=torch.device('cpu'))
+                      device=device)
     opt_func = partial(SGD, mom=0.) if opt_func is None else opt_func
     learn = Learner(dls, model, loss_func=MSELossFlat(), opt_func=opt_func, lr=lr, splitter=splitter, cbs=cbs, **kwargs)
     return learn

@@ -9,7 +9,7 @@ from fastai.optimizer import Optimizer, sgd_step
 from fastai.layers import BatchNorm
 import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
-from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all
+from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all, DEVICE
 
 NO_OVERFLOW = dict(max_loss_scale=2.**8)
 HALF = [torch.float16, torch.bfloat16]
@@ -80,8 +80,8 @@ def test_integer_inputs_untouched():
     seed_all(0)
     x, cat, y = torch.randn(32, 4), torch.randint(0, 5, (32,)), torch.randn(32, 1)
     items = [(x[i], cat[i], y[i]) for i in range(32)]
-    dls = DataLoaders(DataLoader(items, bs=8), DataLoader(items[:8], bs=8), device=torch.device('cpu'))
-    learn = Learner(dls, EmbedLinear(), loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2)
+    dls = DataLoaders(DataLoader(items, bs=8), DataLoader(items[:8], bs=8), device=DEVICE)
+    learn = Learner(dls, EmbedLinear().to(DEVICE), loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2)
     learn.to_fp16(**NO_OVERFLOW)
     rec = Record(before_batch=lambda l: [t.dtype for t in l.xb], after_pred=lambda l: l.pred.dtype,
                  before_fit=lambda l: (l.model.emb.weight.dtype, l.model.bn.weight.dtype))
@@ -169,13 +169,13 @@ def test_fp16_on_cpu_warns_once(reset_warned, monkeypatch, bf16_native):
     _native(monkeypatch, fp16=False, bf16=bf16_native)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        learn = make_learner().to_fp16(**NO_OVERFLOW)
+        learn = make_learner(device='cpu').to_fp16(**NO_OVERFLOW)  # the CPU's warning, whatever the test device
         quiet_fit(learn, 1); quiet_fit(learn, 1)
-        quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
+        quiet_fit(make_learner(device='cpu').to_fp16(**NO_OVERFLOW), 1)
         ours = _slow_warnings(w)
         assert len(ours) == 1 and ours[0].startswith('fp16') and 'to_bf16' in ours[0]
         assert ('Use `learn.to_bf16()`' in ours[0]) == bf16_native  # suggested only where it is native
-        quiet_fit(make_learner(), 1)
+        quiet_fit(make_learner(device='cpu'), 1)
         assert len(_slow_warnings(w)) == 1
 
 @pytest.mark.parametrize('native', [True, False])
@@ -184,7 +184,7 @@ def test_bf16_on_cpu_warns_once_only_without_native_bf16(reset_warned, monkeypat
     _native(monkeypatch, fp16=False, bf16=native)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        quiet_fit(make_learner().to_bf16(), 1); quiet_fit(make_learner().to_native_bf16(), 1)
+        quiet_fit(make_learner(device='cpu').to_bf16(), 1); quiet_fit(make_learner(device='cpu').to_native_bf16(), 1)
     ours = _slow_warnings(w)
     assert ours == [] if native else (len(ours) == 1 and ours[0].startswith('bf16') and 'slower than FP32' in ours[0])
 
@@ -193,7 +193,7 @@ def test_fp16_native_cpu_does_not_warn(reset_warned, monkeypatch):
     _native(monkeypatch, fp16=True, bf16=True)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        quiet_fit(make_learner().to_fp16(**NO_OVERFLOW), 1)
+        quiet_fit(make_learner(device='cpu').to_fp16(**NO_OVERFLOW), 1)
     assert _slow_warnings(w) == []
 
 def test_cpu_native_probe(monkeypatch):
@@ -327,3 +327,20 @@ def test_each_backward_starts_from_zero_model_grads(dtype, flat, late):
     # at each optimizer step (1 and 4; 1 is cancelled when `late == 'cancel'`): were the 16-bit grads cleared already?
     assert seen == [late is None] * (1 if late == 'cancel' else 2)
     assert learn.mixed_precision.skips == [False, True, False]
+
+@pytest.mark.parametrize('setup', [lambda l: l, lambda l: l.to_native_fp16(dtype=torch.bfloat16),
+                                   lambda l: l.to_bf16(), lambda l: l.to_bf16(flat_master=True)],
+                         ids=['fp32', 'native', 'bf16', 'bf16-flat'])
+def test_channels_last_is_kept_during_the_fit(setup):
+    "With fastai's `ChannelsLast` callback the conv weights train in channels-last format, in any precision."
+    from fastai.callback.channelslast import ChannelsLast
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 4, 4, generator=g), torch.randn(32, 1, generator=g)
+    items = list(zip(x, y))
+    dls = DataLoaders(DataLoader(items, bs=16), DataLoader(items[:16], bs=16), device=DEVICE)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 1)).to(DEVICE)
+    learn = setup(Learner(dls, model, loss_func=MSELossFlat(), opt_func=SGD, lr=1e-2, cbs=ChannelsLast()))
+    rec = Record(after_pred=lambda l: l.model[0].weight.is_contiguous(memory_format=torch.channels_last))
+    quiet_fit(learn, 1, cbs=rec)
+    assert rec.log['after_pred'] == [True, True]

@@ -5,6 +5,7 @@ from torch import nn
 from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, MSELossFlat, set_seed, Callback, load_learner
 from fastai.callback.tracker import SaveModelCallback
 from fastai.optimizer import OptimWrapper
+from conftest import DEVICE
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
 
@@ -12,13 +13,13 @@ def make_dls(n=64, bs=16):
     set_seed(0)
     x = torch.randn(n + 16, 6); y = x[:, :2].sum(1, keepdim=True) + .1 * x[:, 2:3] ** 2
     dsets = [Datasets(list(zip(x[a:b], y[a:b])), tfms=[[ItemGetter(0)], [ItemGetter(1)]]) for a, b in ((0, n), (n, n + 16))]
-    return DataLoaders.from_dsets(*dsets, bs=bs, shuffle=False)
+    return DataLoaders.from_dsets(*dsets, bs=bs, shuffle=False, device=DEVICE)
 
 def make_learner(seed=0, path=None, **kw):
     "Always the same data; `seed` picks the model's initial weights."
     dls = make_dls(**kw)
     set_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(.1), nn.Linear(12, 1))
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(.1), nn.Linear(12, 1)).to(DEVICE)
     return Learner(dls, model, loss_func=MSELossFlat(), path=path or tempfile.mkdtemp())
 
 def fit(learn, n, lr=1e-2, cbs=None):
@@ -146,11 +147,13 @@ def test_export_and_load_learner():
     learn.export('exp.pkl')
     new = load_learner(learn.path/'exp.pkl')  # cpu=True: fastai calls `to_fp32()` on a learner with `mixed_precision`
     assert new.model[0].weight.dtype == torch.float32 and not new.precision_callbacks()
-    x = torch.randn(5, 6)
+    assert all(p.device.type == 'cpu' for p in new.model.parameters())
+    new.dls.to(DEVICE); new.model.to(DEVICE)  # the same device as `learn`: the same kernels, bit for bit
+    x = torch.randn(5, 6, device=DEVICE)
     new.model.eval(); learn.model.eval()
     assert torch.equal(new.model(x), learn.model(x))
-    preds, _ = new.get_preds(dl=learn.dls.test_dl([(t, torch.zeros(1)) for t in x]))
-    assert preds.dtype == torch.float32 and torch.allclose(preds, learn.model(x), atol=1e-6)
+    preds, _ = new.get_preds(dl=new.dls.test_dl([(t, torch.zeros(1)) for t in x.cpu()]))
+    assert preds.dtype == torch.float32 and torch.allclose(preds, learn.model(x).cpu(), atol=1e-6)
     kept = load_learner(learn.path/'exp.pkl', cpu=False)  # the callbacks were pickled with their scaler state
     assert kept.model[0].weight.dtype == torch.float32
     assert kept.mixed_precision.scaler.state_dict() == learn.mixed_precision.scaler.state_dict()

@@ -7,6 +7,7 @@ from fp16cb.demo import parse_args, main, format_table
 from fp16cb import ModelToHalf
 from fp16cb.dtypes import has_fast_half_math
 from fp16cb.experiments import run_mode, MODES, HalfLossScale, make_learner, train
+from conftest import DEVICE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def test_module_entry_point_reports_bad_mode():
 
 def test_tiny_run_prints_the_table_and_plots(tmp_path, capsys):
     out = tmp_path/'runs.png'
-    assert main(['--modes', 'fp32,to_fp16,to_bf16', '--epochs', '1', '--plot', str(out)]) == 0
+    assert main(['--modes', 'fp32,to_fp16,to_bf16', '--epochs', '1', '--plot', str(out), '--device', str(DEVICE)]) == 0
     text = capsys.readouterr().out
     lines = {l.split()[0]: l.split() for l in text.splitlines() if l.split() and l.split()[0] in MODES}
     assert {'fp32', 'to_fp16', 'to_bf16'} <= set(lines)
@@ -52,30 +53,30 @@ def test_tiny_run_prints_the_table_and_plots(tmp_path, capsys):
     assert lines['to_fp16'][3].startswith('2^') and int(lines['to_fp16'][4]) > 0  # 2^24 overflowed: skipped steps
     assert lines['fp32'][3] == '-' and lines['to_bf16'][3] == '1'
     assert out.exists() and out.stat().st_size > 10_000
-    slow = [n for n, dt in (('fp16', torch.float16), ('bf16', torch.bfloat16)) if not has_fast_half_math(dt, 'cpu')]
+    slow = [n for n, dt in (('fp16', torch.float16), ('bf16', torch.bfloat16)) if not has_fast_half_math(dt, DEVICE)]
     notes = [l for l in text.splitlines() if l.startswith('note:')]
-    assert (notes == []) if not slow else (len(notes) == 1 and ' or '.join(slow) in notes[0])  # AVX2 here: both
+    assert (notes == []) if not slow else (len(notes) == 1 and ' or '.join(slow) in notes[0])  # AVX2 CPU: both; GPU: none
 
 def test_vanishing_updates_without_masters():
     "Weights near 24 (fp16 spacing 2^-6) and Adam steps of about 5e-3: pure fp16 cannot move them, FP32 masters do."
-    pure = run_mode('fp16', 0, 'vanishing', epochs=1)
-    mixed = run_mode('to_fp16', 0, 'vanishing', epochs=1)
+    pure = run_mode('fp16', 0, 'vanishing', DEVICE, epochs=1)
+    mixed = run_mode('to_fp16', 0, 'vanishing', DEVICE, epochs=1)
     assert pure.weights_moved < .05 and mixed.weights_moved > .95
     assert mixed.accuracy > .7 and pure.accuracy < .3
 
 def test_underflow_without_loss_scaling():
     "A loss x 2^-20: at scale 1 every fp16 gradient underflows to 0 and nothing moves; dynamic scaling trains."
-    flat = run_mode('to_fp16_unscaled', 0, 'underflow', epochs=1)
-    scaled = run_mode('to_fp16', 0, 'underflow', epochs=1)
+    flat = run_mode('to_fp16_unscaled', 0, 'underflow', DEVICE, epochs=1)
+    scaled = run_mode('to_fp16', 0, 'underflow', DEVICE, epochs=1)
     assert flat.weights_moved == 0 and flat.loss_scale == 1
     assert scaled.accuracy > .8
 
 def test_unchecked_overflow_poisons_the_weights():
-    learn = make_learner('digits', 'fp16_unchecked', 0)
+    learn = make_learner('digits', 'fp16_unchecked', 0, DEVICE)
     run = train(learn, epochs=1)
     assert any(not torch.isfinite(p).all() for p in learn.model.parameters())
     assert run.accuracy < .2 and run.skipped == 0 and not run.finite
-    checked = make_learner('digits', lambda l: l.add_cbs([ModelToHalf(), HalfLossScale(2.**24)]), 0)
+    checked = make_learner('digits', lambda l: l.add_cbs([ModelToHalf(), HalfLossScale(2.**24)]), 0, DEVICE)
     run = train(checked, epochs=1)
     assert all(torch.isfinite(p).all() for p in checked.model.parameters()) and run.skipped == len(run.skips)
     assert run.finite

@@ -10,14 +10,16 @@ from fastai.basics import Learner, DataLoaders, SGD, MSELossFlat
 from fp16cb import BackoffScaler, StaticScaler, LogNormalScaler
 from fp16cb.diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, scale_health, scaling_callback,
                                 GradientReport)
+from conftest import DEVICE
 
 def synth_learner(factor=1., n=64, bs=16, seed=0):
     "y = 2x + 1 with a small MLP (with BatchNorm); the loss is multiplied by `factor`."
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g); y = x.sum(1, keepdim=True) * 2 + 1
-    dls = DataLoaders.from_dsets(list(zip(x[:-16], y[:-16])), list(zip(x[-16:], y[-16:])), bs=bs, num_workers=0)
+    dls = DataLoaders.from_dsets(list(zip(x[:-16], y[:-16])), list(zip(x[-16:], y[-16:])), bs=bs, num_workers=0,
+                                 device=DEVICE)
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)).to(DEVICE)
     mse = MSELossFlat()
     return Learner(dls, model, loss_func=lambda p, t: mse(p, t) * factor, opt_func=SGD, lr=1e-2 / max(factor, 1e-30))
 

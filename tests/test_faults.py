@@ -7,6 +7,7 @@ from fastai.optimizer import SGD
 from fastai.callback.core import Callback
 from fastai.callback.training import GradientAccumulation
 from fp16cb import ModelToHalf, MixedPrecision, LossScaleError, BNStatsGuard
+from conftest import DEVICE
 try: from test_workflow import make_learner, fit, clone_state, assert_same_state, assert_fp32_between_fits, opt_state, assert_same_opt_state
 except ImportError: from tests.test_workflow import make_learner, fit, clone_state, assert_same_state, assert_fp32_between_fits, opt_state, assert_same_opt_state
 
@@ -175,14 +176,15 @@ def test_nonfinite_micro_batch_skips_the_accumulated_step(mode):
     assert math.isfinite(learn.validate()[0])
 
 def test_bn_stats_guard():
-    bn = nn.BatchNorm1d(3)
-    g = BNStatsGuard(nn.Sequential(nn.Linear(2, 3), bn))
+    bn = nn.BatchNorm1d(3).to(DEVICE)
+    g = BNStatsGuard(nn.Sequential(nn.Linear(2, 3), bn).to(DEVICE))
+    x = lambda: torch.randn(4, 3, device=DEVICE)
     assert len(g.bufs) == 3
-    bn(torch.randn(4, 3)); start = [b.clone() for b in g.bufs]
-    g.snapshot(); bn(torch.randn(4, 3)); g.snapshot(); bn(torch.randn(4, 3))  # 2nd snapshot: same window, ignored
+    bn(x()); start = [b.clone() for b in g.bufs]
+    g.snapshot(); bn(x()); g.snapshot(); bn(x())  # 2nd snapshot: same window, ignored
     g.restore()
     assert same(start, g.bufs)
-    bn(torch.randn(4, 3)); g.arm(); moved = [b.clone() for b in g.bufs]
+    bn(x()); g.arm(); moved = [b.clone() for b in g.bufs]
     g.restore()  # nothing to restore after an optimizer step
     assert same(moved, g.bufs)
     assert BNStatsGuard(nn.Linear(2, 2)).bufs == []

@@ -7,14 +7,14 @@ from torch import nn
 from fastai.basics import SGD, Adam
 from fastai.optimizer import Optimizer, sgd_step
 from fp16cb import get_master, to_master_grads, to_model_params, copy_clone, convert_network
-from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, clones, flat_pgs, seed_all
+from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, clones, flat_pgs, seed_all, DEVICE
 
 # Loss scale small enough that this tiny regression never overflows in fp16 (|grad| * 2**8 << 65504).
 NO_OVERFLOW = dict(max_loss_scale=2.**8)
 
 def half_opt(flat_frozen=False):
     seed_all(0)
-    m = convert_network(tiny_model(), torch.float16)
+    m = convert_network(tiny_model().to(DEVICE), torch.float16)
     opt = SGD(two_groups(m), lr=0.1)
     if flat_frozen: m[0].bias.requires_grad_(False)
     return m, opt
@@ -53,7 +53,7 @@ def test_to_master_grads_and_back(flat):
     to_master_grads(model_pgs, master_pgs, flat_master=flat)
     if flat:
         for pg, (flat_m,) in zip(model_pgs, master_pgs):
-            expect = torch.cat([grads[p].reshape(-1) if p in grads else torch.zeros(p.numel()) for p in pg])
+            expect = torch.cat([grads[p].reshape(-1) if p in grads else torch.zeros(p.numel(), device=DEVICE) for p in pg])
             assert torch.equal(flat_m.grad, expect)  # a missing grad is zero in a flat master
     else:
         for p, mp in zip(flat_pgs(model_pgs), flat_pgs(master_pgs)):
@@ -72,14 +72,14 @@ def test_to_master_grads_and_back(flat):
         for p, mp in zip(flat_pgs(model_pgs), flat_pgs(master_pgs)): assert torch.equal(p.data, mp.data.to(p.dtype))
 
 def test_copy_clone():
-    t16, ti = torch.randn(3).half(), torch.arange(3)
+    t16, ti = torch.randn(3, device=DEVICE).half(), torch.arange(3, device=DEVICE)
     d = {'grad_avg': t16, 'step': ti, 'do_wd': False, 'lr': 0.1, 'n': None}
     r = copy_clone(d)
     assert r['grad_avg'].dtype == torch.float32 and torch.equal(r['grad_avg'], t16.float())
     assert r['step'].dtype == torch.long and torch.equal(r['step'], ti) and r['step'].data_ptr() != ti.data_ptr()
     assert r['do_wd'] is False and r['lr'] == 0.1 and r['n'] is None
-    r['step'] += 1; assert torch.equal(ti, torch.arange(3))  # a clone, not a view
-    x = torch.randn(2, requires_grad=True)
+    r['step'] += 1; assert torch.equal(ti, torch.arange(3, device=DEVICE))  # a clone, not a view
+    x = torch.randn(2, device=DEVICE, requires_grad=True)
     assert not copy_clone({'x': x * 2})['x'].requires_grad  # detached
     assert set(r) == set(d)
 

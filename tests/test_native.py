@@ -1,9 +1,9 @@
-"""NativeMixedPrecision on CPU: autocast + GradScaler, fp16 and bf16, predictions FP32, skip and backoff on overflow."""
+"""NativeMixedPrecision on the test device (CPU by default): autocast + GradScaler, fp16 and bf16, predictions FP32, skip and backoff on overflow."""
 import pytest
 import torch
 from fastai.basics import Callback
 from fp16cb import NativeMixedPrecision
-from conftest import make_learner, quiet_fit, Record, count_host_reads
+from conftest import make_learner, quiet_fit, Record, count_host_reads, DEVICE
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -22,15 +22,15 @@ def _hooked(learn):
     return out
 
 @pytest.mark.parametrize('dtype', HALF)
-def test_native_on_cpu(dtype):
+def test_native_on_device(dtype):
     learn = make_learner().to_native_fp16(dtype=dtype, init_scale=2.**8)
     lin = _hooked(learn)
     rec = Record(after_pred=lambda l: l.pred.dtype,
-                 after_loss=lambda l: (l.loss.dtype, torch.is_autocast_enabled('cpu')),
+                 after_loss=lambda l: (l.loss.dtype, torch.is_autocast_enabled(DEVICE.type)),
                  before_backward=lambda l: (l.loss_grad.item(), l.loss.item(), l.native_mixed_precision.loss_scale),
                  before_batch=lambda l: [p.dtype for p in l.model.parameters()])
     quiet_fit(learn, 2, lr=1e-2, cbs=rec)
-    assert set(lin) == {dtype}  # autocast on the model's device (CPU) in the asked dtype
+    assert set(lin) == {dtype}  # autocast on the model's device in the asked dtype
     assert rec.log['after_pred'] == [torch.float32]*8  # predictions cast to FP32
     assert all(dt == torch.float32 and not on for dt, on in rec.log['after_loss'])  # autocast left before backward
     assert all(set(p) == {torch.float32} for p in rec.log['before_batch'])  # the model itself stays FP32
@@ -39,7 +39,7 @@ def test_native_on_cpu(dtype):
         assert s == scale and lg == loss * scale
     v = learn.recorder.values
     assert v[-1][0] < v[0][0]
-    assert not torch.is_autocast_enabled('cpu')  # nothing leaks out of the fit
+    assert not torch.is_autocast_enabled(DEVICE.type)  # nothing leaks out of the fit
     assert all(p.dtype == torch.float32 for p in learn.model.parameters())
 
 @pytest.mark.parametrize('dtype', HALF)

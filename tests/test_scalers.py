@@ -7,6 +7,7 @@ from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, set_seed,
 from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
 from fp16cb.scalers import make_scaler, FP16_MAX
 from fp16cb.overflow import OverflowCheck
+from conftest import DEVICE
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
 FAST = settings(max_examples=60, deadline=None)
@@ -173,8 +174,8 @@ def test_make_scaler_and_bad_input():
 def make_learner(n=96, bs=16, seed=0, loss_func=None):
     set_seed(seed)
     x = torch.randn(n + 32, 8); y = (x[:, :2].sum(1, keepdim=True) > 0).float()
-    dls = DataLoaders.from_dsets(list(zip(x[:n], y[:n])), list(zip(x[n:], y[n:])), bs=bs, shuffle=False)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    dls = DataLoaders.from_dsets(list(zip(x[:n], y[:n])), list(zip(x[n:], y[n:])), bs=bs, shuffle=False, device=DEVICE)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(DEVICE)
     return Learner(dls, model, loss_func=loss_func or BCEWithLogitsLossFlat())
 
 class MaxGrad(Callback):
@@ -203,9 +204,9 @@ def test_training_with_each_strategy(scaler):
     if scaler == 'backoff': assert mp.scales[3] == mp.scales[0] or mp.n_skipped  # grows only past the bound (2**24)
 
 def test_overflow_check_with_max():
-    g = [torch.tensor([4., -8.]), torch.tensor([[2.], [1.]])]
+    g = [torch.tensor([4., -8.], device=DEVICE), torch.tensor([[2.], [1.]], device=DEVICE)]
     assert OverflowCheck()(g, .5, with_max=True).tolist() == [0., 4.]
-    assert OverflowCheck()([torch.tensor([1., float('inf')])], 1., with_max=True)[0].item() > 0
+    assert OverflowCheck()([torch.tensor([1., float('inf')], device=DEVICE)], 1., with_max=True)[0].item() > 0
 
 def test_scaler_lives_across_fits():
     learn = make_learner().to_fp16(scaler='lognormal')

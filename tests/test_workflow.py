@@ -13,6 +13,7 @@ import fastai.callback.schedule  # fit_one_cycle, fine_tune, lr_find
 from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.callback.tracker import EarlyStoppingCallback
 from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision
+from conftest import DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore:(fp16|bf16) training on the CPU:RuntimeWarning")
 
@@ -39,7 +40,7 @@ def make_dls(tokens=False, bs=8, shuffle=True, seed=0):
     x, tok, y = _data(seed)
     tfms = [[lambda i: x[i]]] + ([[lambda i: tok[i]]] if tokens else []) + [[lambda i: y[i]]]
     dss = Datasets(range(N), tfms=tfms, splits=[list(range(64)), list(range(64, N))], n_inp=2 if tokens else 1)
-    return dss.dataloaders(bs=bs, shuffle=shuffle, device='cpu', num_workers=0)
+    return dss.dataloaders(bs=bs, shuffle=shuffle, device=DEVICE, num_workers=0)
 
 class Net(nn.Module):
     "Linear -> BatchNorm -> ReLU -> Linear; `out` picks a tensor, a tuple or a dict of tensors as output."
@@ -65,7 +66,7 @@ def splitter(m): return [params(m.body) + (params(m.emb) if m.emb is not None el
 
 def make_learner(mode=None, seed=0, out='tensor', tokens=False, opt_func=Adam, dls=None, loss_func=_loss, **kw):
     torch.manual_seed(seed); random.seed(seed)  # fastai's DataLoader shuffles with `random`
-    learn = Learner(dls or make_dls(tokens), Net(out, tokens), loss_func=loss_func, opt_func=opt_func, splitter=splitter,
+    learn = Learner(dls or make_dls(tokens), Net(out, tokens).to(DEVICE), loss_func=loss_func, opt_func=opt_func, splitter=splitter,
                     metrics=[mae] if out == 'tensor' else None)
     learn.recorder.train_metrics = False
     if mode is not None:
@@ -92,7 +93,7 @@ def assert_fp32_between_fits(learn):
     assert {id(p) for p in opt_params} == {id(p) for p in learn.model.parameters()}
     assert all(p.dtype == torch.float32 for p in opt_params)
     assert all(k in {id(p) for p in opt_params} for k in map(id, learn.opt.state))
-    assert not torch.is_autocast_enabled('cpu')
+    assert not torch.is_autocast_enabled(DEVICE.type)
 
 def opt_state(learn):
     return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in learn.opt.state[p].items()}
@@ -179,7 +180,7 @@ def test_param_groups_change_between_fits(mode):
     fit(learn, 'fit', 1, 1e-2)
     assert len(learn.opt.param_lists) == 1
     assert_fp32_between_fits(learn)
-    learn.model.head = nn.Linear(16, 1)  # new parameters, new optimizer
+    learn.model.head = nn.Linear(16, 1).to(DEVICE)  # new parameters, new optimizer
     new = learn.model.head.weight.detach().clone()
     learn.splitter = splitter
     learn.create_opt()

@@ -1,0 +1,107 @@
+"""The benchmark's modes (how a learner trains: fp32, fastai's AMP, fastai's master-weight algorithm, fp16cb's), its
+optimizers (fastai's Adam, or torch's fused AdamW through `OptimWrapper`), and the reference: a plain PyTorch AMP loop."""
+from __future__ import annotations
+from functools import partial
+import torch
+import torch.nn.functional as F
+from fastai.basics import Callback, CancelStepException, Adam
+from fastai.optimizer import OptimWrapper
+import fastai.callback.fp16 as ffp16
+
+import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
+from fp16cb.callbacks import model_device
+from fp16cb.dtypes import cast_floats
+
+__all__ = ['AutocastCB', 'FastaiNonNative', 'MODES', 'OPTS', 'PLAIN', 'run_key', 'fused_adamw_ok', 'half_dtype']
+
+def half_dtype(device) -> torch.dtype:
+    "The 16-bit dtype of the autocast modes: fp16 on CUDA, bf16 on a CPU."
+    return torch.float16 if torch.device(device).type == 'cuda' else torch.bfloat16
+
+class AutocastCB(Callback):
+    "fastai's `MixedPrecision` (autocast + GradScaler) on the model's device instead of hard-coded 'cuda'."
+    order = 10
+    def __init__(self, dtype): self.dtype = dtype
+    def before_fit(self):
+        dev = model_device(self.learn.model).type
+        self.autocast = torch.autocast(dev, dtype=self.dtype)
+        self.learn.scaler = torch.amp.GradScaler(dev, enabled=self.dtype == torch.float16)
+    def before_batch(self): self.autocast.__enter__()
+    def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
+    def after_loss(self): self.autocast.__exit__(None, None, None)
+    def before_backward(self): self.learn.loss_grad = self.learn.scaler.scale(self.learn.loss_grad)
+    def before_step(self):
+        self.skipped = True
+        self.learn.scaler.step(self)
+        if self.skipped: raise CancelStepException()
+    def after_step(self): self.learn.scaler.update()
+    @property
+    def param_groups(self): return self.learn.opt.param_groups
+    def step(self, *args, **kwargs): self.skipped = False
+
+def _move_torch_state(opt, old_pgs, new_pgs):
+    "A torch optimizer's own state (`OptimWrapper`), re-keyed from `old_pgs` to `new_pgs` (fastai moves only its own)."
+    if not isinstance(opt, OptimWrapper): return
+    st = opt.opt.state
+    for pg1, pg2 in zip(old_pgs, new_pgs):
+        for p1, p2 in zip(pg1, pg2):
+            if p1 in st: st[p2] = st.pop(p1)
+
+class FastaiNonNative(ffp16.NonNativeMixedPrecision):
+    """fastai's master-weight algorithm with its CUDA assert lifted (fp16 only: fastai's `ModelToHalf` casts to fp16);
+    with `OptimWrapper`, torch's optimizer state follows the masters too (fastai's `_copy_state` moves only fastai's:
+    torch's would restart every fit and the old masters' state would pile up, 8 bytes/param per fit)."""
+    def before_fit(self):
+        if self.learn.opt is None: self.learn.create_opt()
+        self.model_pgs, self.master_pgs = ffp16.get_master(self.opt, self.flat_master)
+        self.old_pgs = self.opt.param_lists
+        ffp16._copy_state(self.learn.opt, self.model_pgs, self.master_pgs)
+        if not self.flat_master: _move_torch_state(self.learn.opt, self.model_pgs, self.master_pgs)
+        if self.dynamic: self.count = 0
+    def after_fit(self):
+        if hasattr(self, 'master_pgs') and not self.flat_master:
+            _move_torch_state(self.learn.opt, self.master_pgs, self.model_pgs)
+        super().after_fit()
+
+def _fastai_amp(learn, device):
+    "fastai's own `to_fp16()`: its `MixedPrecision` callback itself on CUDA; elsewhere the same on the model's device (bf16)."
+    if torch.device(device).type == 'cuda': return learn.add_cb(ffp16.MixedPrecision())
+    return learn.add_cb(AutocastCB(half_dtype(device)))
+
+# name: (description, learner setup(learn, device)); `PLAIN` is no learner: the plain PyTorch loop of `run.PlainAMP`
+PLAIN = 'torch-amp'
+MODES = {
+    'fp32':      ('plain FP32', lambda l, d: l),
+    'autocast':  ("fastai's own to_fp16() (AMP: autocast + GradScaler; on a CPU the same callback with bf16 autocast)",
+                  _fastai_amp),
+    'fastai':    ("fastai's original master-weight algorithm: ModelToHalf + NonNativeMixedPrecision (fp16, FP32 masters, "
+                  "dynamic scale)", lambda l, d: l.add_cbs([ffp16.ModelToHalf(), FastaiNonNative()])),
+    'bf16':      ('fp16cb learn.to_bf16()', lambda l, d: l.to_bf16()),
+    'bf16-flat': ('fp16cb learn.to_bf16(flat_master=True)', lambda l, d: l.to_bf16(flat_master=True)),
+    'fp16':      ('fp16cb learn.to_fp16()', lambda l, d: l.to_fp16()),
+    'fp16-flat': ('fp16cb learn.to_fp16(flat_master=True)', lambda l, d: l.to_fp16(flat_master=True)),
+    'native':    ('fp16cb learn.to_native_fp16() (dtype=bf16 on CPU)', lambda l, d: l.to_native_fp16(dtype=half_dtype(d))),
+    PLAIN:       ('reference: a plain PyTorch loop, autocast + GradScaler + fused AdamW, no fastai (bf16 on CPU)', None),
+}
+
+# name: (description, fastai `opt_func`)
+OPTS = {
+    'adam':  ("fastai's default Adam", Adam),
+    'fused': ('OptimWrapper(torch.optim.AdamW(fused=True))', partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))),
+}
+
+def run_key(mode:str, opt:str) -> str:
+    "The name of a mode trained with an optimizer in the results: `fp16` (fastai's Adam), `fp16+fused`."
+    return mode if opt == 'adam' or mode == PLAIN else f"{mode}+{opt}"
+
+def fused_adamw_ok(device) -> str|None:
+    "None when torch's fused AdamW steps on `device`; else why not."
+    p = torch.zeros(2, device=device, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    try: torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, TypeError, ValueError) as e: return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+def plain_loss(pred, y) -> torch.Tensor:
+    "The loss of the plain loop: cross-entropy in FP32 over the last dim (as fastai's `CrossEntropyLossFlat` after AMP)."
+    return F.cross_entropy(pred.float().reshape(-1, pred.shape[-1]), y.reshape(-1))
