@@ -155,7 +155,7 @@ def _acc_curves(ax, rows, title):
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, 100); ax.set_xlabel('epoch'); ax.set_ylabel('validation accuracy %')
-    ax.legend(fontsize='small', loc='lower right'); ax.set_title(title, fontsize='medium')
+    ax.legend(fontsize='small', loc='best'); ax.set_title(title, fontsize='medium')
 
 def _figure_default(rows):
     "The figure of `python -m fp16cb --plot`: accuracy per epoch per mode, and the loss scale of the scaled modes."

@@ -181,5 +181,5 @@ def plot_gradient_range(
     ax.set_xlabel('log2 |grad|  (FP32, unscaled)'); ax.set_ylabel('fraction'); ax.set_xlim(left, hi)
     ax.set_title(f"lost at scale 1: act {rep.at_1['activation'][0]:.1%}, weight {rep.at_1['weight'][0]:.1%}; "
                  f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
-    ax.legend(fontsize='x-small', loc='upper left')
+    ax.legend(fontsize='x-small', loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: never over the histograms
     return ax
