@@ -655,7 +655,7 @@ md("""# Troubleshooting
 | `LossScaleError`: every step skipped | inf/NaN in every forward pass: inputs beyond fp16's range (65504), NaN targets, a diverged model | normalize the inputs (fastai's `Normalize`), look for NaN in the data, lower the learning rate; or `to_bf16()`, which has FP32's range |
 | a warning that the loss scale sits at its floor | the gradients barely fit in fp16 even unscaled: a loss with a large weight, or summed instead of averaged | average the loss, or let the scale go under 1 (`to_fp16(min_loss_scale=2**-8)`), or `to_bf16()` |
 | `n_skipped` grows now and then, train loss shows `nan` | a batch with NaN in it | its step is skipped and BatchNorm's statistics restored, so training goes on; fix the data (`FillMissing`) |
-| a warning that many steps are skipped | a dynamic scale that grows too often (`scale_wait`), or intermittent overflows in the forward pass | raise `scale_wait`, or `to_bf16()` |
+| a warning that many steps are skipped | a dynamic scale that grows again too soon, NaN in some batches, or intermittent overflows in the forward pass | raise `scale_wait`, check the data (below), or `to_bf16()` |
 
 Each case below is a few lines that trigger it on data shipped with scikit-learn, and the fix. The warnings are
 caught and printed here; in your notebook they show as usual, once each."""),
@@ -672,6 +672,7 @@ def caught(f):
     "Run `f()`; print the warnings it raised (their messages, without file and line)."
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
+        warnings.filterwarnings('ignore', message='The given NumPy array is not writable')
         res = f()
     for w in ws: print(f"{w.category.__name__}: {w.message}")
     if not ws: print('(no warning)')
