@@ -71,7 +71,7 @@ def kernel_env() -> dict:
 def execute(nb, timeout:int=300):
     "Run `nb` in place in a fresh kernel started in nbs/ (raises `CellExecutionError` with the cell and traceback)."
     from nbclient import NotebookClient
-    NotebookClient(nb, timeout=timeout, kernel_name='python3', record_timing=False,
+    NotebookClient(nb, timeout=timeout, kernel_name='python3', record_timing=False, shutdown_kernel='immediate',
                    resources={'metadata': {'path': str(NBS)}}).execute(env=kernel_env())
     return nb
 
