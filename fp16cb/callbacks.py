@@ -219,7 +219,7 @@ class MixedPrecision(SessionCallback):
         if self.clip is not None: self._clip()
 
     def _clip(self):
-        "Clip the unscaled FP32 master grads: each param group's norm (seed 001), or their global norm."
+        "Clip the unscaled FP32 master grads: each param group's norm (as fastai v2's original `MixedPrecision`), or their global norm."
         pgs = self.master.opt_pgs
         for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
             if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)

@@ -104,7 +104,7 @@ def _batches(dl, n):
 def gradient_report(
     learn, # a `Learner` (outside a fit: its model is FP32, so the grads measured are the true ones)
     n_batches:int=1, # training batches to measure
-    headroom:float=8., # the suggested scale keeps the largest |grad| this many times below fp16's max (seed 002: 2^3)
+    headroom:float=8., # the suggested scale keeps the largest |grad| this many times below fp16's max
     lo:int=-40, hi:int=17, # the log2 range of the bins (values beyond go to the end bins)
     loss_scale:float|None=None, # the scale to evaluate (default: the learner's current loss scale, else 1)
 ) -> GradientReport:
@@ -166,7 +166,9 @@ def plot_gradient_range(
     rep = obj if isinstance(obj, GradientReport) else gradient_report(obj, **kwargs)
     if ax is None: _, ax = plt.subplots(figsize=(7, 3))
     lo, hi = rep.edges[0], rep.edges[-1] + 1
-    ax.axvspan(lo, -24, color='red', alpha=.12, label='lost in fp16 (< 2^-24)')
+    cut = -24 - math.log2(rep.suggested_scale)  # what the suggested scale still loses: below 2^cut
+    left = min(lo, math.floor(cut) - 2)  # the axis shows that line too (the first bin holds everything below 2^lo)
+    ax.axvspan(left, -24, color='red', alpha=.12, label='lost in fp16 (< 2^-24)')
     ax.axvspan(-24, -14, color='orange', alpha=.15, label='subnormal')
     ax.axvspan(-14, 16, color='green', alpha=.07, label='normal')
     ax.axvspan(16, hi, color='purple', alpha=.12, label='overflow (> 65504)')
@@ -174,10 +176,10 @@ def plot_gradient_range(
         n = max(1, sum(counts))
         ax.stairs([c / n for c in counts], rep.edges + [hi], label=f'|{kind} grad|', linewidth=1.5)
     if rep.suggested_scale != 1:
-        ax.axvline(-24 - math.log2(rep.suggested_scale), color='k', ls='--', lw=1,
+        ax.axvline(cut, color='k', ls='--', lw=1,
                    label=f'lost below this at scale {_fmt(rep.suggested_scale)}')
-    ax.set_xlabel('log2 |grad|  (FP32, unscaled)'); ax.set_ylabel('fraction'); ax.set_xlim(lo, hi)
+    ax.set_xlabel('log2 |grad|  (FP32, unscaled)'); ax.set_ylabel('fraction'); ax.set_xlim(left, hi)
     ax.set_title(f"lost at scale 1: act {rep.at_1['activation'][0]:.1%}, weight {rep.at_1['weight'][0]:.1%}; "
                  f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
-    ax.legend(fontsize='x-small', loc='upper left')
+    ax.legend(fontsize='x-small', loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: never over the histograms
     return ax

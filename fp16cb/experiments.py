@@ -1,5 +1,7 @@
-"""Small, download-free experiments on scikit-learn's digits: the precision modes of seed 002's table, and the three
-failure modes of pure fp16 (seed 001), each in a run where it breaks and a run where the recipe fixes it."""
+"""Small, download-free experiments on scikit-learn's digits: the precision modes compared in NVIDIA's NVCaffe slides
+"Training with Mixed Precision" (Ginsburg, Nikolaev and Micikevicius, 2017: FP32, mixed, FP16, FP16 with loss scale
+1000), and the three problems of pure fp16 named in fastai's mixed-precision docs (after Micikevicius et al., 2018,
+"Mixed Precision Training", ICLR), each in a run where it breaks and a run where the recipe fixes it."""
 from __future__ import annotations
 import time, warnings
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ class HalfLossScale(Callback):
     "Loss scaling for a model trained in 16-bit *without* FP32 masters: the 16-bit grads are unscaled in place."
     order = 10
     def __init__(self,
-        scale:float=1000., # a static loss scale (seed 002: 'FP16 training, loss scale = 1000')
+        scale:float=1000., # a static loss scale (NVIDIA's NVCaffe slides: 'FP16 training, loss scale = 1000')
         check:bool=True, # skip the steps whose grads hold an inf/NaN (False: they reach the weights)
     ):
         self.scale, self.check = float(check_positive('scale', scale)), check
@@ -45,21 +47,26 @@ class HalfLossScale(Callback):
         self.scales.append(self.scale); self.skips.append(found and self.check)
         if found and self.check: raise CancelStepException()
 
-# name -> (what it is, how to set up a learner)
+# name -> (what it is, how to set up a learner); `python -m fp16cb --help` lists these descriptions
 MODES = {
-    'fp32':        ("FP32 training", lambda learn: learn.to_fp32()),
-    'to_fp16':     ("mixed: fp16 model, FP32 masters, dynamic loss scale", lambda learn: learn.to_fp16()),
-    'to_bf16':     ("mixed: bf16 model, FP32 masters, no loss scale", lambda learn: learn.to_bf16()),
-    'native':      ("torch.amp autocast fp16 + GradScaler", lambda learn: learn.to_native_fp16()),
-    'native_bf16': ("torch.amp autocast bf16", lambda learn: learn.to_native_bf16()),
-    'fp16':        ("pure fp16: optimizer on the fp16 weights", lambda learn: learn.to_fp32().add_cb(ModelToHalf())),
-    'fp16_scaled': ("pure fp16 + static loss scale 1000",
+    'fp32':        ("plain FP32 training (`learn.to_fp32()`)", lambda learn: learn.to_fp32()),
+    'to_fp16':     ("`learn.to_fp16()`: fp16 model (BatchNorm in FP32), FP32 master weights, dynamic loss scale",
+                    lambda learn: learn.to_fp16()),
+    'to_bf16':     ("`learn.to_bf16()`: bf16 model, FP32 master weights, no loss scale (bf16 has FP32's range)",
+                    lambda learn: learn.to_bf16()),
+    'native':      ("`learn.to_native_fp16()`: PyTorch's autocast in fp16 with its GradScaler",
+                    lambda learn: learn.to_native_fp16()),
+    'native_bf16': ("`learn.to_native_bf16()`: PyTorch's autocast in bf16, no scaler", lambda learn: learn.to_native_bf16()),
+    'fp16':        ("pure fp16: model and optimizer step in fp16, no FP32 masters, no loss scale",
+                    lambda learn: learn.to_fp32().add_cb(ModelToHalf())),
+    'fp16_scaled': ("pure fp16 with a static loss scale of 1000 (the NVCaffe slides' 'FP16 training, loss scale = 1000')",
                     lambda learn: learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(1000.)])),
-    'to_fp16_unscaled': ("mixed fp16 with FP32 masters, no loss scaling",
+    'to_fp16_unscaled': ("`learn.to_fp16(loss_scale=1, dynamic=False)`: FP32 masters but no loss scaling",
                          lambda learn: learn.to_fp16(loss_scale=1., dynamic=False)),
-    'to_fp16_wait20': ("mixed fp16, dynamic scale grown every 20 clean steps",
+    'to_fp16_wait20': ("`learn.to_fp16(scale_wait=20)`: the dynamic scale grows again after 20 clean steps "
+                       "(default 500), so a short run shows overflows skipped",
                        lambda learn: learn.to_fp16(scale_wait=20)),
-    'fp16_unchecked': ("pure fp16, static scale 2^24, no overflow check",
+    'fp16_unchecked': ("pure fp16, static loss scale 2^24, no overflow check: the infs reach the weights",
                        lambda learn: learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(2.**24, check=False)])),
 }
 DEFAULT_MODES = ('fp32', 'to_fp16', 'to_bf16', 'native')
@@ -205,7 +212,7 @@ def mean_acc(runs) -> float:
 # 'breaks' (the failure shows) or 'recipe' (must stay within `TOLERANCE` accuracy points of the baseline)
 TOLERANCE = 0.5
 EXPERIMENTS = [
-    ("Seed 002's table at small scale", 'digits',
+    ("NVCaffe slides' table (FP32 / mixed / FP16 / FP16 + loss scale) at small scale", 'digits',
      [('FP32', 'fp32', 'fp32'), ('mixed (to_fp16)', 'to_fp16', 'recipe'), ('pure FP16', 'fp16', 'other'),
       ('FP16 + loss scale 1000', 'fp16_scaled', 'other'), ('bf16 (to_bf16)', 'to_bf16', 'recipe'),
       ('native AMP fp16', 'native', 'recipe')]),

@@ -41,7 +41,7 @@ def reject_gradient_clip(learn):
                          f"into the FP32 masters that the optimizer steps, and cleared. Use "
                          f"`learn.to_fp16(clip={clips[0].max_norm}, clip_global=True)` instead: the same global L2 norm as "
                          f"GradientClip, of the unscaled FP32 master gradients (without `clip_global`, each param group's "
-                         f"norm is clipped, as in seed 001). Or use `to_native_fp16`, with which GradientClip works.")
+                         f"norm is clipped, as fastai v2's original `MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.")
 
 def count_skip(n_in_a_row:int, skipped:bool, max_skipped:int, what:str) -> int:
     "Consecutive skipped steps after this one; past `max_skipped` the scalers' loud `LossScaleError`."

@@ -21,14 +21,17 @@ def scale_health(
     start = _calibration_end(skips)
     scales, skips = scales[start:][-window:], skips[start:][-window:]
     warned, out = cb.__dict__.setdefault('_health_warned', set()), []
-    if len(skips) >= 10 and sum(skips) > max(5, max_skip_frac * len(skips)) and 'skips' not in warned:
-        out.append(f"{sum(skips)} of the last {len(skips)} optimizer steps were skipped for inf/NaN gradients: the "
-                   "loss scale is too high for too long (lower `scale_wait`/`growth_interval`?), or the forward pass "
-                   "overflows in fp16 (try `learn.to_bf16()`).")
-        warned.add('skips')
     scaler = cb.loss_scaler  # a `LossScaler`, or torch's GradScaler behind `GradScalerAdapter`
-    floor = scaler.floor
-    if scaler.is_dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
+    floor, dynamic = scaler.floor, scaler.is_dynamic
+    if len(skips) >= 10 and sum(skips) > max(5, max_skip_frac * len(skips)) and 'skips' not in warned:
+        causes = (["the dynamic loss scale grows again too soon (raise `scale_wait`/`growth_interval`)"] if dynamic else [])
+        causes.append("some batches hold NaN/inf (check the inputs and targets)")
+        if str(getattr(cb, 'dtype', '')) != 'torch.bfloat16':
+            causes.append("the forward pass overflows in fp16 (try `learn.to_bf16()`, which has FP32's range)")
+        out.append(f"{sum(skips)} of the last {len(skips)} optimizer steps were skipped for inf/NaN gradients. Likely: "
+                   + '; or '.join(causes) + '.')
+        warned.add('skips')
+    if dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
         out.append(f"the dynamic loss scale sits at its floor ({floor:g}) for most of the last {len(scales)} steps: "
                    "the gradients (or the loss) are too large for fp16 even unscaled. Check the learning rate and "
                    "the inputs, or train with `learn.to_bf16()`.")

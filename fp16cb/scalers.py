@@ -82,7 +82,7 @@ class BackoffScaler(LossScaler):
     _state_names = LossScaler._state_names + ('clean_in_a_row', 'overflows_left')
 
     def __init__(self,
-        init_scale:float=2.**24, # starting scale (seed 001: `max_loss_scale`)
+        init_scale:float=2.**24, # starting scale (`MixedPrecision`'s `max_loss_scale` in fastai v2)
         factor:float=2., # divide by this on overflow, multiply after `wait` clean steps (`div_factor`)
         wait:int=500, # clean steps in a row before the scale grows (`scale_wait`)
         min_scale:float=1., # the scale never goes under this; needing to is an error
@@ -127,7 +127,7 @@ def _censored_mean(mu, sigma, cutoff):
     return mu + sigma * math.exp(-a * a / 2) / math.sqrt(2 * math.pi) / sf
 
 class LogNormalScaler(LossScaler):
-    """Seed 000/004's LogNormal scaling: log2 of each step's largest |unscaled grad| is modelled as normal with a
+    """OpenSeq2Seq's LogNormal automatic loss scaling (its mixed-precision guide): log2 of each step's largest |unscaled grad| is modelled as normal with a
     running mean and variance; the next scale is the largest for which the scaled maximum overflows `max_value`
     with probability `overflow_prob`: `log2(scale) = log2(max_value) - (mu + z*sigma)`, `z = Phi^-1(1-overflow_prob)`.
 
@@ -219,7 +219,7 @@ class GradScalerAdapter:
 
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
                 max_skipped=50, dtype=None) -> LossScaler:
-    """A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps seed 001's behaviour, a name or an instance picks.
+    """A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps fastai v2's original behaviour, a name or an instance picks.
     `dtype`: the model's 16-bit dtype, whose largest finite value 'lognormal' keeps the gradients under (fp16's if None)."""
     if isinstance(scaler, LossScaler): return scaler
     if scaler is None: scaler = 'backoff' if dynamic else 'static'
