@@ -46,7 +46,8 @@ def to_fp16(self:Learner, **kwargs):
 @delegates(MixedPrecision)
 def to_bf16(self:Learner, **kwargs):
     "Train in mixed precision with bfloat16: FP32 master weights; no loss scaling unless asked (bf16 has FP32's range)."
-    kwargs = {'dynamic': False, 'loss_scale': 1., **kwargs}
+    kwargs = {'dynamic': False, **kwargs}
+    if not kwargs['dynamic']: kwargs.setdefault('loss_scale', 1.)  # dynamic: calibrated from the first step, as fp16
     return self.to_fp16(dtype=torch.bfloat16, **kwargs)
 
 @patch

@@ -53,7 +53,7 @@ def _learner(init, batches, flat, dtype=torch.bfloat16, cbs=()):
     dls.device = torch.device('cpu')
     learn = Learner(dls, copy.deepcopy(init), loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=LR, cbs=list(cbs))
     if dtype == torch.bfloat16: learn.to_bf16(flat_master=flat)
-    else: learn.to_fp16(flat_master=flat, max_loss_scale=2.**20)
+    else: learn.to_fp16(flat_master=flat, loss_scale=2.**20, max_loss_scale=2.**20)  # start high: overflows
     return learn
 
 def _fit(learn, n=1):

@@ -1,0 +1,73 @@
+"""Issue 12: the first dynamic scale, an explicit `loss_scale`, export without fp16cb, fastai's names and arguments,
+the slow-fp16 warning, the Recorder columns."""
+import math
+import pytest
+import torch
+from fastai.basics import Callback
+from fp16cb.scalers import BackoffScaler, FP16_MAX
+from fp16cb.experiments import make_learner as digits_learner, train
+from conftest import make_learner, quiet_fit, count_host_reads
+
+# ---- 1. the first dynamic scale comes from the first step's gradients -------------------------------------------
+def test_calibrated_scale_is_the_largest_power_of_2_under_the_headroom():
+    s = BackoffScaler(1., calibrate=True, headroom=16.)
+    assert s.scale == 1. and not s.calibrated and s.needs_max_grad
+    s.update(False, 0.3)  # the first finite step: counted as a step, not a skip
+    assert s.scale == 2.**math.floor(math.log2(FP16_MAX / (16 * 0.3))) == 2.**13
+    assert s.calibrated and not s.needs_max_grad and s.n_skipped == 0 and s.n_steps == 1
+    assert BackoffScaler(1., calibrate=True, max_scale=2.**10).calibrated_scale(1e-9) == 2.**10  # the ceiling holds
+    assert BackoffScaler(1., calibrate=True).calibrated_scale(1e4) == 1.  # the floor holds
+    assert BackoffScaler(1., calibrate=True).calibrated_scale(0.) == 2.**24  # no gradient seen: seed 001's start
+
+def test_calibration_survives_overflow_and_checkpoints():
+    s = BackoffScaler(1., calibrate=True)
+    s.update(True, float('nan'))  # a NaN first batch is skipped (no error at the floor), the next one calibrates
+    assert not s.calibrated and s.scale == 1. and s.n_skipped == 1
+    s.update(False, 1.)
+    t = BackoffScaler(1., calibrate=True); t.load_state_dict(s.state_dict())
+    assert t.calibrated and t.scale == s.scale == 2.**11
+
+def test_default_to_fp16_skips_at_most_two_steps_at_the_start():
+    "Before: the scale started at 2^24 and the first ~7 steps of this 1-epoch digits fit were skipped."
+    run = train(digits_learner('digits', 'to_fp16', seed=0), epochs=1)
+    assert sum(run.skips) <= 2 and run.scales[0] == 1. and run.scales[1] > 2.**8 and run.accuracy > .5
+
+def test_calibration_keeps_one_host_read_per_step_and_the_first_step(monkeypatch):
+    from fp16cb import MixedPrecision
+    calls = count_host_reads(monkeypatch, MixedPrecision)
+    learn = make_learner().to_fp16()
+    w0 = learn.model[3].weight.detach().clone()
+    quiet_fit(learn, 1, lr=1e-2, cbs=_StopAfter(1))
+    monkeypatch.undo()
+    mp = learn.mixed_precision
+    assert mp.skips == [False] and mp.scaler.calibrated and len(calls) == 1
+    assert not torch.equal(w0, learn.model[3].weight)  # the calibrating step was applied
+
+class _StopAfter(Callback):
+    order = 30
+    def __init__(self, n): self.n = n
+    def after_step(self):
+        self.n -= 1
+        if self.n == 0: raise __import__('fastai').callback.core.CancelFitException()
+
+class _InfAt(Callback):
+    "An inf in the head's grad at the optimizer steps numbered in `steps`."
+    order = 5
+    def __init__(self, steps): self.steps, self.n = set(steps), 0
+    def after_backward(self):
+        if self.n in self.steps: self.learn.model[3].weight.grad[0, 0] = float('inf')
+        self.n += 1
+
+def test_overflow_later_in_the_run_still_backs_off_and_grows():
+    learn = make_learner(n_train=160).to_fp16(scale_wait=3)
+    quiet_fit(learn, 1, lr=1e-3, cbs=_InfAt([4]))
+    sc, sk = learn.mixed_precision.scales, learn.mixed_precision.skips
+    assert sk == [False]*4 + [True] + [False]*5 and sc[0] == 1.
+    assert sc[5] == sc[4] / 2 and sc[8] == sc[4]  # halved on the overflow, grown back after 3 clean steps
+
+# ---- 2. an explicit loss_scale is the dynamic scale's start -------------------------------------------------------
+def test_explicit_loss_scale_starts_the_dynamic_scale():
+    learn = make_learner().to_fp16(loss_scale=1024)
+    quiet_fit(learn, 1, lr=1e-2)
+    mp = learn.mixed_precision
+    assert mp.scales[0] == 1024. and mp.scaler.calibrated
