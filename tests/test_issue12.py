@@ -71,3 +71,24 @@ def test_explicit_loss_scale_starts_the_dynamic_scale():
     quiet_fit(learn, 1, lr=1e-2)
     mp = learn.mixed_precision
     assert mp.scales[0] == 1024. and mp.scaler.calibrated
+
+# ---- 9. Recorder columns: with a dynamic scale only, printed but kept out of the recorded metrics -----------------
+class _Printed(Callback):
+    "What fastai prints for each epoch: the Recorder's names and the logged row (`learn.logger`)."
+    order = 70
+    def before_fit(self): self.names, self.rows, self.learn.logger = [], [], lambda row: self.rows.append(list(row))
+    def after_epoch(self): self.names.append(list(self.recorder.metric_names))
+
+@pytest.mark.parametrize('setup,shown', [(lambda l: l.to_fp16(), True), (lambda l: l.to_bf16(), False),
+                                          (lambda l: l.to_fp16(dynamic=False, loss_scale=64.), False)])
+def test_precision_columns_only_with_a_dynamic_scale(setup, shown):
+    from fastai.metrics import mae
+    learn = setup(make_learner(metrics=mae))
+    p = _Printed()
+    with learn.no_bar(): learn.fit(2, 1e-2, cbs=p)
+    assert (p.names[-1][-3:-1] == ['loss_scale', 'n_skipped']) == shown  # the table printed during the fit
+    assert all(len(r) == len(p.names[-1]) for r in p.rows)
+    # what plots the metrics (e.g. the widespread `Recorder.plot_metrics` recipe) sees the user's columns only
+    rec = learn.recorder
+    assert list(rec.metric_names) == ['epoch', 'train_loss', 'valid_loss', 'mae', 'time']
+    assert all(len(v) == 3 for v in rec.values) and learn.final_record is rec.values[-1]
