@@ -92,3 +92,18 @@ def test_precision_columns_only_with_a_dynamic_scale(setup, shown):
     rec = learn.recorder
     assert list(rec.metric_names) == ['epoch', 'train_loss', 'valid_loss', 'mae', 'time']
     assert all(len(v) == 3 for v in rec.values) and learn.final_record is rec.values[-1]
+
+# ---- 6. the slow-fp16 warning: how much slower, what to use, at the user's line ----------------------------------
+@pytest.mark.parametrize('how', ['fit_one_cycle', 'fit'])
+def test_slow_fp16_warning_says_how_much_and_points_at_the_users_line(reset_warned, monkeypatch, how):
+    import warnings
+    import fp16cb.dtypes
+    monkeypatch.setattr(fp16cb.dtypes, 'cpu_has_native', {torch.float16: False, torch.bfloat16: True}.get)
+    learn = make_learner().to_fp16()
+    with warnings.catch_warnings(record=True) as w, learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('always')
+        getattr(learn, how)(1, 1e-2)  # the user's line: fastai's fit -> its callbacks -> fp16cb
+    ours = [o for o in w if 'fp16 training on the CPU' in str(o.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, [(o.filename, o.lineno) for o in ours]
+    msg = str(ours[0].message)
+    assert '20 to 100 times slower than FP32' in msg and 'Use `learn.to_bf16()` instead: bf16 is native' in msg
