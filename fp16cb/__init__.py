@@ -13,6 +13,7 @@ from .scalers import LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, L
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 from . import learner as _learner  # patches Learner.to_fp16 & co.
+from . import names as _names  # fastai's MixedPrecision and ours refuse each other's arguments, naming the right one
 from . import workflow as _workflow  # restores after a failed fit; lr_find saves the FP32 learner
 from .guards import BNStatsGuard
 from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
