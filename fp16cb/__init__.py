@@ -17,6 +17,7 @@ from . import names as _names  # fastai's MixedPrecision and ours refuse each ot
 from . import workflow as _workflow  # restores after a failed fit; lr_find saves the FP32 learner
 from .guards import BNStatsGuard
 from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
+from . import export as _export  # after checkpoint: Learner.export writes the FP32 learner without our callbacks
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',

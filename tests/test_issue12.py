@@ -158,3 +158,41 @@ def test_to_channelslast_keeps_our_precision():
     learn = make_learner().to_native_fp16()
     learn.to_channelslast()
     assert [type(cb).__name__ for cb in learn.precision_callbacks()] == ['NativeMixedPrecision']
+
+# ---- 3. an exported learner loads with fastai alone, as the FP32 learner -------------------------------------------
+_LOAD_WITHOUT_FP16CB = r"""
+import sys, torch
+class Refuse:
+    "fp16cb is not installed here."
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'fp16cb': raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Refuse())
+from fastai.learner import load_learner
+learn = load_learner(sys.argv[1])
+assert not any(m.startswith('fp16cb') for m in sys.modules)
+learn.model.eval()
+torch.save(learn.model(torch.load(sys.argv[2])).detach(), sys.argv[3])
+print(sorted(type(cb).__name__ for cb in learn.cbs))
+"""
+
+@pytest.mark.parametrize('setup', ['to_fp16', 'to_bf16', 'to_native_fp16'])
+def test_exported_learner_loads_with_fastai_alone(setup, tmp_path):
+    import subprocess, sys
+    from fastai.basics import Datasets, DataLoaders, ItemGetter, Learner, MSELossFlat
+    from conftest import synth_data, tiny_model
+    dsets = [Datasets(synth_data(n, seed=s), tfms=[[ItemGetter(0)], [ItemGetter(1)]]) for n, s in ((64, 1), (32, 2))]
+    learn = Learner(DataLoaders.from_dsets(*dsets, bs=16), tiny_model(), loss_func=MSELossFlat(), path=tmp_path)
+    learn = getattr(learn, setup)()
+    quiet_fit(learn, 1, lr=1e-2)
+    cbs = list(learn.cbs)
+    learn.export('exp.pkl')
+    assert list(learn.cbs) == cbs and learn.precision_callbacks()  # the learner itself keeps its precision
+    x = torch.randn(5, 4)
+    torch.save(x, tmp_path/'x.pt')
+    r = subprocess.run([sys.executable, '-c', _LOAD_WITHOUT_FP16CB, str(tmp_path/'exp.pkl'), str(tmp_path/'x.pt'),
+                        str(tmp_path/'y.pt')], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'MixedPrecision' not in r.stdout and 'ModelToHalf' not in r.stdout  # no precision callback: FP32 inference
+    learn.model.eval()
+    assert torch.equal(torch.load(tmp_path/'y.pt'), learn.model(x).detach())  # the FP32 model's predictions, exactly
+    quiet_fit(learn, 1, lr=1e-2)  # and the exporting learner trains on in its precision
