@@ -36,7 +36,7 @@ def _set_precision(self:Learner, cbs:list):
     if cbs: self.add_cbs(cbs)
     return self
 
-AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval')  # fastai's AMP `to_fp16`
+AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')  # fastai's AMP `to_fp16`
 
 def _args_of(cls) -> list: return [n for n in inspect.signature(cls).parameters if n != 'self']
 

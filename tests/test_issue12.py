@@ -131,7 +131,7 @@ def test_readme_quick_start_imports_give_our_classes():
     assert ns['MixedPrecision'] is fp16cb.MixedPrecision and ns['ModelToHalf'] is fp16cb.ModelToHalf
 
 # ---- 5. fastai 2.8's to_fp16 arguments, to_non_native_fp16, unknown keywords ----------------------------------------
-@pytest.mark.parametrize('kw', ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'amp_mode'])
+@pytest.mark.parametrize('kw', ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled', 'amp_mode'])
 def test_to_fp16_with_fastais_amp_arguments_points_to_native(kw):
     learn = make_learner()
     with pytest.raises(TypeError, match=r"`learn.to_fp16\(\)` got '" + kw + r"'.*learn.to_native_fp16\("):
