@@ -13,9 +13,11 @@ from .scalers import LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, L
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 from . import learner as _learner  # patches Learner.to_fp16 & co.
+from . import names as _names  # fastai's MixedPrecision and ours refuse each other's arguments, naming the right one
 from . import workflow as _workflow  # restores after a failed fit; lr_find saves the FP32 learner
 from .guards import BNStatsGuard
 from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
+from . import export as _export  # after checkpoint: Learner.export writes the FP32 learner without our callbacks
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',

@@ -118,10 +118,10 @@ class MixedPrecision(SessionCallback):
     bn_stats = None  # a `BNStatsGuard` during a fit
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
     def __init__(self,
-        loss_scale:float=512, # the scale when not `dynamic` (static loss scaling)
+        loss_scale:float=512, # the scale when not `dynamic`; with `dynamic`, any other value is the starting scale
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
-        dynamic:bool=True, # dynamic (backoff) loss scaling: start at `max_loss_scale`, halve on overflow, grow back
-        max_loss_scale:float=2.**24, # start and ceiling of the dynamic scale
+        dynamic:bool=True, # dynamic loss scaling: the first step (at scale 1) picks the scale from its largest |grad|, halve on overflow, grow back
+        max_loss_scale:float=2.**24, # ceiling of the dynamic scale
         div_factor:float=2., # the dynamic scale is divided by this on overflow and multiplied after `scale_wait` clean steps
         scale_wait:int=500, # clean steps in a row before the dynamic scale grows
         clip:float=None, # clip each param group's global norm of unscaled FP32 master grads to this

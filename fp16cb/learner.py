@@ -1,5 +1,6 @@
 """`Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32`, replacing fastai's own patches."""
 from __future__ import annotations
+import difflib, inspect
 import torch
 from fastai.learner import Learner
 import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
@@ -11,7 +12,7 @@ from .native import NativeMixedPrecision
 
 from .session import session_of
 
-__all__ = ['precision_callbacks', 'OURS', 'FOREIGN']
+__all__ = ['precision_callbacks', 'OURS', 'FOREIGN', 'AMP_ARGS', 'check_kwargs']
 
 FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
                 if hasattr(_fastai_fp16, n))  # fastai's own precision callbacks
@@ -35,10 +36,33 @@ def _set_precision(self:Learner, cbs:list):
     if cbs: self.add_cbs(cbs)
     return self
 
+AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')  # fastai's AMP `to_fp16`
+
+def _args_of(cls) -> list: return [n for n in inspect.signature(cls).parameters if n != 'self']
+
+def check_kwargs(name:str, kwargs:dict, cls, foreign:dict):
+    """A `TypeError` that names `learn.{name}` for a keyword `cls` does not take: one of `foreign` (`{argument: hint}`)
+    says which method takes it; any other lists the valid ones (and the closest)."""
+    valid = _args_of(cls)
+    bad = [k for k in kwargs if k not in valid]
+    if not bad: return
+    hints = [foreign[k] for k in bad if k in foreign]
+    if hints: raise TypeError(f"`learn.{name}()` got {', '.join(map(repr, bad))}: {hints[0]}")
+    close = difflib.get_close_matches(bad[0], valid, n=1)
+    raise TypeError(f"`learn.{name}()` got an unexpected keyword argument {bad[0]!r}"
+                    f"{f' (did you mean {close[0]!r}?)' if close else ''}; it takes: {', '.join(valid)}")
+
+_TO_NATIVE = ("it is an argument of fastai's own `to_fp16` (PyTorch AMP: autocast + GradScaler), which fp16cb replaces "
+              "with FP32 master weights and loss scaling (Micikevicius et al. 2018). For autocast + GradScaler, call "
+              "`learn.to_native_fp16(init_scale=..., growth_factor=..., backoff_factor=..., growth_interval=...)` "
+              "(bf16: `learn.to_native_bf16()`, not `amp_mode`).")
+_FP16_FOREIGN = {k: _TO_NATIVE for k in AMP_ARGS}
+
 @patch
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
     "Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling."
+    check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN)
     dtype = kwargs.pop('dtype', torch.float16)
     return self._set_precision([ModelToHalf(dtype), MixedPrecision(dtype=dtype, **kwargs)])
 
@@ -46,7 +70,9 @@ def to_fp16(self:Learner, **kwargs):
 @delegates(MixedPrecision)
 def to_bf16(self:Learner, **kwargs):
     "Train in mixed precision with bfloat16: FP32 master weights; no loss scaling unless asked (bf16 has FP32's range)."
-    kwargs = {'dynamic': False, 'loss_scale': 1., **kwargs}
+    check_kwargs('to_bf16', kwargs, MixedPrecision, _FP16_FOREIGN)
+    kwargs = {'dynamic': False, **kwargs}
+    if not kwargs['dynamic']: kwargs.setdefault('loss_scale', 1.)  # dynamic: calibrated from the first step, as fp16
     return self.to_fp16(dtype=torch.bfloat16, **kwargs)
 
 @patch
@@ -54,19 +80,41 @@ def to_fp32(self:Learner):
     "Back to plain FP32 training: removes the precision callbacks; the model holds the exact FP32 master weights."
     return self._set_precision([])
 
+_NATIVE_FOREIGN = {k: ("it is an argument of `learn.to_fp16()` (FP32 master weights, loss scaling); "
+                        "`to_native_fp16` takes GradScaler's arguments.") for k in _args_of(MixedPrecision)}
+_NATIVE_FOREIGN['amp_mode'] = "fastai's `amp_mode` is `dtype` here: `learn.to_native_bf16()` for bf16."
+
 @patch
 @delegates(NativeMixedPrecision)
 def to_native_fp16(self:Learner, **kwargs):
     "Train with PyTorch's autocast + GradScaler (fp16 by default; `dtype=torch.bfloat16` for bf16)."
+    check_kwargs('to_native_fp16', kwargs, NativeMixedPrecision, _NATIVE_FOREIGN)
     return self._set_precision([NativeMixedPrecision(**kwargs)])
 
 @patch
 @delegates(NativeMixedPrecision)
 def to_native_bf16(self:Learner, **kwargs):
     "Train with PyTorch's autocast in bfloat16 (no loss scaling)."
+    check_kwargs('to_native_bf16', kwargs, NativeMixedPrecision, _NATIVE_FOREIGN)
     return self.to_native_fp16(dtype=torch.bfloat16, **kwargs)
 
 @patch
 def to_native_fp32(self:Learner):
     "Back to plain FP32 training (removes any precision callback)."
     return self._set_precision([])
+
+@patch
+def to_non_native_fp16(self:Learner, **kwargs):
+    "fastai's non-native fp16 (its `ModelToHalf` + `NonNativeMixedPrecision`), replacing any precision callbacks (ours too)."
+    return self._set_precision([_fastai_fp16.ModelToHalf(), _fastai_fp16.NonNativeMixedPrecision(**kwargs)])
+
+import fastai.callback.channelslast  # noqa: F401 (Learner.to_channelslast)
+_fastai_to_channelslast = getattr(Learner.to_channelslast, '_fastai', Learner.to_channelslast)  # not ours if reloaded
+
+@delegates(_fastai_to_channelslast)
+def to_channelslast(self:Learner, use_amp:bool=True, **kwargs):
+    "fastai's `to_channelslast`; the precision set with `to_fp16`/`to_bf16`/`to_native_fp16` is kept (no AMP on top)."
+    if any(isinstance(cb, OURS) for cb in self.cbs): use_amp = False
+    return _fastai_to_channelslast(self, use_amp=use_amp, **kwargs)
+to_channelslast._fastai = _fastai_to_channelslast
+Learner.to_channelslast = to_channelslast

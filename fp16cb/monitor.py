@@ -1,8 +1,13 @@
-"""The current loss scale and the count of skipped steps as columns of fastai's Recorder (no extra host sync)."""
+"""The current loss scale and the count of skipped steps as columns of fastai's Recorder (no extra host sync): printed
+in the table of a fit with a dynamic scale (a static one, or bf16 at scale 1, would only repeat a constant), then
+taken out of `learn.recorder.values` at the end of the fit, so that what plots the user's metrics sees only those.
+The per-step history stays in the callback (`scales`, `skips`; `plot_loss_scale`)."""
 from __future__ import annotations
 from fastai.learner import Metric
 
-__all__ = ['PrecisionValue', 'add_precision_metrics', 'remove_precision_metrics']
+__all__ = ['PrecisionValue', 'add_precision_metrics', 'remove_precision_metrics', 'COLUMNS']
+
+COLUMNS = ('loss_scale', 'n_skipped')
 
 class PrecisionValue(Metric):
     "A Recorder column reading attribute `attr` of a precision callback (host-side numbers: reading costs no sync)."
@@ -14,14 +19,31 @@ class PrecisionValue(Metric):
         v = getattr(self.cb, self.attr)
         return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**53 else v
 
+def _ours(name:str) -> bool: return any(name in (c, f'train_{c}', f'valid_{c}') for c in COLUMNS)
+
+def _strip_recorder(rec):
+    "Take our columns out of the Recorder's names and rows (the printed table keeps them)."
+    names = list(getattr(rec, 'metric_names', None) or [])
+    drop = {i - 1 for i, n in enumerate(names) if i > 0 and _ours(n)}  # a row is `log[1:]`: no 'epoch'
+    if not drop: return
+    keep = lambda row: type(row)([v for i, v in enumerate(row) if i not in drop])
+    rec.metric_names = type(rec.metric_names)([n for n in names if not _ours(n)])
+    last = getattr(rec.learn, 'final_record', None)
+    rows = [(r, keep(r)) for r in rec.values]
+    rec.values = [new for _, new in rows]
+    if last is not None:  # fastai's `final_record` is the last row itself
+        rec.learn.final_record = next((new for old, new in rows if old is last), keep(last))
+
 def remove_precision_metrics(learn):
-    "Drop the columns `add_precision_metrics` added (a fit interrupted by an exception left them)."
+    "Drop the columns `add_precision_metrics` added, from the metrics and from the Recorder's names and rows."
     mets = list(learn.metrics)
-    if any(isinstance(m, PrecisionValue) for m in mets):
-        learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
+    if not any(isinstance(m, PrecisionValue) for m in mets): return
+    learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
+    rec = getattr(learn, 'recorder', None)
+    if rec is not None: _strip_recorder(rec)
 
 def add_precision_metrics(learn, cb):
-    "Show `cb.loss_scale` and `cb.n_skipped` as the Recorder columns `loss_scale` and `n_skipped` during a fit."
+    "Show `cb.loss_scale` and `cb.n_skipped` as the Recorder columns `loss_scale` and `n_skipped` when the scale is dynamic."
     remove_precision_metrics(learn)
-    learn.metrics = list(learn.metrics) + [PrecisionValue(cb, 'loss_scale', 'loss_scale'),
-                                           PrecisionValue(cb, 'n_skipped', 'n_skipped')]
+    if not cb.loss_scaler.is_dynamic: return
+    learn.metrics = list(learn.metrics) + [PrecisionValue(cb, a, a) for a in COLUMNS]

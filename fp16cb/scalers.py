@@ -8,7 +8,7 @@ from .validation import check_positive, check_real, check_int, check_bool  # `ch
 
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
-           'make_scaler', 'FP16_MAX', 'GradScalerAdapter']
+           'make_scaler', 'FP16_MAX', 'GradScalerAdapter', 'SEED_LOSS_SCALE']
 
 class LossScaleError(FloatingPointError):
     "Training cannot go on: gradients keep overflowing whatever the loss scale."
@@ -78,8 +78,13 @@ class StaticScaler(LossScaler):
     "A fixed loss scale; an overflowing step is still skipped (and counted)."
 
 class BackoffScaler(LossScaler):
-    "Divide by `factor` on overflow (after `hysteresis` overflows); multiply by it after `wait` clean steps in a row."
-    _state_names = LossScaler._state_names + ('clean_in_a_row', 'overflows_left')
+    """Divide by `factor` on overflow (after `hysteresis` overflows); multiply by it after `wait` clean steps in a row.
+    With `calibrate`, the first step runs at `init_scale` (1 by default: nothing to overflow but what fp16 cannot hold
+    anyway) and is applied when finite; its largest |unscaled grad| `g` then sets the scale: the largest power of 2
+    under `max_value / (headroom * g)`, within `[min_scale, max_scale]`. No start from the ceiling whose first steps
+    are all skipped (fastai v2's 2^24 start skipped 5 to 11 of them: Micikevicius et al. 2018 pick the scale from the
+    gradients' range, as does `gradient_report`)."""
+    _state_names = LossScaler._state_names + ('clean_in_a_row', 'overflows_left', 'calibrated')
 
     def __init__(self,
         init_scale:float=2.**24, # starting scale (`MixedPrecision`'s `max_loss_scale` in fastai v2)
@@ -89,15 +94,41 @@ class BackoffScaler(LossScaler):
         max_scale:float=2.**24, # the scale never goes above this
         hysteresis:int=1, # the scale drops only after this many overflows (each one still skips its step)
         max_skipped:int=50, # more overflowing steps in a row than this is an error
+        calibrate:bool=False, # set the scale from the largest |grad| of the first finite step (run at `init_scale`)
+        headroom:float=2.**4, # calibration leaves the largest scaled grad this factor under `max_value`
+        max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
     ):
         factor, wait = check_positive('div_factor', factor, strict_min=1.), check_int('scale_wait', wait, 1)
         min_scale, max_scale = _check_scale_range(min_scale, max_scale)
         hysteresis = check_int('hysteresis', hysteresis, 1)
+        check_positive('headroom', headroom, strict_min=0.); check_positive('max_value', max_value)
+        calibrate = check_bool('calibrate', calibrate)
         super().__init__(min(max(check_positive('loss_scale', init_scale), min_scale), max_scale), max_skipped)
         self.factor, self.wait, self.min_scale, self.max_scale, self.hysteresis = factor, wait, min_scale, max_scale, hysteresis
         self.clean_in_a_row, self.overflows_left = 0, hysteresis
+        self.calibrated, self.headroom, self.max_value = not calibrate, float(headroom), float(max_value)
+
+    @property
+    def needs_max_grad(self) -> bool:
+        "Only the calibrating step needs the largest |grad| (read in the same sync as the overflow flag)."
+        return not self.calibrated
+
+    def calibrated_scale(self, max_grad:float) -> float:
+        "The largest power of 2 that keeps `max_grad * headroom` under `max_value`, within `[min_scale, max_scale]`."
+        if not (max_grad > 0 and math.isfinite(max_grad)): return self.max_scale  # nothing seen: fastai v2's start
+        e = math.floor(math.log2(self.max_value / (self.headroom * max_grad)))
+        return min(max(2. ** max(min(e, 1023), -1022), self.min_scale), self.max_scale)
+
+    def _calibrate(self, found_inf, max_grad):
+        "An overflowing first step is skipped and the next tried lower (persistent overflow ends at `max_skipped`)."
+        if found_inf:
+            self.scale = max(min(self.scale / self.factor, 1.), self.min_scale)
+            return
+        if max_grad is None: raise ValueError("BackoffScaler.update needs the largest |unscaled grad| to calibrate")
+        self.scale, self.calibrated = self.calibrated_scale(max_grad), True
 
     def _update(self, found_inf, grad_stats):
+        if not self.calibrated: return self._calibrate(found_inf, grad_stats)
         if found_inf:
             self.clean_in_a_row = 0
             self.overflows_left -= 1
@@ -117,7 +148,9 @@ class BackoffScaler(LossScaler):
     is_dynamic = property(lambda self: True, doc="Backoff scaling moves the scale: down on overflow, up after `wait` clean steps.")
     floor = property(lambda self: self.min_scale, doc="`min_scale`.")
 
-    def __repr__(self): return f"BackoffScaler(scale={self.scale:g}, factor={self.factor:g}, wait={self.wait})"
+    def __repr__(self):
+        cal = '' if self.calibrated else ', uncalibrated'
+        return f"BackoffScaler(scale={self.scale:g}, factor={self.factor:g}, wait={self.wait}{cal})"
 
 def _censored_mean(mu, sigma, cutoff):
     "E[X | X > cutoff] for X ~ N(mu, sigma^2): the mean of a normal observation known only to exceed `cutoff`."
@@ -217,19 +250,25 @@ class GradScalerAdapter:
         if self.gs is not None and self.gs.is_enabled(): self.gs.load_state_dict(sd)
     def __repr__(self): return f"GradScalerAdapter(scale={self.scale:g})"
 
+SEED_LOSS_SCALE = 512.  # `MixedPrecision`'s default `loss_scale`: with `dynamic`, any other value is the starting scale
+
+def _max_value(dtype) -> float: return FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max
+
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
                 max_skipped=50, dtype=None) -> LossScaler:
-    """A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps fastai v2's original behaviour, a name or an instance picks.
+    """A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps fastai v2's original behaviour (but for the start:
+    with `dynamic` and the default `loss_scale`, the first step calibrates the scale), a name or an instance picks.
     `dtype`: the model's 16-bit dtype, whose largest finite value 'lognormal' keeps the gradients under (fp16's if None)."""
     if isinstance(scaler, LossScaler): return scaler
     if scaler is None: scaler = 'backoff' if dynamic else 'static'
     if not isinstance(scaler, str): raise ValueError(f"`scaler` must be None, a LossScaler or a name, got {scaler!r}")
     name = scaler.lower()
     if name == 'static': return StaticScaler(loss_scale, max_skipped=max_skipped)
-    if name == 'backoff':
-        return BackoffScaler(max_loss_scale, div_factor, scale_wait, min_scale=min_loss_scale, max_scale=max_loss_scale,
-                             max_skipped=max_skipped)
+    if name == 'backoff':  # `loss_scale` other than fastai's default 512: the start; else the first step calibrates it
+        calibrate = loss_scale == SEED_LOSS_SCALE
+        return BackoffScaler(1. if calibrate else loss_scale, div_factor, scale_wait, min_scale=min_loss_scale,
+                             max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate, max_value=_max_value(dtype))
     if name == 'lognormal':  # starts at 2**16, within [min_loss_scale, max_loss_scale]
-        return LogNormalScaler(2.**16, min_scale=min_loss_scale, max_scale=max_loss_scale,
-                               max_skipped=max_skipped, max_value=FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max)
+        return LogNormalScaler(min(max(2.**16, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
+                               max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype))
     raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")

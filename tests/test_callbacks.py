@@ -11,7 +11,7 @@ import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
 from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all, DEVICE
 
-NO_OVERFLOW = dict(max_loss_scale=2.**8)
+NO_OVERFLOW = dict(loss_scale=2.**8, max_loss_scale=2.**8)  # a fixed start that does not overflow
 HALF = [torch.float16, torch.bfloat16]
 
 def _to(learn, dtype, **kw):
@@ -156,7 +156,8 @@ def test_bf16_no_loss_scaling_fp32_masters():
     v = learn.recorder.values
     assert v[-1][0] < v[0][0]
     # bf16 with scaling on, when asked
-    assert make_learner().to_bf16(dynamic=True).mixed_precision.loss_scale == 2.**24
+    s = make_learner().to_bf16(dynamic=True).mixed_precision.scaler
+    assert s.is_dynamic and not s.calibrated and s.max_value == torch.finfo(torch.bfloat16).max  # the first step picks the scale
 
 def _native(monkeypatch, fp16:bool, bf16:bool):
     "Pretend this CPU has (or lacks) native fp16 / bf16 math."
@@ -257,7 +258,7 @@ def test_model_to_half_bad_dtype(dtype):
 
 def test_good_arguments_accepted():
     mp = MixedPrecision(loss_scale=1, div_factor=1.5, scale_wait=1, clip=1e-3, max_loss_scale=4., dtype='bf16')
-    assert mp.dtype == torch.bfloat16 and mp.clip == 1e-3 and mp.loss_scale == 4.
+    assert mp.dtype == torch.bfloat16 and mp.clip == 1e-3 and mp.loss_scale == 1.  # an explicit start, within [1, 4]
     assert MixedPrecision(dynamic=False, loss_scale=3).loss_scale == 3.
 
 @pytest.mark.parametrize('flat', [False, True])

@@ -29,10 +29,10 @@ def quiet_fit(learn, n=1):
         learn.fit(n)
 
 def test_plot_loss_scale_marks_the_overflows():
-    learn = synth_learner().to_fp16(max_loss_scale=2.**24)
+    learn = synth_learner().to_fp16(loss_scale=2.**24)
     quiet_fit(learn, 2)
     mp = learn.mixed_precision
-    assert len(mp.scales) == len(mp.skips) == 6 and any(mp.skips)  # 2^24 overflows at first
+    assert len(mp.scales) == len(mp.skips) == 6 and any(mp.skips)  # a start at 2^24 overflows at first
     ax = plot_loss_scale(learn)
     xs = ax.collections[0].get_offsets()
     assert len(xs) == sum(mp.skips) and [int(i) for i, _ in xs] == [i for i, s in enumerate(mp.skips) if s]

@@ -172,9 +172,9 @@ def test_overflow_with_adam_leaves_state_untouched():
         assert torch.equal(a['grad_avg'], b['grad_avg']) and torch.equal(a['sqr_avg'], b['sqr_avg'])
 
 def test_natural_overflow_at_default_scale_backs_off():
-    "With the seed's default start (2**24) the first fp16 grads overflow; the scale halves until they fit."
+    "With seed 001's start (2**24, now explicit) the first fp16 grads overflow; the scale halves until they fit."
     learn = make_learner(n_train=256)
-    learn.to_fp16()
+    learn.to_fp16(loss_scale=2.**24)
     quiet_fit(learn, 1, lr=1e-2)
     mp = learn.mixed_precision
     assert mp.scales[0] == 2.**24 and mp.skips[0]
@@ -187,7 +187,7 @@ def test_natural_overflow_at_default_scale_backs_off():
 @pytest.mark.parametrize('factor', [2., 4.])
 def test_growth_after_scale_wait_and_cap(factor):
     learn = make_learner(n_train=160)  # 10 steps
-    learn.to_fp16(max_loss_scale=2.**8, div_factor=factor, scale_wait=2)
+    learn.to_fp16(loss_scale=2.**8, max_loss_scale=2.**8, div_factor=factor, scale_wait=2)
     quiet_fit(learn, 1, lr=1e-3, cbs=Inject([0, 1]))
     mp = learn.mixed_precision
     top = 2.**8
@@ -198,7 +198,7 @@ def test_growth_after_scale_wait_and_cap(factor):
 
 def test_cap_never_exceeded_without_overflow():
     learn = make_learner()
-    learn.to_fp16(max_loss_scale=2.**6, scale_wait=1)
+    learn.to_fp16(loss_scale=2.**6, max_loss_scale=2.**6, scale_wait=1)
     quiet_fit(learn, 1, lr=1e-3)
     mp = learn.mixed_precision
     assert mp.scales == [2.**6]*4 and mp.loss_scale == 2.**6
