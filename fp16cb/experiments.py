@@ -63,9 +63,9 @@ MODES = {
                     lambda learn: learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(1000.)])),
     'to_fp16_unscaled': ("`learn.to_fp16(loss_scale=1, dynamic=False)`: FP32 masters but no loss scaling",
                          lambda learn: learn.to_fp16(loss_scale=1., dynamic=False)),
-    'to_fp16_wait20': ("`learn.to_fp16(scale_wait=20)`: the dynamic scale grows again after 20 clean steps "
-                       "(default 500), so a short run shows overflows skipped",
-                       lambda learn: learn.to_fp16(scale_wait=20)),
+    'to_fp16_wait20': ("`learn.to_fp16(loss_scale=2**24, scale_wait=20)`: the dynamic scale starts at 2^24 and grows "
+                       "again after 20 clean steps (default 500), so a short run shows overflows skipped",
+                       lambda learn: learn.to_fp16(loss_scale=2.**24, scale_wait=20)),
     'fp16_unchecked': ("pure fp16, static loss scale 2^24, no overflow check: the infs reach the weights",
                        lambda learn: learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(2.**24, check=False)])),
 }
