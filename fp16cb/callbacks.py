@@ -15,6 +15,7 @@ from .monitor import add_precision_metrics, remove_precision_metrics
 from .devices import model_device
 from .session import session_of
 from .validation import check_bool, check_real, check_int, FP32_MAX
+from .policy import PrecisionPolicy, IslandHooks, policy_report
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
@@ -44,9 +45,10 @@ class ModelToHalf(SessionCallback):
     order = -50  # before every other callback: the model is 16-bit when they see it
     def __init__(self,
         dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
+        keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy`, or spec(s) for one (see `fp16cb.policy`)
     ):
-        self.dtype = resolve_dtype(dtype)
-        self.originals, self.masters, self._hook = None, {}, None
+        self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
+        self.originals, self.masters, self._hook, self.islands = None, {}, None, None
 
     @property
     def converted(self) -> bool:
@@ -54,14 +56,27 @@ class ModelToHalf(SessionCallback):
         return self.originals is not None
 
     def setup(self):
-        warn_slow_half(self.dtype, model_device(self.learn.model))
-        self.originals = convert_network_keeping(self.learn.model, self.dtype)
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True, prepend=True)
+        model = self.learn.model
+        warn_slow_half(self.dtype, model_device(model))
+        res = self.policy.resolve(model)
+        self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
+        self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
+        in_dtype = torch.float32 if id(model) in res.kept else self.dtype
+        self._hook = model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
         if self._hook is not None: self._hook.remove()
-        self._hook = None
+        if self.islands is not None: self.islands.remove()
+        self._hook = self.islands = None
         self._restore_model()
+
+    def policy_report(self,
+        model:nn.Module=None, # the model to report on (default: the learner's)
+        leaves:bool=False, # only the modules without children (and the FP32 islands)
+    ):
+        "Each module's storage and compute dtype during a fit and the casts inserted at its edges (a DataFrame)."
+        model = model if model is not None else self.learn.model
+        return policy_report(model, self.policy, self.dtype, leaves=leaves)
 
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
@@ -157,6 +172,12 @@ class MixedPrecision(SessionCallback):
 
     def _model_to_half(self):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
+
+    def policy_report(self, leaves:bool=False):
+        "The learner's `ModelToHalf.policy_report`: each module's storage and compute dtype, and the casts inserted."
+        mth = self._model_to_half()
+        if mth is None: raise ValueError("policy_report: this learner has no ModelToHalf (use `learn.to_fp16()` or `to_bf16()`)")
+        return mth.policy_report(leaves=leaves)
 
     def before_fit(self):
         if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()

@@ -39,8 +39,8 @@ def _set_precision(self:Learner, cbs:list):
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
     "Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling."
-    dtype = kwargs.pop('dtype', torch.float16)
-    return self._set_precision([ModelToHalf(dtype), MixedPrecision(dtype=dtype, **kwargs)])
+    dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
+    return self._set_precision([ModelToHalf(dtype, keep_fp32=keep_fp32), MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch
 @delegates(MixedPrecision)
