@@ -16,6 +16,7 @@ from .devices import model_device
 from .session import session_of
 from .validation import check_bool, check_real, check_int, FP32_MAX
 from .policy import PrecisionPolicy, IslandHooks, policy_report
+from .storage import HalfStorage
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
@@ -142,8 +143,12 @@ class MixedPrecision(SessionCallback):
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
         clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
+        half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`fp16cb.storage`)
+        stochastic_rounding:bool=True, # with `half_storage`: round the updated weights stochastically (False: to nearest)
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
+        self.half_storage = check_bool('half_storage', half_storage)
+        self.stochastic_rounding = check_bool('stochastic_rounding', stochastic_rounding)
         self.flat_master, self.clip = check_bool('flat_master', flat_master), _check_clip(clip)
         dynamic = check_bool('dynamic', dynamic)
         # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
@@ -190,8 +195,9 @@ class MixedPrecision(SessionCallback):
         mth = self._model_to_half()
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in self.learn.model.named_parameters()}
-        self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names)
-        if half: mth.link_masters(self.master.fp32_views())
+        if self.half_storage: self.master = HalfStorage(self.learn.opt, self.stochastic_rounding)
+        else: self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names)
+        if half and not self.half_storage: mth.link_masters(self.master.fp32_views())
         if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
         self.bn_stats, self.owed = BNStatsGuard(self.learn.model), False
 
@@ -218,11 +224,15 @@ class MixedPrecision(SessionCallback):
 
     def before_step(self):
         self.skipped = False
-        grads = self.master.grads_to_master()
-        if not grads and not self.master.own_params: return
         scale = self.loss_scale
-        clear = self._may_clear_early()
-        stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
+        if self.half_storage:
+            stats, clear = self._check_half(scale), False
+            if stats is None: return
+        else:
+            grads = self.master.grads_to_master()
+            if not grads and not self.master.own_params: return
+            clear = self._may_clear_early()
+            stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
         self.grads_cleared = clear
         found = stats[0] > 0
         if found:
@@ -234,11 +244,30 @@ class MixedPrecision(SessionCallback):
         if found: raise CancelStepException()
         if self.clip is not None: self._clip()
 
+    def _check_half(self, scale:float):
+        "`half_storage`: check the 16-bit grads as they are (unscaling in 16-bit could underflow: `HalfStorage` unscales in FP32)."
+        grads = self.master.grads()
+        if not grads: return None
+        self.master.grad_factor, self.master.factors = 1. / scale, {}
+        stats = self.check(grads, 1., with_max=self.scaler.needs_max_grad).tolist()
+        return stats[:1] + [s / scale for s in stats[1:]]
+
     def _clip(self):
         "Clip the unscaled FP32 master grads: each param group's norm (seed 001), or their global norm."
+        if self.half_storage: return self._clip_half()
         pgs = self.master.opt_pgs
         for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
             if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
+
+    def _clip_half(self):
+        "`half_storage`: the clip coefficient joins the unscaling factor that `HalfStorage` applies in FP32."
+        pgs = [list(pg) for pg in self.learn.opt.param_lists]
+        norm = torch.stack(self.master.unscaled_norms([[p for pg in pgs for p in pg]] if self.clip_global else pgs)).max()
+        if self.clip_global or len(pgs) == 1: self.master.grad_factor *= float((self.clip / (norm + 1e-6)).clamp(max=1.))
+        else:  # per group: each group's coefficient joins the FP32 lift of its grads
+            for pg, n in zip(pgs, self.master.unscaled_norms(pgs)):
+                c = float((self.clip / (n + 1e-6)).clamp(max=1.))
+                self.master.factors.update({id(p): c for p in pg})
 
     def _may_clear_early(self) -> bool:
         """Whether no callback after this one has a `before_step`: one could raise `CancelBatchException` there, and
