@@ -129,7 +129,7 @@ def _plot_experiments(path, res, device):
     from .diagnostics import plot_loss_scale, plot_gradient_range, gradient_report
     from .experiments import make_learner
     fig, axs = plt.subplots(2, 2, figsize=(13, 8))
-    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res
+    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res[:4]  # the rest: `experiments_precision`'s rows
     ax = axs[0, 0]
     ax.barh([l for l, _, _ in table][::-1], [mean_acc(r) for _, _, r in table][::-1])
     ax.set_xlim(min(mean_acc(r) for _, _, r in table) - 2, 100); ax.set_xlabel('accuracy % (mean of seeds)')
