@@ -55,6 +55,9 @@ class HalfStorage:
         self._prev_step, self._inner_step = vars(opt).get('step'), opt.step
         opt.step = self.step
 
+    master_pgs = None  # no FP32 masters
+    @property
+    def model_pgs(self) -> list: return [[p for p in pg if getattr(p, 'requires_grad', False)] for pg in self.opt.param_lists]
     @property
     def params(self) -> list:
         return [p for pg in self.opt.param_lists for p in pg if getattr(p, 'requires_grad', False)]
