@@ -106,3 +106,13 @@ def test_decay_in_fp16_storage_is_computed_in_fp32():
 def test_wd_bn_bias_keeps_its_meaning():
     assert _decay_run('mixed', 1e-3, wd_bn_bias=False)[1] == 0.  # BatchNorm and biases not decayed
     assert _decay_run('mixed', 1e-3, wd_bn_bias=True)[1] == pytest.approx(_decay_run('fp32', 1e-3, wd_bn_bias=True)[1], rel=1e-3)
+
+def test_experiment_rows_run_at_tiny_scale():
+    "`python -m fp16cb --experiments` has the issue-13 rows (registered by `experiments_precision`) and formats them."
+    from fp16cb.experiments import EXPERIMENTS, run_experiments
+    from fp16cb.experiments_precision import EXPERIMENTS as OURS
+    from fp16cb.demo import format_experiments
+    assert all(e in EXPERIMENTS for e in OURS)
+    res = [r for r in run_experiments(seeds=(0,), epochs=1, log=None) if r[0] in {t for t, _, _ in OURS}]
+    text, _ = format_experiments(res)
+    assert 'fp16 storage, plain update' in text and 'classifier FP32' in text
