@@ -15,6 +15,8 @@ from .monitor import add_precision_metrics, remove_precision_metrics
 from .devices import model_device
 from .session import session_of
 from .validation import check_bool, check_real, check_int, FP32_MAX
+from .policy import PrecisionPolicy, IslandHooks, policy_report
+from .storage import HalfStorage
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
@@ -44,9 +46,10 @@ class ModelToHalf(SessionCallback):
     order = -50  # before every other callback: the model is 16-bit when they see it
     def __init__(self,
         dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
+        keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy`, or spec(s) for one (see `fp16cb.policy`)
     ):
-        self.dtype = resolve_dtype(dtype)
-        self.originals, self.masters, self._hook = None, {}, None
+        self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
+        self.originals, self.masters, self._hook, self.islands = None, {}, None, None
 
     @property
     def converted(self) -> bool:
@@ -56,16 +59,28 @@ class ModelToHalf(SessionCallback):
     def setup(self):
         # on the data's device first (fastai's TrainEvalCallback moves it there only later, at order -10): the exact
         # FP32 originals, and so the masters made from them, must live where the model trains
-        device = getattr(self.learn.dls, 'device', None)
-        if device is not None: self.learn.model.to(device)
-        warn_slow_half(self.dtype, model_device(self.learn.model))
-        self.originals = convert_network_keeping(self.learn.model, self.dtype)
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True, prepend=True)
+        model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
+        if device is not None: model.to(device)
+        warn_slow_half(self.dtype, model_device(model))
+        res = self.policy.resolve(model)
+        self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
+        self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
+        in_dtype = torch.float32 if id(model) in res.kept else self.dtype
+        self._hook = model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
         if self._hook is not None: self._hook.remove()
-        self._hook = None
+        if self.islands is not None: self.islands.remove()
+        self._hook = self.islands = None
         self._restore_model()
+
+    def policy_report(self,
+        model:nn.Module=None, # the model to report on (default: the learner's)
+        leaves:bool=False, # only the modules without children (and the FP32 islands)
+    ):
+        "Each module's storage and compute dtype during a fit and the casts inserted at its edges (a DataFrame)."
+        model = model if model is not None else self.learn.model
+        return policy_report(model, self.policy, self.dtype, leaves=leaves)
 
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
@@ -131,8 +146,12 @@ class MixedPrecision(SessionCallback):
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
         clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
+        half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`fp16cb.storage`)
+        stochastic_rounding:bool=True, # with `half_storage`: round the updated weights stochastically (False: to nearest)
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
+        self.half_storage = check_bool('half_storage', half_storage)
+        self.stochastic_rounding = check_bool('stochastic_rounding', stochastic_rounding)
         self.flat_master, self.clip = check_bool('flat_master', flat_master), _check_clip(clip)
         dynamic = check_bool('dynamic', dynamic)
         # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
@@ -162,6 +181,12 @@ class MixedPrecision(SessionCallback):
     def _model_to_half(self):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
 
+    def policy_report(self, leaves:bool=False):
+        "The learner's `ModelToHalf.policy_report`: each module's storage and compute dtype, and the casts inserted."
+        mth = self._model_to_half()
+        if mth is None: raise ValueError("policy_report: this learner has no ModelToHalf (use `learn.to_fp16()` or `to_bf16()`)")
+        return mth.policy_report(leaves=leaves)
+
     def before_fit(self):
         if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()
         super().before_fit()
@@ -173,8 +198,9 @@ class MixedPrecision(SessionCallback):
         mth = self._model_to_half()
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in self.learn.model.named_parameters()}
-        self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names)
-        if half: mth.link_masters(self.master.fp32_views())
+        if self.half_storage: self.master = HalfStorage(self.learn.opt, self.stochastic_rounding)
+        else: self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names)
+        if half and not self.half_storage: mth.link_masters(self.master.fp32_views())
         if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
         self.bn_stats, self.owed = BNStatsGuard(self.learn.model), False
 
@@ -202,11 +228,15 @@ class MixedPrecision(SessionCallback):
 
     def before_step(self):
         self.skipped = False
-        grads = self.master.grads_to_master()
-        if not grads and not self.master.own_params: return
         scale = self.loss_scale
-        clear = self._may_clear_early()
-        stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
+        if self.half_storage:
+            stats, clear = self._check_half(scale), False
+            if stats is None: return
+        else:
+            grads = self.master.grads_to_master()
+            if not grads and not self.master.own_params: return
+            clear = self._may_clear_early()
+            stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
         self.grads_cleared = clear
         found = stats[0] > 0
         if found:
@@ -218,11 +248,30 @@ class MixedPrecision(SessionCallback):
         if found: raise CancelStepException()
         if self.clip is not None: self._clip()
 
+    def _check_half(self, scale:float):
+        "`half_storage`: check the 16-bit grads as they are (unscaling in 16-bit could underflow: `HalfStorage` unscales in FP32)."
+        grads = self.master.grads()
+        if not grads: return None
+        self.master.grad_factor, self.master.factors = 1. / scale, {}
+        stats = self.check(grads, 1., with_max=self.scaler.needs_max_grad).tolist()
+        return stats[:1] + [s / scale for s in stats[1:]]
+
     def _clip(self):
         "Clip the unscaled FP32 master grads: each param group's norm (as fastai v2's original `MixedPrecision`), or their global norm."
+        if self.half_storage: return self._clip_half()
         pgs = self.master.opt_pgs
         for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
             if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
+
+    def _clip_half(self):
+        "`half_storage`: the clip coefficient joins the unscaling factor that `HalfStorage` applies in FP32."
+        pgs = [list(pg) for pg in self.learn.opt.param_lists]
+        norm = torch.stack(self.master.unscaled_norms([[p for pg in pgs for p in pg]] if self.clip_global else pgs)).max()
+        if self.clip_global or len(pgs) == 1: self.master.grad_factor *= float((self.clip / (norm + 1e-6)).clamp(max=1.))
+        else:  # per group: each group's coefficient joins the FP32 lift of its grads
+            for pg, n in zip(pgs, self.master.unscaled_norms(pgs)):
+                c = float((self.clip / (n + 1e-6)).clamp(max=1.))
+                self.master.factors.update({id(p): c for p in pg})
 
     def _may_clear_early(self) -> bool:
         """Whether no callback after this one has a `before_step`: one could raise `CancelBatchException` there, and

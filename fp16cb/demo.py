@@ -199,7 +199,7 @@ def _figure_experiments(res, device='cpu'):
     from .experiments import make_learner
     fig = Figure(figsize=(13, 8), layout='tight')
     axs = fig.subplots(2, 2)
-    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res
+    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res[:4]  # the rest: `experiments_precision`'s rows
     _comparison_chart(axs[0, 0], table)
     axs[0, 0].set_title("precision comparison of NVIDIA's NVCaffe slides: digits, tiny CNN", fontsize='medium')
     _acc_curves(axs[0, 1], [(label, runs) for label, _, runs in van], '1: vanishing updates without FP32 masters')

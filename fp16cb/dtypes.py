@@ -36,13 +36,14 @@ class Converted(NamedTuple):
     original: torch.Tensor
 
 
-def convert_network_keeping(model:nn.Module, dtype:torch.dtype) -> dict:
+def convert_network_keeping(model:nn.Module, dtype:torch.dtype, keep=None) -> dict:
     """Convert `model`'s FP32/fp16/bf16 parameters and buffers to `dtype`, BatchNorm layers excepted, in place.
+    `keep`: the ids of the modules that stay FP32 instead of BatchNorm's (a `PrecisionPolicy`'s choice).
     Tensors of any other dtype (float64, complex, integer) keep theirs. Returns `{id(tensor): Converted}` with the original tensor of
     everything converted, so the exact values can be restored later (the originals are kept, not copied)."""
     converted, seen = {}, set()
     for module in model.modules():
-        if keeps_fp32(module): continue
+        if (keeps_fp32(module) if keep is None else id(module) in keep): continue
         for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
             for name, t in tensors.items():
                 if not _convertible(t) or t.dtype == dtype or id(t) in seen: continue

@@ -241,3 +241,6 @@ def run_experiments(seeds=(0, 1, 2), device='cpu', epochs:int=None, log=print) -
         res.append((title, task, out))
         if log: log(f"  ... {title}: done")
     return res
+
+from . import experiments_precision as _precision  # the precision-policy and FP16-storage experiments (issue 13)
+_precision.register(MODES, TASKS, EXPERIMENTS)

@@ -40,10 +40,10 @@ AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth
 
 def _args_of(cls) -> list: return [n for n in inspect.signature(cls).parameters if n != 'self']
 
-def check_kwargs(name:str, kwargs:dict, cls, foreign:dict):
+def check_kwargs(name:str, kwargs:dict, cls, foreign:dict, also:tuple=()):
     """A `TypeError` that names `learn.{name}` for a keyword `cls` does not take: one of `foreign` (`{argument: hint}`)
     says which method takes it; any other lists the valid ones (and the closest)."""
-    valid = _args_of(cls)
+    valid = _args_of(cls) + list(also)
     bad = [k for k in kwargs if k not in valid]
     if not bad: return
     hints = [foreign[k] for k in bad if k in foreign]
@@ -58,19 +58,22 @@ _TO_NATIVE = ("it is an argument of fastai's own `to_fp16` (PyTorch AMP: autocas
               "(bf16: `learn.to_native_bf16()`, not `amp_mode`).")
 _FP16_FOREIGN = {k: _TO_NATIVE for k in AMP_ARGS}
 
+_HALF_ARGS = ('keep_fp32',)  # `ModelToHalf`'s: which modules stay FP32
+
 @patch
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
     "Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling."
-    check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN)
-    dtype = kwargs.pop('dtype', torch.float16)
-    return self._set_precision([ModelToHalf(dtype), MixedPrecision(dtype=dtype, **kwargs)])
+    check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
+    kwargs = dict(kwargs)
+    dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
+    return self._set_precision([ModelToHalf(dtype, keep_fp32=keep_fp32), MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch
 @delegates(MixedPrecision)
 def to_bf16(self:Learner, **kwargs):
     "Train in mixed precision with bfloat16: FP32 master weights; no loss scaling unless asked (bf16 has FP32's range)."
-    check_kwargs('to_bf16', kwargs, MixedPrecision, _FP16_FOREIGN)
+    check_kwargs('to_bf16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
     kwargs = {'dynamic': False, **kwargs}
     if not kwargs['dynamic']: kwargs.setdefault('loss_scale', 1.)  # dynamic: calibrated from the first step, as fp16
     return self.to_fp16(dtype=torch.bfloat16, **kwargs)

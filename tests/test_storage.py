@@ -1,0 +1,118 @@
+"FP16 master-weight storage (NVIDIA's NVCaffe slides) and FP32 regularization (OpenSeq2Seq's guide), issue 13."
+from functools import partial
+import pytest
+import torch
+from torch import nn
+from fastai.optimizer import SGD, Adam, Optimizer, weight_decay, l2_reg
+
+from fp16cb.callbacks import ModelToHalf, MixedPrecision
+from fp16cb.storage import round_stochastic, HalfStorage, ClassicSGD, state_bytes
+from fp16cb.experiments import make_learner as digits_learner, train
+from conftest import make_learner, quiet_fit, Record
+
+def test_stochastic_rounding_is_unbiased_and_exact_on_grid():
+    x = torch.full((20000,), 1. + 2.**-12)  # a quarter of an fp16 spacing above 1
+    y = round_stochastic(x, torch.float16, torch.Generator().manual_seed(0)).float()
+    assert set(y.unique().tolist()) == {1., 1. + 2.**-10}
+    assert abs(y.mean().item() - x[0].item()) < 2e-5  # nearest would give exactly 1 (the update lost)
+    g = torch.randn(100).to(torch.bfloat16).float()
+    assert torch.equal(round_stochastic(g, torch.bfloat16).float(), g)  # representable values are kept as they are
+
+def _storage_learner(opt_func, **kw):
+    learn = make_learner(opt_func=opt_func, lr=1e-2)
+    return learn.to_fp16(half_storage=True, dynamic=False, loss_scale=128., **kw)  # static: no skipped first steps
+
+@pytest.mark.parametrize('opt_func', [partial(SGD, mom=0.9), Adam], ids=['sgd_mom', 'adam'])
+def test_half_storage_trains_with_one_16bit_copy_and_fp32_state(opt_func):
+    learn = _storage_learner(opt_func)
+    seen = Record(before_step=lambda l: (l.model[0].weight.dtype, l.mixed_precision.master_pgs),
+                  after_step=lambda l: {k: v.dtype for s in l.opt.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim()})
+    start = learn.model[0].weight.detach().clone()
+    quiet_fit(learn, 2, cbs=[seen])
+    assert seen.log['before_step'][0] == (torch.float16, None)  # the 16-bit weights themselves, no FP32 masters
+    assert set(seen.log['after_step'][-1].values()) == {torch.float32}  # momentum / Adam's averages in FP32
+    assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] or len(learn.recorder.values) == 1
+    assert not torch.equal(learn.model[0].weight, start) and learn.model[0].weight.dtype == torch.float32
+
+def test_half_storage_unscales_in_fp32():
+    "Loss-scaled grads whose unscaled values are below fp16's subnormals still move the weights (unscaled in FP32)."
+    learn = make_learner(opt_func=partial(SGD, mom=0.), lr=1.)
+    learn.loss_func = lambda p, t: ((p - t)**2).mean() * 2.**-30  # raw grads ~1e-9: zero once unscaled in fp16
+    learn.to_fp16(half_storage=True, loss_scale=2.**24, dynamic=False, stochastic_rounding=False)
+    w0 = learn.model[3].weight.detach().clone()
+    quiet_fit(learn, 1, lr=2.**24)
+    assert not torch.equal(learn.model[3].weight, w0)
+
+def test_modified_rule_beats_plain_update_and_matches_masters():
+    "The experiment at small scale: plain 16-bit update lags; the modified rule lands within 0.5 points of FP32 masters."
+    acc = {m: train(digits_learner('storage', m, 0), epochs=2).accuracy for m in ('to_fp16', 'fp16_storage', 'fp16_storage_plain')}
+    assert abs(acc['fp16_storage'] - acc['to_fp16']) <= 0.005
+    assert acc['fp16_storage_plain'] < acc['to_fp16'] - 0.02
+
+def test_stochastic_rounding_keeps_updates_under_half_a_spacing():
+    "Weights near 24 (fp16 spacing 2^-6), Adam steps ~5e-3: round-to-nearest stores nothing, stochastic rounding trains."
+    moved = {m: train(digits_learner('vanishing', m, 0), epochs=1).weights_moved for m in ('fp16_storage_rn', 'fp16_storage')}
+    assert moved['fp16_storage_rn'] < 0.1 and moved['fp16_storage'] > 0.9
+
+def test_memory_bytes_per_param():
+    "FP32 masters: 2+2 (16-bit weight, grad) + 4+4 (master, its grad) + 4 (momentum); 16-bit storage: 2+2+4."
+    sizes = {}
+    for half in (False, True):
+        learn = make_learner(model=nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1)), opt_func=partial(SGD, mom=0.9),
+                             splitter=lambda m: [list(m.parameters())])
+        learn.to_fp16(half_storage=half, dynamic=False, loss_scale=128.)
+        rec = Record(after_step=state_bytes)
+        quiet_fit(learn, 1, cbs=[rec])
+        sizes[half] = rec.log['after_step'][-1]
+    assert sizes[False] == {"weights": 2, "grads": 2, "masters": 4, "master grads": 4, "optimizer state": 4, "total": 16}
+    assert sizes[True]['masters'] == 0 and sizes[True]['weights'] == 2 and sizes[True]['optimizer state'] == 4
+    assert sizes[True]["total"] == 8  # half of the 16 bytes/param with FP32 masters
+
+def test_bad_storage_arguments():
+    with pytest.raises(ValueError, match='half_storage'): MixedPrecision(half_storage='yes')
+    with pytest.raises(ValueError, match='stochastic_rounding'): MixedPrecision(stochastic_rounding=1)
+
+# FP32 regularization (OpenSeq2Seq's guide): decay acts on FP32 values, never on 16-bit weights where it underflows
+
+def _decay_run(mode, wd, true_wd=True, steps=3, wd_bn_bias=False):
+    "Tiny weights (~1e-3), zero loss gradient: what `steps` SGD steps with decay leave of the first layer's weights."
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in model.parameters(): p.copy_(torch.linspace(1e-3, 4e-3, p.numel()).reshape(p.shape))
+    learn = make_learner(model=model, opt_func=partial(SGD, mom=0.), lr=1e-2, wd=wd, train_bn=False,
+                         splitter=lambda m: [list(m.parameters())], wd_bn_bias=wd_bn_bias, n_train=16 * steps)
+    learn.true_wd, learn.loss_func = true_wd, lambda p, t: (p * 0.).sum()
+    if mode == 'pure16': learn.to_fp32().add_cb(ModelToHalf(torch.bfloat16))  # the optimizer on the 16-bit weights
+    elif mode == 'mixed': learn.to_bf16()
+    elif mode == 'storage': learn.to_bf16(half_storage=True, stochastic_rounding=False)
+    w0 = learn.model[0].weight.detach().clone(); b0 = learn.model[1].bias.detach().clone()
+    quiet_fit(learn, 1)
+    return (w0 - learn.model[0].weight.detach()).abs().max().item(), (b0 - learn.model[1].bias.detach()).abs().max().item()
+
+@pytest.mark.parametrize('true_wd', [True, False])
+@pytest.mark.parametrize('wd', [1e-5, 1e-3])
+def test_decay_acts_on_fp32_values(wd, true_wd):
+    ref = _decay_run('fp32', wd, true_wd)[0]
+    assert ref > 0
+    assert _decay_run('pure16', wd, true_wd)[0] == 0.  # decay of 1e-7..1e-5 relative: under half a bf16 spacing, lost
+    assert _decay_run('mixed', wd, true_wd)[0] == pytest.approx(ref, rel=1e-3)  # on the FP32 masters: as FP32
+
+def test_decay_in_fp16_storage_is_computed_in_fp32():
+    "16-bit storage with a decay bigger than half a spacing: computed in FP32 and rounded once, as FP32 then rounded."
+    ref = _decay_run('fp32', 1., steps=1)[0]  # lr*wd = 1e-2: over half a bf16 spacing (2^-9 relative)
+    got = _decay_run('storage', 1., steps=1)[0]
+    assert got > 0 and got == pytest.approx(ref, rel=0.1)
+
+def test_wd_bn_bias_keeps_its_meaning():
+    assert _decay_run('mixed', 1e-3, wd_bn_bias=False)[1] == 0.  # BatchNorm and biases not decayed
+    assert _decay_run('mixed', 1e-3, wd_bn_bias=True)[1] == pytest.approx(_decay_run('fp32', 1e-3, wd_bn_bias=True)[1], rel=1e-3)
+
+def test_experiment_rows_run_at_tiny_scale():
+    "`python -m fp16cb --experiments` has the issue-13 rows (registered by `experiments_precision`) and formats them."
+    from fp16cb.experiments import EXPERIMENTS, run_experiments
+    from fp16cb.experiments_precision import EXPERIMENTS as OURS
+    from fp16cb.demo import format_experiments
+    assert all(e in EXPERIMENTS for e in OURS)
+    res = [r for r in run_experiments(seeds=(0,), epochs=1, log=None) if r[0] in {t for t, _, _ in OURS}]
+    text, _ = format_experiments(res)
+    assert 'fp16 storage, plain update' in text and 'classifier FP32' in text
