@@ -717,17 +717,20 @@ md("""## Every step skipped: `LossScaleError`
 
 A column in raw units, here the time of the scan in Unix seconds (about 1.7e9), with `Normalize` forgotten. fp16's
 largest value is 65504: the input is `inf` as soon as it is cast, the loss is NaN at every step and every step is
-skipped; no scale can fix that, and after `max_skipped` (50) skipped steps in a row training stops with the likely
-causes instead of running on silently:"""),
+skipped; no scale can fix that. fp16cb does not run on silently: after `max_skipped` (50) skipped steps in a row
+training stops with a `LossScaleError`, and a fit that ends with every step skipped warns, naming the likely causes:"""),
 det('''df = base.copy()
 df['scanned_at'] = 1.7e9 + np.random.default_rng(0).integers(0, 30_000_000, len(df))  # Unix time, seconds
 cont = list(bc.feature_names) + ['scanned_at']
 learn = learner(df, cont, procs=[FillMissing]).to_fp16()
-try: quiet_fit(learn)
-except LossScaleError as e: print(e)
+with warnings.catch_warnings(record=True) as said:  # shown here as text: a fit that skips every step warns
+    warnings.simplefilter('always')
+    try: quiet_fit(learn)
+    except LossScaleError as e: print(e)
+for w in said: print(f"{w.category.__name__}: {w.message}")
 mp = learn.mixed_precision
 print(f"{sum(mp.skips)} of {len(mp.skips)} steps skipped; model back in", next(learn.model.parameters()).dtype)'''),
-code('fp16cb.plot_loss_scale(learn, title="every step overflows: the scale halves to its floor, then the fit stops"); plt.show()'),
+code('fp16cb.plot_loss_scale(learn, title="every step overflows: nothing is learned"); plt.show()'),
 md("""Find the culprit: the largest absolute value of each input column, against fp16's range. Then fix the data
 (fastai's `Normalize` proc, the default of `TabularDataLoaders`), or train in bf16, which has FP32's range:"""),
 det('''big = df[cont].abs().max()
@@ -799,6 +802,9 @@ GENERATED = {'index': INDEX, 'conversion_and_masters': CONVERSION, 'callbacks': 
              'troubleshooting': TROUBLESHOOTING}
 
 def main(argv):
+    if 'precision_policy' not in GENERATED:  # its cells live in their own script (they import these helpers)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        GENERATED['precision_policy'] = __import__('make_precision_nb').CELLS
     flags = {a for a in argv if a.startswith('--')}
     names = [a.removesuffix('.ipynb') for a in argv if not a.startswith('--')]
     if flags - {'--clean', '--no-exec'}: sys.exit(__doc__)

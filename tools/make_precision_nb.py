@@ -1,9 +1,10 @@
-"""Write nbs/precision_policy.ipynb clean (no outputs): the per-layer precision policy, FP16 master-weight storage and
-FP32 regularization (issue 13). `pytest` executes it (tests/test_notebooks.py)."""
+"""The cells of nbs/precision_policy.ipynb: the per-layer precision policy, FP16 master-weight storage and FP32
+regularization. `python tools/make_docs_nbs.py` (or this script, for this notebook alone) writes and executes it;
+`pytest` executes it again (tests/test_notebooks.py)."""
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_docs_nbs import write, md, code, SETUP
+from make_docs_nbs import md, code, det, SETUP
 
 CELLS = [
 md("""# Precision policy, FP16 master-weight storage, FP32 regularization
@@ -23,7 +24,7 @@ md("""## 1. The precision policy
 specs, added to the default (BatchNorm): a module type, a category (`fp16cb.policy.CATEGORIES`), a glob on the module's
 name (`'layer4.*'`), `'re:<regex>'`, or a predicate `(name, module) -> bool`. `module.fp16cb_dtype = torch.float32`
 keeps one module FP32 (a 16-bit dtype there exempts it from the specs). A kept module keeps its whole subtree."""),
-code("""from fp16cb.policy import CATEGORIES, PrecisionPolicy, policy_report
+det("""from fp16cb.policy import CATEGORIES, PrecisionPolicy, policy_report
 for k, (what, _) in CATEGORIES.items(): print(f"{k:11s} {what}")"""),
 md("""Casts go only at the edges of an *FP32 island* (a kept subtree whose parent is 16-bit): its floating inputs are cast
 up once as it is entered, its outputs back to 16-bit once as it returns; nothing inside it is cast. BatchNorm needs no
@@ -151,4 +152,6 @@ tab"""),
 code("""assert (tab.loc['16-bit weights'] == 0).all() and ((tab.loc['to_bf16'] - tab.loc['FP32']).abs() <= 1e-3 * tab.loc['FP32']).all()"""),
 ]
 
-if __name__ == '__main__': write('precision_policy.ipynb', CELLS)
+if __name__ == '__main__':
+    import make_docs_nbs
+    make_docs_nbs.main(['precision_policy', *sys.argv[1:]])
