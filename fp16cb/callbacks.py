@@ -15,6 +15,7 @@ from .monitor import add_precision_metrics, remove_precision_metrics
 from .devices import model_device
 from .session import session_of
 from .validation import check_bool, check_real, check_int, FP32_MAX
+from .distributed import is_ddp, rewrap, reduce_max_, sync_masters, patch_fastai
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
@@ -22,7 +23,9 @@ class SessionCallback(Callback):
     "A precision callback whose `setup`/`teardown` the learner's `PrecisionSession` calls (once per fit, not per event)."
     @property
     def session(self): return session_of(self.learn)
-    def before_fit(self): self.session.begin(self)
+    def before_fit(self):
+        patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
+        self.session.begin(self)
     def after_fit(self): self.session.end(self)
     def setup(self): pass
     def teardown(self): pass
@@ -56,12 +59,19 @@ class ModelToHalf(SessionCallback):
     def setup(self):
         warn_slow_half(self.dtype, model_device(self.learn.model))
         self.originals = convert_network_keeping(self.learn.model, self.dtype)
+        self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
         if self._hook is not None: self._hook.remove()
         self._hook = None
+        was_converted = self.converted
         self._restore_model()
+        if was_converted: self._rewrap_ddp()
+
+    def _rewrap_ddp(self):
+        "A model that is already a `DistributedDataParallel` changed dtype under it: wrap it again (every rank does)."
+        if is_ddp(self.learn.model): self.learn.model = rewrap(self.learn.model)
 
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
@@ -113,6 +123,7 @@ class MixedPrecision(SessionCallback):
     order = 10
     bn_stats = None  # a `BNStatsGuard` during a fit
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
+    sync_pending = False  # a DDP model: the masters are still to be broadcast from rank 0 (at the fit's first batch)
     def __init__(self,
         loss_scale:float=512, # the scale when not `dynamic` (static loss scaling)
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
@@ -159,8 +170,14 @@ class MixedPrecision(SessionCallback):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
 
     def before_fit(self):
-        if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()
+        if not self.session.is_active(self):  # a new fit, not a nested validate()
+            self.fit_start, self.sync_pending = len(self.skips), True
         super().before_fit()
+
+    def _sync_ranks(self):
+        "A DDP model in several processes: every rank starts from rank 0's FP32 masters (DDP wraps after our `before_fit`)."
+        self.sync_pending = False
+        if sync_masters(self.learn.model, self.master._run_masters): self.master.master_to_model()
 
     def setup(self):
         "Masters for the optimizer's params (made from the exact FP32 originals `ModelToHalf` kept), Recorder columns."
@@ -187,6 +204,7 @@ class MixedPrecision(SessionCallback):
         super().after_fit()
 
     def before_batch(self):
+        if self.sync_pending and self.master is not None: self._sync_ranks()
         if self.owed or (self.master is not None and self.master.stepped): self._settle()  # `after_step` was skipped (a callback before us raised there): finish that step's work now
         # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
         if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
@@ -201,7 +219,8 @@ class MixedPrecision(SessionCallback):
         if not grads and not self.master.own_params: return
         scale = self.loss_scale
         clear = self._may_clear_early()
-        stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
+        stats = self._check_and_clear(grads, scale) if clear else self._check(grads, scale)
+        stats = reduce_max_(stats, self.learn.model).tolist()  # the one sync; DDP: all ranks' worst (one inf skips all)
         self.grads_cleared = clear
         found = stats[0] > 0
         if found:
