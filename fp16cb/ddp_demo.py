@@ -8,7 +8,7 @@ buckets' dtypes, the final loss scale, and whether the ranks ended bit-identical
 `launch` (local processes with the environment `torchrun` sets), `init`, `shard` and `DDPWrap` are also what the
 tests of `tests/test_distributed.py` are built from."""
 from __future__ import annotations
-import argparse, hashlib, os, socket, subprocess, sys
+import argparse, hashlib, math, os, socket, subprocess, sys
 from datetime import timedelta
 from functools import partial
 import torch
@@ -105,6 +105,10 @@ def demo_learner(rank:int=0, world:int=1, bs:int=16, n:int=128, seed:int=0, bn:b
 MODES = {'fp32': lambda l: l, 'to_fp16': lambda l: l.to_fp16(), 'to_fp16 flat': lambda l: l.to_fp16(flat_master=True),
          'to_bf16': lambda l: l.to_bf16(), 'to_native_fp16': lambda l: l.to_native_fp16()}
 
+def _pow2(x:float) -> str:
+    e = math.log2(x)
+    return f"2^{int(e)}" if e == int(e) and e != 0 else f"{x:g}"
+
 def _worker(epochs:int):
     import warnings; warnings.filterwarnings('ignore')
     import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
@@ -122,7 +126,7 @@ def _worker(epochs:int):
         fps = [None] * world
         dist.all_gather_object(fps, fingerprint(learn.model))
         rows.append((name, counter.bytes // steps, '+'.join(sorted(d.replace('torch.', '') for d in counter.dtypes)),
-                     f"{pcb.loss_scale:g}" if pcb is not None else '-', len(set(fps)) == 1))
+                     _pow2(pcb.loss_scale) if pcb is not None else '-', len(set(fps)) == 1))
     if rank == 0:
         n = sum(p.numel() for p in mlp().parameters())
         print(f"{world} processes ({dist.get_backend()}), MLP of {n} params, {steps} steps per mode, batch {16*world}")
