@@ -175,7 +175,7 @@ class MixedPrecision(SessionCallback):
         super().before_fit()
 
     def _sync_ranks(self):
-        "A DDP model in several processes: every rank starts from rank 0's FP32 masters (DDP wraps after our `before_fit`)."
+        "A DDP model in several processes: all ranks start from rank 0's masters (DDP wraps after our `before_fit`)."
         self.sync_pending = False
         if sync_masters(self.learn.model, self.master._run_masters): self.master.master_to_model()
 

@@ -93,13 +93,13 @@ def mlp(n_in:int=16, n_hidden:int=256, bn:bool=True) -> nn.Module:
 
 def demo_learner(rank:int=0, world:int=1, bs:int=16, n:int=128, seed:int=0, bn:bool=True, lr:float=1e-2, cbs=None):
     "A CPU/CUDA `Learner` on this rank's shard of fixed synthetic data; the model initialised from `seed`."
-    from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat
+    from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, SGD, MSELossFlat
     torch.manual_seed(seed)
     model = mlp(bn=bn)
-    items = synth(n)
-    dls = DataLoaders(DataLoader(shard(items, bs, rank, world), bs=bs, shuffle=False, num_workers=0),
-                      DataLoader(shard(synth(32, seed=1), bs, rank, world), bs=bs, num_workers=0),
-                      device=torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else 'cpu')
+    dsets = [Datasets(shard(items, bs, rank, world), tfms=[[ItemGetter(0)], [ItemGetter(1)]])
+             for items in (synth(n), synth(32, seed=1))]
+    device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
+    dls = DataLoaders.from_dsets(*dsets, bs=bs, shuffle=False, num_workers=0, device=device)
     return Learner(dls, model, loss_func=MSELossFlat(), opt_func=partial(SGD, mom=0.9), lr=lr, cbs=cbs)
 
 MODES = {'fp32': lambda l: l, 'to_fp16': lambda l: l.to_fp16(), 'to_fp16 flat': lambda l: l.to_fp16(flat_master=True),
@@ -118,7 +118,8 @@ def _worker(epochs:int):
     rows = []
     for name, mode in MODES.items():
         counter = ByteCounter()
-        learn = mode(demo_learner(rank, world, seed=rank, cbs=DDPWrap(counter)))  # ranks start different: DDP and fp16cb make them agree
+        # the ranks start from different inits: DDP's broadcast and fp16cb's make them agree
+        learn = mode(demo_learner(rank, world, seed=rank, cbs=DDPWrap(counter)))
         learn.remove_cb(ProgressCallback)
         with learn.no_logging(): learn.fit(epochs)
         steps = epochs * len(learn.dls.train)

@@ -105,12 +105,14 @@ def save_load():
     learn = demo_learner(RANK, WORLD, seed=RANK, cbs=[DDPWrap(), OnRank('after_batch', save, rank=RANK, it=2)])
     learn.path = OUT/f'r{RANK}'
     fit(learn.to_fp16(max_loss_scale=S, scale_wait=2), 2)
+    learn.export('export.pkl')
     dist.barrier()
     fresh = demo_learner(RANK, WORLD).to_fp16(max_loss_scale=S, scale_wait=2)
     fresh.path = OUT/'r0'
     fresh.load('mid')
     loaded = precision_cb(fresh).state_dict()['scaler']
-    return dict(saved=saved, loaded=loaded, wrote=(OUT/f'r{RANK}'/'models'/'mid.pth').exists(), fp=fingerprint(learn.model),
+    return dict(saved=saved, loaded=loaded, wrote=(OUT/f'r{RANK}'/'models'/'mid.pth').exists(),
+                exported=(OUT/f'r{RANK}'/'export.pkl').exists(), fp=fingerprint(learn.model),
                 scales=precision_cb(learn).scales)
 
 def fastai_accelerate(mode):

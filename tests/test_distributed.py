@@ -86,9 +86,9 @@ def test_matches_one_process_on_the_concatenated_batches(ranks):
         torch.testing.assert_close(v, ref[k], rtol=2e-2, atol=2e-3)
     assert max((v - ref[k]).abs().max().item() for k, v in ddp.items()) > 0  # not the same run by accident
 
-def test_save_mid_fit_writes_on_rank_0_and_load_restores_the_scaler(ranks):
+def test_save_and_export_write_on_rank_0_and_load_restores_the_scaler(ranks):
     a, b = both(ranks, 'save_load')
-    assert (a['wrote'], b['wrote']) == (True, False)  # only rank 0 writes
+    assert (a['wrote'], b['wrote']) == (a['exported'], b['exported']) == (True, False)  # only rank 0 writes
     for r in (a, b): assert r['loaded'] == r['saved'] and r['saved']['n_steps'] > 0
     assert a['fp'] == b['fp']  # the save wrapped DDP again on every rank: it still all-reduces afterwards
 
