@@ -17,6 +17,7 @@ from .session import session_of
 from .validation import check_bool, check_real, check_int, FP32_MAX
 from .policy import PrecisionPolicy, IslandHooks, policy_report
 from .storage import HalfStorage
+from .distributed import is_ddp, rewrap, reduce_max_, sync_masters, patch_fastai
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
@@ -24,7 +25,9 @@ class SessionCallback(Callback):
     "A precision callback whose `setup`/`teardown` the learner's `PrecisionSession` calls (once per fit, not per event)."
     @property
     def session(self): return session_of(self.learn)
-    def before_fit(self): self.session.begin(self)
+    def before_fit(self):
+        patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
+        self.session.begin(self)
     def after_fit(self): self.session.end(self)
     def setup(self): pass
     def teardown(self): pass
@@ -66,13 +69,20 @@ class ModelToHalf(SessionCallback):
         self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
-        self._hook = model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
+        self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
+        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
         if self._hook is not None: self._hook.remove()
         if self.islands is not None: self.islands.remove()
         self._hook = self.islands = None
+        was_converted = self.converted
         self._restore_model()
+        if was_converted: self._rewrap_ddp()
+
+    def _rewrap_ddp(self):
+        "A model that is already a `DistributedDataParallel` changed dtype under it: wrap it again (every rank does)."
+        if is_ddp(self.learn.model): self.learn.model = rewrap(self.learn.model)
 
     def policy_report(self,
         model:nn.Module=None, # the model to report on (default: the learner's)
@@ -132,6 +142,7 @@ class MixedPrecision(SessionCallback):
     order = 10
     bn_stats = None  # a `BNStatsGuard` during a fit
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
+    sync_pending = False  # a DDP model: the masters are still to be broadcast from rank 0 (at the fit's first batch)
     def __init__(self,
         loss_scale:float=512, # the scale when not `dynamic`; with `dynamic`, any other value is the starting scale
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
@@ -188,8 +199,16 @@ class MixedPrecision(SessionCallback):
         return mth.policy_report(leaves=leaves)
 
     def before_fit(self):
-        if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()
+        if not self.session.is_active(self):  # a new fit, not a nested validate()
+            self.fit_start, self.sync_pending = len(self.skips), True
         super().before_fit()
+
+    def _sync_ranks(self):
+        "A DDP model in several processes: all ranks start from rank 0's masters (DDP wraps after our `before_fit`)."
+        self.sync_pending = False
+        if self.half_storage:  # no masters: the 16-bit weights are what every rank must agree on
+            sync_masters(self.learn.model, [p.data for p in self.learn.model.parameters()]); return
+        if sync_masters(self.learn.model, self.master._run_masters): self.master.master_to_model()
 
     def setup(self):
         "Masters for the optimizer's params (made from the exact FP32 originals `ModelToHalf` kept), Recorder columns."
@@ -217,6 +236,7 @@ class MixedPrecision(SessionCallback):
         super().after_fit()
 
     def before_batch(self):
+        if self.sync_pending and self.master is not None: self._sync_ranks()
         # a callback before us raised in `after_step`, so ours did not run: finish that step's work now
         if self.owed or (self.master is not None and self.master.stepped): self._settle()
         # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
@@ -236,7 +256,8 @@ class MixedPrecision(SessionCallback):
             grads = self.master.grads_to_master()
             if not grads and not self.master.own_params: return
             clear = self._may_clear_early()
-            stats = (self._check_and_clear(grads, scale) if clear else self._check(grads, scale)).tolist()  # the one sync
+            stats = self._check_and_clear(grads, scale) if clear else self._check(grads, scale)
+            stats = reduce_max_(stats, self.learn.model).tolist()  # the one sync; DDP: all ranks' worst (one inf skips all)
         self.grads_cleared = clear
         found = stats[0] > 0
         if found:
@@ -253,7 +274,7 @@ class MixedPrecision(SessionCallback):
         grads = self.master.grads()
         if not grads: return None
         self.master.grad_factor, self.master.factors = 1. / scale, {}
-        stats = self.check(grads, 1., with_max=self.scaler.needs_max_grad).tolist()
+        stats = reduce_max_(self.check(grads, 1., with_max=self.scaler.needs_max_grad), self.learn.model).tolist()  # DDP: all ranks'
         return stats[:1] + [s / scale for s in stats[1:]]
 
     def _clip(self):

@@ -19,6 +19,7 @@ from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 from .session import session_of
 from .atomic import atomic_write
+from .distributed import is_ddp
 
 __all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view']
 
@@ -72,9 +73,10 @@ def save(self:Learner,
 ):
     "Save the FP32 model (the masters mid-fit) and, if `with_opt`, the optimizer and loss-scaler state"
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    if rank_distrib(): return file  # don't save if child proc
+    if rank_distrib() and not _ddp_in_fit(self): return file  # don't save if child proc
     opt = getattr(self, 'opt', None)
     with fp32_view(self):
+        if rank_distrib(): return file  # every rank took the FP32 view (it wraps DDP again), rank 0 alone writes
         state = get_model(self.model).state_dict()
         if with_opt and opt is not None:
             osd = opt.state_dict()
@@ -82,6 +84,10 @@ def save(self:Learner,
             state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
         _save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return file
+
+def _ddp_in_fit(learn) -> bool:
+    "A mid-fit save of a DDP model: the FP32 view wraps it again (a collective), so every rank must take it."
+    return bool(session_of(learn).active) and is_ddp(learn.model)
 
 def _save_atomic(obj, file, **kwargs):
     "`torch.save(obj, file)`, atomically when `file` is a path (a file object is written as it is)."

@@ -12,6 +12,7 @@ from .overflow import OverflowCheck
 from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
 from .guards import BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped
+from .distributed import reduce_max_
 
 __all__ = ['NativeMixedPrecision']
 
@@ -111,7 +112,8 @@ class NativeMixedPrecision(SessionCallback):
     def _grads_finite(self) -> bool:
         "Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the weights."
         grads = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
-        return not grads or not self._check(grads, 1.).item() > 0  # inv_scale 1: the grads are left as they are
+        found = reduce_max_(self._check(grads, 1.), self.learn.model) if grads else None  # DDP: any rank's inf
+        return found is None or not found.item() > 0  # inv_scale 1: the grads are left as they are
 
     def after_step(self):
         if self._stepped: self.scaler.update()

@@ -1,0 +1,96 @@
+"""Multi-process training (torch's `DistributedDataParallel`, launched by `torchrun` or `accelerate launch`, wrapped by
+hand or by fastai's `to_distributed`/`distrib_ctx`): what the precision callbacks need so that every rank agrees.
+
+- The overflow flag and the lognormal scaler's largest |grad| are all-reduced (MAX) in the step's one host sync, so an
+  inf on one rank skips the step on every rank and the loss scale is the same everywhere.
+- At the start of a fit the FP32 masters are broadcast from rank 0 (DDP broadcasts the model's params when it wraps
+  it, but the masters are made from each rank's own FP32 values): the masters start, and stay, bit-identical.
+- DDP binds its gradient hooks to the params' dtype when it wraps them: a model converted after wrapping would stop
+  all-reducing silently. `ModelToHalf` converts a model that is already a DDP and wraps it again (`rewrap`), so that
+  DDP's buckets hold 16-bit gradients (half the all-reduce bytes of FP32); fastai's `DistributedTrainer` (order 11)
+  wraps after our callbacks (-50 and 10), so the model it wraps is 16-bit already.
+- fastai's `DistributedDL` broadcasts its indices through CUDA (nccl); `patch_fastai` makes it use the CPU when the
+  process group's backend is gloo, so the same code runs on CPUs (`distrib_ctx(cpu=True, sync_bn=False)`).
+Nothing here does anything in a single process (torch.distributed not initialized, or a world of 1)."""
+from __future__ import annotations
+import sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'sync_masters', 'rewrap',
+           'patch_fastai', 'ByteCounter', 'count_allreduce']
+
+def world_size() -> int:
+    "The number of processes training together (1 when torch.distributed is not initialized)."
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def is_multiprocess() -> bool: return world_size() > 1
+
+def is_ddp(model) -> bool: return isinstance(model, DDP)
+
+def syncs(model) -> bool:
+    """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP (a learner that
+    trains a plain model on one rank only, in a multi-process job, stays local: no collective it would hang on)."""
+    return is_ddp(model) and is_multiprocess()
+
+def reduce_max_(t:torch.Tensor, model=None) -> torch.Tensor:
+    "`t` all-reduced in place with MAX across ranks when `syncs(model)` (else as it is); no host sync of its own."
+    if syncs(model): dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+def broadcast_(tensors:list, src:int=0):
+    "Every tensor of `tensors` set in place to its value on rank `src` (no-op in a single process)."
+    if not is_multiprocess(): return
+    for t in tensors:
+        if t.numel(): dist.broadcast(t, src)
+
+def _ddp_kwargs(ddp:DDP) -> dict:
+    "The constructor arguments of `ddp` that can be read back from it (torch keeps them as attributes)."
+    kw = {k: getattr(ddp, k) for k in ('device_ids', 'output_device', 'dim', 'process_group', 'find_unused_parameters',
+                                       'gradient_as_bucket_view') if hasattr(ddp, k)}
+    if getattr(ddp, 'bucket_bytes_cap', None): kw['bucket_cap_mb'] = ddp.bucket_bytes_cap / 2**20
+    return kw
+
+def rewrap(ddp:DDP) -> DDP:
+    """A new `DistributedDataParallel` around `ddp.module`, with `ddp`'s arguments and comm hooks: for a model whose
+    params changed dtype since `ddp` wrapped it (its gradient hooks and buckets are bound to the old dtype, and
+    silently stop all-reducing). A collective: every rank must call it."""
+    new = DDP(ddp.module, **_ddp_kwargs(ddp))
+    if getattr(ddp, 'static_graph', False): new._set_static_graph()
+    for hook, state in getattr(ddp, '_comm_hooks', []): new.register_comm_hook(state, hook)
+    return new
+
+def _broadcast_idxs(self, t, rank):
+    "`DistributedDL._broadcast` on the process group's device: CUDA for nccl, the CPU for gloo (fastai assumes CUDA)."
+    device = 'cuda' if dist.get_backend() == 'nccl' else 'cpu'
+    t = torch.tensor(t, dtype=torch.long, device=device)
+    dist.broadcast(t, rank)
+    return t.cpu().tolist()
+
+def patch_fastai():
+    "Let fastai's `DistributedDL` run on gloo (CPU) as well as nccl; a no-op unless `fastai.distributed` is imported."
+    mod = sys.modules.get('fastai.distributed')
+    dl = getattr(mod, 'DistributedDL', None)
+    if dl is not None and dl._broadcast is not _broadcast_idxs: dl._broadcast = _broadcast_idxs
+
+def sync_masters(model, masters:list) -> bool:
+    "Before the first step of a fit (every rank): when `syncs(model)`, give every rank rank 0's FP32 `masters`."
+    if not syncs(model): return False
+    broadcast_(masters)
+    return True
+
+class ByteCounter:
+    """Counts what DDP's all-reduces move (bytes per rank, all buckets): `counter.register(ddp_model)` before the first
+    backward; it then all-reduces as DDP does by default. `bytes`, `calls` and the buckets' `dtypes` so far."""
+    def __init__(self): self.bytes, self.calls, self.dtypes = 0, 0, set()
+    def register(self, ddp:DDP): ddp.register_comm_hook(self, count_allreduce)
+
+def count_allreduce(state:ByteCounter, bucket):
+    "A DDP comm hook: count the bucket into `state` (a `ByteCounter`), then DDP's default all-reduce (the average)."
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    buf = bucket.buffer()
+    state.bytes += buf.numel() * buf.element_size(); state.calls += 1; state.dtypes.add(str(buf.dtype))
+    return allreduce_hook(None, bucket)
+
+patch_fastai()
