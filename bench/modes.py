@@ -81,6 +81,14 @@ MODES = {
     'fp16':      ('fp16cb learn.to_fp16()', lambda l, d: l.to_fp16()),
     'fp16-flat': ('fp16cb learn.to_fp16(flat_master=True)', lambda l, d: l.to_fp16(flat_master=True)),
     'native':    ('fp16cb learn.to_native_fp16() (dtype=bf16 on CPU)', lambda l, d: l.to_native_fp16(dtype=half_dtype(d))),
+    # the precision policy's opt-ins (not in the default sets: `--modes bf16,bf16-norm,...` measures their cost)
+    'bf16-norm': ('fp16cb learn.to_bf16(keep_fp32=\'norm\'): LayerNorm/GroupNorm/InstanceNorm stay FP32',
+                  lambda l, d: l.to_bf16(keep_fp32='norm')),
+    'bf16-cls':  ('fp16cb learn.to_bf16(keep_fp32=\'classifier\'): the last Linear/Conv stays FP32',
+                  lambda l, d: l.to_bf16(keep_fp32='classifier')),
+    'bf16-emb':  ('fp16cb learn.to_bf16(keep_fp32=\'embedding\'): embeddings stay FP32', lambda l, d: l.to_bf16(keep_fp32='embedding')),
+    'fp16-norm': ('fp16cb learn.to_fp16(keep_fp32=\'norm\')', lambda l, d: l.to_fp16(keep_fp32='norm')),
+    'fp16-cls':  ('fp16cb learn.to_fp16(keep_fp32=\'classifier\')', lambda l, d: l.to_fp16(keep_fp32='classifier')),
     PLAIN:       ('reference: a plain PyTorch loop, autocast + GradScaler + fused AdamW, no fastai (bf16 on CPU)', None),
 }
 

@@ -250,3 +250,9 @@ def test_move_state_parks_everything():
         assert len(ts) >= 3 * len(list(learn.model.parameters()))  # params and Adam's two averages, at least
         move_state(learn, 'meta')
         assert len(_tensors(learn)) == len(ts) and all(t.device.type == 'meta' for t in _tensors(learn))
+
+def test_policy_opt_ins_are_benchmark_modes():
+    "The precision policy's opt-ins run as benchmark modes (their cost is measured side by side with plain to_bf16)."
+    res = run_bench(['mlp'], ['bf16', 'bf16-norm', 'bf16-cls'], steps=1, rounds=1, warmup=1, warmup_max=1, device=DEVICE,
+                    scale=.002, verbose=False)['mlp']
+    for m in ('bf16', 'bf16-norm', 'bf16-cls'): assert res[m]['ms_step'] > 0 and res[m]['skipped'] == 0
