@@ -12,7 +12,7 @@ import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import model_device
 from fp16cb.dtypes import cast_floats
 
-__all__ = ['AutocastCB', 'FastaiNonNative', 'MODES', 'OPTS', 'PLAIN', 'run_key', 'fused_adamw_ok', 'half_dtype']
+__all__ = ['AutocastCB', 'FastaiNonNative', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key', 'fused_adamw_ok', 'half_dtype']
 
 def half_dtype(device) -> torch.dtype:
     "The 16-bit dtype of the autocast modes: fp16 on CUDA, bf16 on a CPU."
@@ -91,6 +91,8 @@ MODES = {
     'fp16-cls':  ('fp16cb learn.to_fp16(keep_fp32=\'classifier\')', lambda l, d: l.to_fp16(keep_fp32='classifier')),
     PLAIN:       ('reference: a plain PyTorch loop, autocast + GradScaler + fused AdamW, no fastai (bf16 on CPU)', None),
 }
+
+POLICY_MODES = ('bf16-norm', 'bf16-cls', 'bf16-emb', 'fp16-norm', 'fp16-cls')  # opt-in: `--modes` names them
 
 # name: (description, fastai `opt_func`)
 OPTS = {

@@ -9,6 +9,7 @@ from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
 from bench.workloads import GPT
+from bench.modes import POLICY_MODES
 from conftest import DEVICE
 
 torch.set_num_threads(1)
@@ -222,7 +223,7 @@ def test_defaults_by_device_and_module_entry(capsys, monkeypatch):
     "CUDA: the GPU workloads, every mode and the plain loop, both optimizers; `python -m bench` runs `bench.main`."
     assert defaults(True) == (('resnet50', 'resnet50_cl', 'lm', 'book'), CPU_MODES + ('torch-amp',), ('adam', 'fused'))
     assert defaults(False) == (('mlp', 'book', 'conv', 'act'), CPU_MODES, ('adam',))
-    assert set(CPU_MODES) == set(MODES) - {'torch-amp'}
+    assert set(CPU_MODES) == set(MODES) - {'torch-amp'} - set(POLICY_MODES)  # the policy's opt-ins: named with --modes
     monkeypatch.setattr(sys, 'argv', ['bench', '--help'])
     with pytest.raises(SystemExit) as e: runpy.run_module('bench', run_name='__main__')
     assert e.value.code == 0 and capsys.readouterr().out.startswith('usage: python -m bench')
