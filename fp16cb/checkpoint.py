@@ -2,12 +2,11 @@
 keyed as for the model's own params (even mid-fit, when the model is 16-bit and the optimizer steps the masters),
 so the file also loads into a plain FP32 learner; with the optimizer state it keeps the precision callbacks' state
 (loss scaler, GradScaler). `learn.load` restores all of it, before, during or after a fit. `learn.save` (hence
-`SaveModelCallback`) and `learn.export` write atomically: a write that fails part-way keeps the previous file."""
+`SaveModelCallback`) writes atomically: a write that fails part-way keeps the previous file (`export`: see `export`)."""
 from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-import cloudpickle
 from fastai.learner import Learner, load_model
 from fastai.torch_core import rank_distrib, get_model, distrib_barrier
 from fastcore.basics import patch
@@ -21,7 +20,7 @@ from .session import session_of
 from .atomic import atomic_write
 from .distributed import is_ddp
 
-__all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view']
+__all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'save_atomic']
 
 PRECISION_KEY = 'fp16cb'  # where the precision callbacks' state goes, inside the optimizer's state dict
 _STATEFUL = (MixedPrecision, NativeMixedPrecision)
@@ -82,37 +81,17 @@ def save(self:Learner,
             osd = opt.state_dict()
             ps = precision_state(self)
             state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
-        _save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+        save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return file
 
 def _ddp_in_fit(learn) -> bool:
     "A mid-fit save of a DDP model: the FP32 view wraps it again (a collective), so every rank must take it."
     return bool(session_of(learn).active) and is_ddp(learn.model)
 
-def _save_atomic(obj, file, **kwargs):
+def save_atomic(obj, file, **kwargs):
     "`torch.save(obj, file)`, atomically when `file` is a path (a file object is written as it is)."
     if not isinstance(file, (str, Path)): return torch.save(obj, file, **kwargs)
     with atomic_write(file) as f: torch.save(obj, f, **kwargs)
-
-@patch
-def export(self:Learner,
-    fname='export.pkl', # file name in `self.path`
-    pickle_module=cloudpickle,
-    pickle_protocol:int=2,
-):
-    "Export the content of `self` without the items and the optimizer state for inference (atomically)"
-    if rank_distrib(): return  # don't export if child proc
-    self._end_cleanup()
-    old_dls, state = self.dls, (self.opt.state_dict() if self.opt is not None else None)
-    self.dls, self.opt = self.dls.new_empty(), None
-    try:
-        with warnings.catch_warnings():  # torch's warning that the model's source is not checked
-            warnings.simplefilter('ignore')
-            _save_atomic(self, self.path/fname, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
-    finally:  # even when the write fails: the learner keeps its data and optimizer
-        self.create_opt()
-        if state is not None: self.opt.load_state_dict(state)
-        self.dls = old_dls
 
 @patch
 @delegates(load_model, but=['model', 'opt', 'file'])
