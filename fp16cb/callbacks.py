@@ -23,12 +23,19 @@ __all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
 
 class SessionCallback(Callback):
     "A precision callback whose `setup`/`teardown` the learner's `PrecisionSession` calls (once per fit, not per event)."
+    fit_start = 0  # callbacks that record `skips` per optimizer step: the index of the current fit's first one
     @property
     def session(self): return session_of(self.learn)
     def before_fit(self):
         patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
+        if not self.session.is_active(self): self.new_fit()  # not the nested before_fit of a validate()
         self.session.begin(self)
-    def after_fit(self): self.session.end(self)
+    def new_fit(self): self.fit_start = len(getattr(self, 'skips', ()))
+    def after_fit(self):
+        skips = getattr(self, 'skips', None)
+        if skips is not None and self.session.depth.get(id(self)) == 1: warn_all_skipped(skips[self.fit_start:], self.skip_label)
+        self.session.end(self)
+    skip_label = property(lambda self: type(self).__name__, doc="How the all-steps-skipped warning names this setup.")
     def setup(self): pass
     def teardown(self): pass
     def restore(self):
@@ -175,7 +182,6 @@ class MixedPrecision(SessionCallback):
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)
         self.master, self.check, self.skipped, self.grads_cleared, self.owed = None, OverflowCheck(), False, False, False
-        self.fit_start = 0  # index in `skips` of the current fit's first step
         self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
@@ -198,10 +204,9 @@ class MixedPrecision(SessionCallback):
         if mth is None: raise ValueError("policy_report: this learner has no ModelToHalf (use `learn.to_fp16()` or `to_bf16()`)")
         return mth.policy_report(leaves=leaves)
 
-    def before_fit(self):
-        if not self.session.is_active(self):  # a new fit, not a nested validate()
-            self.fit_start, self.sync_pending = len(self.skips), True
-        super().before_fit()
+    def new_fit(self):
+        super().new_fit()
+        self.sync_pending = True
 
     def _sync_ranks(self):
         "A DDP model in several processes: all ranks start from rank 0's masters (DDP wraps after our `before_fit`)."
@@ -230,10 +235,6 @@ class MixedPrecision(SessionCallback):
         if self.master is None: return
         self.master.restore_opt()
         self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads
-
-    def after_fit(self):
-        if self.session.depth.get(id(self)) == 1: warn_all_skipped(self.skips[self.fit_start:], 'MixedPrecision')
-        super().after_fit()
 
     def before_batch(self):
         if self.sync_pending and self.master is not None: self._sync_ranks()

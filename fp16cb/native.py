@@ -11,7 +11,7 @@ from .scalers import GradScalerAdapter
 from .overflow import OverflowCheck
 from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
-from .guards import BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped
+from .guards import BNStatsGuard, count_skip, lr_find_stops_on
 from .distributed import reduce_max_
 
 __all__ = ['NativeMixedPrecision']
@@ -39,7 +39,6 @@ class NativeMixedPrecision(SessionCallback):
         self.enabled, self.max_skipped = check_bool('enabled', enabled), check_int('max_skipped', max_skipped, 1)
         self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
-        self.fit_start = 0  # index in `skips` of the current fit's first step
         self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
@@ -56,10 +55,6 @@ class NativeMixedPrecision(SessionCallback):
         return GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor,
                           backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
                           enabled=self.enabled and self.dtype == torch.float16)
-
-    def before_fit(self):
-        if not self.session.is_active(self): self.fit_start = len(self.skips)  # a new fit, not a nested validate()
-        super().before_fit()
 
     def setup(self):
         device_type = model_device(self.learn.model).type
@@ -81,10 +76,8 @@ class NativeMixedPrecision(SessionCallback):
     def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
     def after_loss(self): self._exit_autocast()
     def after_batch(self): self._exit_autocast()
-    def after_fit(self):
-        if self.session.depth.get(id(self)) == 1:
-            warn_all_skipped(self.skips[self.fit_start:], f'{self.dtype} autocast'.replace('torch.', ''))
-        super().after_fit()
+    @property
+    def skip_label(self) -> str: return f'{self.dtype} autocast'.replace('torch.', '')
     def after_epoch(self):
         scale_health(self)
 
