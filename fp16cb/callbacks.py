@@ -230,7 +230,7 @@ class MixedPrecision(SessionCallback):
 
     def teardown(self):
         "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
-        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn)
+        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=not self.session.suspending)
         self.bn_stats = None
         if self.master is None: return
         self.master.restore_opt()

@@ -34,16 +34,18 @@ def _strip_recorder(rec):
     if last is not None:  # fastai's `final_record` is the last row itself
         rec.learn.final_record = next((new for old, new in rows if old is last), keep(last))
 
-def remove_precision_metrics(learn):
-    "Drop the columns `add_precision_metrics` added, from the metrics and from the Recorder's names and rows."
+def remove_precision_metrics(learn,
+    fit_ends:bool=True, # the fit is over: also take the columns out of the Recorder's names and rows (False: a pause)
+):
+    "Drop the columns `add_precision_metrics` added, from the metrics and (at the fit's end) the Recorder's names and rows."
     mets = list(learn.metrics)
     if not any(isinstance(m, PrecisionValue) for m in mets): return
     learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
     rec = getattr(learn, 'recorder', None)
-    if rec is not None: _strip_recorder(rec)
+    if rec is not None and fit_ends: _strip_recorder(rec)
 
 def add_precision_metrics(learn, cb):
     "Show `cb.loss_scale` and `cb.n_skipped` as the Recorder columns `loss_scale` and `n_skipped` when the scale is dynamic."
-    remove_precision_metrics(learn)
+    remove_precision_metrics(learn, fit_ends=False)
     if not cb.loss_scaler.is_dynamic: return
     learn.metrics = list(learn.metrics) + [PrecisionValue(cb, a, a) for a in COLUMNS]

@@ -18,6 +18,7 @@ class PrecisionSession:
         self.active = []  # set-up callbacks, in setup order (their teardown goes in reverse)
         self.depth = {}  # id(callback) -> open before_fit/after_fit pairs (1 + the nested validate/get_preds)
         self.fitting = 0  # `Learner.fit` calls under way (nested fits, e.g. lr_find inside a callback, count too)
+        self.suspending = False  # within `suspended()`: the teardowns are a pause, not the end of the fit
 
     def __reduce__(self):
         "A copied or pickled learner gets an empty session: a fit's state belongs to that fit, not to a copy."
@@ -61,13 +62,18 @@ class PrecisionSession:
     def suspended(self):
         """Within: the plain FP32 learner (exact FP32 masters in the model, the optimizer on the model's own params with
         their state). On exit the fit's setup comes back, made again from those FP32 values (nothing rounded twice)."""
-        cbs, depth = list(self.active), dict(self.depth)
-        for cb in reversed(cbs): cb.teardown()
+        cbs, depth, outer = list(self.active), dict(self.depth), self.suspending
+        self.suspending = True
+        try:
+            for cb in reversed(cbs): cb.teardown()
+        except BaseException:
+            self.suspending = outer
+            raise
         self.active, self.depth = [], {}
         try: yield self.learn
         finally:
             for cb in cbs: cb.setup()
-            self.active, self.depth = cbs, depth
+            self.active, self.depth, self.suspending = cbs, depth, outer
 
     @contextmanager
     def fit(self):

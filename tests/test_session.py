@@ -47,3 +47,12 @@ def test_nested_validate_keeps_the_setup_and_the_fit_tears_down():
     assert seen == [True, True] and session_of(learn).active == [] and learn.mixed_precision.master is None
     learn.validate()
     assert session_of(learn).active == [] and all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+def test_a_pause_mid_fit_keeps_the_recorder_consistent(tmp_path):
+    "A save in every epoch pauses the setup (`suspended`): the Recorder's columns are taken out once, at the fit's end."
+    from fastai.callback.tracker import SaveModelCallback
+    learn = make_learner(path=tmp_path).to_fp16(loss_scale=2.**20)
+    quiet_fit(learn, 3, cbs=SaveModelCallback(every_epoch=True))
+    rec = learn.recorder
+    assert 'loss_scale' not in rec.metric_names and len(rec.values) == 3
+    assert all(len(row) == len(rec.metric_names) - 2 for row in rec.values)  # no 'epoch', no 'time'
