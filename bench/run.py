@@ -26,7 +26,7 @@ import fastai.callback.fp16 as ffp16
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
 from fp16cb.native import NativeMixedPrecision
-from fp16cb.devices import resolve_device
+from fp16cb.dtypes import resolve_device
 
 from .workloads import WORKLOADS, WORKLOAD_SETS, CPU_SCALE, make_data, n_params
 from .modes import AutocastCB, FastaiNonNative, MODES, OPTS, PLAIN, run_key, fused_adamw_ok, half_dtype

@@ -6,16 +6,14 @@ with _warnings.catch_warnings():  # fastai.layers calls the deprecated `torch.ji
     _warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
     import fastai.basics as _fastai_basics
 
-from .dtypes import convert_network, resolve_dtype, cast_floats
-from .master import get_master, to_master_grads, to_model_params, copy_clone, MasterWeights
-from .overflow import test_overflow, grad_overflow
-from .scalers import LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
-from .callbacks import ModelToHalf, MixedPrecision
+from .dtypes import convert_network, resolve_dtype
+from .weights import get_master, to_master_grads, to_model_params, copy_clone, MasterWeights
+from .scaling import (test_overflow, grad_overflow, LossScaler, StaticScaler, BackoffScaler, LogNormalScaler,
+                      LossScaleError, BNStatsGuard)
+from .callbacks import ModelToHalf, MixedPrecision, cast_floats
 from .native import NativeMixedPrecision
 from . import learner as _learner  # patches Learner.to_fp16 & co.
 from . import names as _names  # fastai's MixedPrecision and ours refuse each other's arguments, naming the right one
-from . import workflow as _workflow  # restores after a failed fit; lr_find saves the FP32 learner
-from .guards import BNStatsGuard
 from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
 from . import export as _export  # after checkpoint: Learner.export writes the FP32 learner without our callbacks
 

@@ -1,53 +1,46 @@
-"""The recipe of Micikevicius et al. as two fastai callbacks: a 16-bit model, and FP32 masters with loss scaling."""
+"""The recipe of Micikevicius et al. as two fastai callbacks: a 16-bit model, and FP32 masters with loss scaling. This
+is the first module of a training step: the events. The weight store (`weights`) brings the grads in, clips and steps;
+loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
 import torch
 from torch import nn
-from fastai.callback.core import Callback, CancelStepException
+from fastai.callback.core import CancelStepException
 
-from .dtypes import resolve_dtype, convert_network_keeping, cast_floats, warn_slow_half
-from .master import MasterWeights
-from .layout import with_layout_of
-from .overflow import OverflowCheck
-from .scalers import make_scaler, check_positive
-from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
-from .guards import BNStatsGuard, reject_gradient_clip, lr_find_stops_on, warn_all_skipped
-from .monitor import add_precision_metrics, remove_precision_metrics
-from .devices import model_device
-from .session import session_of
+from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
+from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
+from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp
+from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
+from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, FP32_MAX
 from .policy import PrecisionPolicy, IslandHooks, policy_report
-from .storage import HalfStorage
-from .distributed import is_ddp, rewrap, reduce_max_, sync_masters, patch_fastai
+from .distributed import rewrap, sync_masters, patch_fastai
 
-__all__ = ['ModelToHalf', 'MixedPrecision', 'model_device', 'SessionCallback']
+__all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'model_device']
 
-class SessionCallback(Callback):
-    "A precision callback whose `setup`/`teardown` the learner's `PrecisionSession` calls (once per fit, not per event)."
-    fit_start = 0  # callbacks that record `skips` per optimizer step: the index of the current fit's first one
-    @property
-    def session(self): return session_of(self.learn)
-    def before_fit(self):
-        patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
-        if not self.session.is_active(self): self.new_fit()  # not the nested before_fit of a validate()
-        self.session.begin(self)
-    def new_fit(self): self.fit_start = len(getattr(self, 'skips', ()))
-    def after_fit(self):
-        skips = getattr(self, 'skips', None)
-        if skips is not None and self.session.depth.get(id(self)) == 1: warn_all_skipped(skips[self.fit_start:], self.skip_label)
-        self.session.end(self)
-    skip_label = property(lambda self: type(self).__name__, doc="How the all-steps-skipped warning names this setup.")
-    def setup(self): pass
-    def teardown(self): pass
-    def restore(self):
-        "Tear this callback's setup down now (the learner is FP32 again as far as this callback is concerned)."
-        learn = self.__dict__.get('learn')
-        if learn is not None: session_of(learn).drop(self)
-        else: self.teardown()
+def cast_floats(b, dtype:torch.dtype):
+    "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
+    if isinstance(b, torch.Tensor): return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype else b
+    if isinstance(b, dict): return {k: cast_floats(v, dtype) for k, v in b.items()}
+    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype) for o in b))
+    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
+    return b
 
 def _cast_inputs(dtype):
     "A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp)."
     def hook(module, args, kwargs): return cast_floats(args, dtype), cast_floats(kwargs, dtype)
     return hook
+
+def _reject_gradient_clip(learn):
+    "fastai's `GradientClip` would clip the model's 16-bit grads, not the FP32 masters the optimizer steps: refuse it."
+    from fastai.callback.training import GradientClip
+    clips = [cb for cb in learn.cbs if isinstance(cb, GradientClip)]
+    if clips:
+        raise ValueError(f"fastai's GradientClip(max_norm={clips[0].max_norm}) cannot be used with `to_fp16`/`to_bf16`: "
+                         f"it would clip the model's 16-bit gradients, which MixedPrecision has already copied (unscaled) "
+                         f"into the FP32 masters that the optimizer steps, and cleared. Use "
+                         f"`learn.to_fp16(clip={clips[0].max_norm}, clip_global=True)` instead: the same global L2 norm as "
+                         f"GradientClip, of the unscaled FP32 master gradients (without `clip_global`, each param group's "
+                         f"norm is clipped, as fastai v2's original `MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.")
 
 class ModelToHalf(SessionCallback):
     """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
@@ -80,6 +73,7 @@ class ModelToHalf(SessionCallback):
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
+        "The mirror of `setup`: hooks off, the exact FP32 values back in the model, DDP wrapped again."
         if self._hook is not None: self._hook.remove()
         if self.islands is not None: self.islands.remove()
         self._hook = self.islands = None
@@ -110,46 +104,48 @@ class ModelToHalf(SessionCallback):
     def link_masters(self, fp32_views:dict):
         "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
         self.masters = {id(p): t for p, t in fp32_views.items()}
-        self._drop_originals_of_masters()
-
-    def _drop_originals_of_masters(self):
-        "An original that a master copied (flat masters) is never used again (`restore` takes the master): free it."
-        for k, t in self.masters.items():
+        for k, t in self.masters.items():  # an original that a master copied (flat masters) is never used again: free it
             rec = self.originals.get(k) if self.originals else None
             if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
                 self.originals[k] = rec._replace(original=t)
 
+    def fp32_value(self, cur:torch.Tensor, rec) -> torch.Tensor:
+        "The exact FP32 value of the converted tensor `cur` now: its master, its original if unchanged, else widened."
+        master = self.masters.get(id(cur)) if rec.is_param else None
+        if master is not None: return master
+        if cur.dtype != rec.original.dtype and torch.equal(cur, rec.original.to(cur.dtype)): return rec.original
+        return cur.to(rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
+
+    def fp32_tensors(self) -> dict:
+        "`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is."
+        res = {}
+        for rec in (self.originals or {}).values():
+            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
+            if cur is not None: res[(id(rec.module), rec.name)] = self.fp32_value(cur, rec)
+        return res
+
     def _restore_model(self):
         "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
         if not self.converted: return
-        for module, name, is_param, orig in self.originals.values():
-            cur = (module._parameters if is_param else module._buffers).get(name)
+        for rec in self.originals.values():
+            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
             if cur is None: continue
-            master = self.masters.get(id(cur)) if is_param else None
-            # each in the layout the model has now (e.g. channels_last set during the fit), in storage of its own
-            if master is not None: new = with_layout_of(master, cur)
-            elif cur.dtype != orig.dtype and torch.equal(cur, orig.to(cur.dtype)): new = with_layout_of(orig, cur)  # unchanged: exact original
-            else: new = cur.to(orig.dtype)  # trained in 16-bit without master: nothing better than its value
-            if is_param:
+            new = with_layout_of(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), owned
+            if rec.is_param:
                 if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
                 cur.data = new
-            else: module._buffers[name] = new
+            else: rec.module._buffers[rec.name] = new
         for m in self.learn.model.modules():
             if isinstance(m, nn.RNNBase): m.flatten_parameters()
         self.originals, self.masters = None, {}
 
-def _check_clip(clip):
-    return check_positive('clip', clip, allow_none=True)
-
 class MixedPrecision(SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
-    From its `before_step` on, a step's gradients are in the masters (the optimizer's params, unscaled); the model's
-    16-bit grads are cleared for the next backward there (in cache), or in `after_step` when a later callback has a
-    `before_step` (it could cancel the batch to accumulate them)."""
+    The weight store owns the step: `before_step` asks it to bring the grads in (unscaled and checked in one fused
+    pass), reads the one host sync, skips or clips; the optimizer's `step` steps the store, which the model follows."""
     order = 10
-    bn_stats = None  # a `BNStatsGuard` during a fit
+    checkpoint_key = 'MixedPrecision'
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
-    sync_pending = False  # a DDP model: the masters are still to be broadcast from rank 0 (at the fit's first batch)
     def __init__(self,
         loss_scale:float=512, # the scale when not `dynamic`; with `dynamic`, any other value is the starting scale
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
@@ -160,17 +156,17 @@ class MixedPrecision(SessionCallback):
         clip:float=None, # clip each param group's global norm of unscaled FP32 master grads to this
         *,
         dtype=torch.float16, # the model's 16-bit dtype (bf16 has FP32's range: use loss_scale=1, dynamic=False)
-        scaler=None, # None (seed behaviour), 'backoff', 'lognormal', 'static' or a `LossScaler`
+        scaler=None, # None (fastai's behaviour), 'backoff', 'lognormal', 'static' or a `LossScaler`
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
         clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
-        half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`fp16cb.storage`)
+        half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`HalfStorage`)
         stochastic_rounding:bool=True, # with `half_storage`: round the updated weights stochastically (False: to nearest)
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
         self.half_storage = check_bool('half_storage', half_storage)
         self.stochastic_rounding = check_bool('stochastic_rounding', stochastic_rounding)
-        self.flat_master, self.clip = check_bool('flat_master', flat_master), _check_clip(clip)
+        self.flat_master, self.clip = check_bool('flat_master', flat_master), check_positive('clip', clip, allow_none=True)
         dynamic = check_bool('dynamic', dynamic)
         # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
         loss_scale = check_real('loss_scale', loss_scale, 0., FP32_MAX, lo_open=True)  # the FP32 loss is multiplied by it
@@ -181,19 +177,17 @@ class MixedPrecision(SessionCallback):
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)
-        self.master, self.check, self.skipped, self.grads_cleared, self.owed = None, OverflowCheck(), False, False, False
-        self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
+        self.store, self.record, self.max_grad, self._rng = None, StepRecord(), None, None
 
-    @property
-    def loss_scale(self) -> float: return self.scaler.scale
-    @property
-    def loss_scaler(self): return self.scaler
-    @property
-    def model_pgs(self): return None if self.master is None else self.master.model_pgs
-    @property
-    def master_pgs(self): return None if self.master is None else self.master.master_pgs
-    @property
-    def n_skipped(self) -> int: return self.scaler.n_skipped
+    loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
+    loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")
+    n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
+    scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
+    skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    master = property(lambda self: self.store, doc="The weight store of the current fit (None between fits).")
+    model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs, doc="The params the store steps, per group.")
+    master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs, doc="Their FP32 masters, per group.")
+    skip_label = property(lambda self: type(self).__name__, doc="How the all-steps-skipped warning names this setup.")
 
     def _model_to_half(self):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
@@ -204,96 +198,79 @@ class MixedPrecision(SessionCallback):
         if mth is None: raise ValueError("policy_report: this learner has no ModelToHalf (use `learn.to_fp16()` or `to_bf16()`)")
         return mth.policy_report(leaves=leaves)
 
-    def new_fit(self):
-        super().new_fit()
-        self.sync_pending = True
-
-    def _sync_ranks(self):
-        "A DDP model in several processes: all ranks start from rank 0's masters (DDP wraps after our `before_fit`)."
-        self.sync_pending = False
-        if self.half_storage:  # no masters: the 16-bit weights are what every rank must agree on
-            sync_masters(self.learn.model, [p.data for p in self.learn.model.parameters()]); return
-        if sync_masters(self.learn.model, self.master._run_masters): self.master.master_to_model()
-
+    # -- the lifecycle (called by the session)
     def setup(self):
-        "Masters for the optimizer's params (made from the exact FP32 originals `ModelToHalf` kept), Recorder columns."
-        reject_gradient_clip(self.learn)
+        "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
+        _reject_gradient_clip(self.learn)
+        patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
         if self.learn.opt is None: self.learn.create_opt()
-        mth = self._model_to_half()
+        mth, model = self._model_to_half(), self.learn.model
         half = mth is not None and mth.converted
-        names = {id(p): n for n, p in self.learn.model.named_parameters()}
-        if self.half_storage: self.master = HalfStorage(self.learn.opt, self.stochastic_rounding)
-        else: self.master = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names)
-        if half and not self.half_storage: mth.link_masters(self.master.fp32_views())
+        names = {id(p): n for n, p in model.named_parameters()}
+        if not self.session.suspending: self.record.new_fit()
+        if self.half_storage: self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), names=names, model=model)
+        else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names, model=model)
+        if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
-        self.bn_stats, self.owed = BNStatsGuard(self.learn.model), False
+        self.record.setup(model)
 
     def teardown(self):
-        "Point the optimizer at the model's own params again, with its state (and drop the Recorder columns)."
-        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=not self.session.suspending)
-        self.bn_stats = None
-        if self.master is None: return
-        self.master.restore_opt()
-        self.master, self.check = None, OverflowCheck()  # a fresh check: the old one cached this fit's grads
+        "The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off."
+        self.record.teardown()
+        fit_ends = not self.session.suspending
+        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=fit_ends)
+        if self.store is None: return
+        self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
+        self.store.restore()
+        self.store = None
+        if fit_ends: warn_all_skipped(self.record.this_fit, self.skip_label)
 
+    def resume(self):
+        "Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought in again."
+        if getattr(self, '_was_unscaled', False): self.store.prepare_grads(self.scaler.scale)
+        self._was_unscaled = False
+
+    def rng(self, model) -> torch.Generator:
+        "The stochastic rounding's own generator (not torch's global one: dropout and augmentation draw as without it)."
+        dev = model_device(model)
+        if self._rng is None or self._rng.device.type != dev.type:
+            self._rng = torch.Generator(dev).manual_seed(torch.initial_seed() % 2**63)
+        return self._rng
+
+    # -- the events of one step
     def before_batch(self):
-        if self.sync_pending and self.master is not None: self._sync_ranks()
-        # a callback before us raised in `after_step`, so ours did not run: finish that step's work now
-        if self.owed or (self.master is not None and self.master.stepped): self._settle()
-        # a skipped step must leave no trace in BatchNorm's running statistics: snapshot them (restored on a skip)
-        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
+        if not self.training or self.store is None: return
+        if self.store.stage is Stage.NEW: self._sync_ranks()
+        elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
+        self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
+        self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
 
     def before_backward(self):
-        self.grads_cleared = False  # this backward's 16-bit grads: cleared in `before_step`, or else in `after_step`
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def before_step(self):
-        self.skipped = False
         scale = self.loss_scale
-        if self.half_storage:
-            stats, clear = self._check_half(scale), False
-            if stats is None: return
-        else:
-            grads = self.master.grads_to_master()
-            if not grads and not self.master.own_params: return
-            clear = self._may_clear_early()
-            stats = self._check_and_clear(grads, scale) if clear else self._check(grads, scale)
-            stats = reduce_max_(stats, self.learn.model).tolist()  # the one sync; DDP: all ranks' worst (one inf skips all)
-        self.grads_cleared = clear
-        found = stats[0] > 0
-        if found:
-            if clear: self.master.zero_model_grads(reattach=False)  # `_check_and_clear` may have left NaN for an inf
-            self.bn_stats.restore()  # before the scaler may stop training: the statistics stay clean either way
-        self.scales.append(scale); self.skips.append(found)
-        self.skipped = self.owed = found  # a skip is a finished step: its `after_step` work is owed from here on
-        with lr_find_stops_on(self.learn): self.scaler.update(found, stats[1] if len(stats) > 1 else None)
-        if found: raise CancelStepException()
-        if self.clip is not None: self._clip()
+        stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad, clear=self._may_clear_early())
+        if stats is None: return
+        found, self.max_grad = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
+        if not found:
+            if self.clip is not None: self.store.clip(self.clip, self.clip_global)
+            return
+        self.store.skip()
+        self.record.record(scale, True)  # BatchNorm's statistics back to the snapshot
+        with lr_find_stops_on(self.learn): self.scaler.update(True, self.max_grad)
+        raise CancelStepException()
 
-    def _check_half(self, scale:float):
-        "`half_storage`: check the 16-bit grads as they are (unscaling in 16-bit could underflow: `HalfStorage` unscales in FP32)."
-        grads = self.master.grads()
-        if not grads: return None
-        self.master.grad_factor, self.master.factors = 1. / scale, {}
-        stats = reduce_max_(self.check(grads, 1., with_max=self.scaler.needs_max_grad), self.learn.model).tolist()  # DDP: all ranks'
-        return stats[:1] + [s / scale for s in stats[1:]]
+    def after_step(self):
+        "fastai calls this even for a cancelled step. The model already follows the store (it copies right after stepping)."
+        self._end_step()
 
-    def _clip(self):
-        "Clip the unscaled FP32 master grads: each param group's norm (as fastai v2's original `MixedPrecision`), or their global norm."
-        if self.half_storage: return self._clip_half()
-        pgs = self.master.opt_pgs
-        for pg in ([[m for pg in pgs for m in pg]] if self.clip_global else pgs):
-            if pg: nn.utils.clip_grad_norm_(pg, self.clip, foreach=True)
-
-    def _clip_half(self):
-        "`half_storage`: the clip coefficient joins the unscaling factor that `HalfStorage` applies in FP32."
-        pgs = [list(pg) for pg in self.learn.opt.param_lists]
-        norm = torch.stack(self.master.unscaled_norms([[p for pg in pgs for p in pg]] if self.clip_global else pgs)).max()
-        if self.clip_global or len(pgs) == 1: self.master.grad_factor *= float((self.clip / (norm + 1e-6)).clamp(max=1.))
-        else:  # per group: each group's coefficient joins the FP32 lift of its grads
-            for pg, n in zip(pgs, self.master.unscaled_norms(pgs)):
-                c = float((self.clip / (n + 1e-6)).clamp(max=1.))
-                self.master.factors.update({id(p): c for p in pg})
+    def _end_step(self):
+        "A step that was not skipped counts here: the scale stays the same over the micro-batches of an accumulated step."
+        if self.store.stage in (Stage.UNSCALED, Stage.STEPPED):
+            self.record.record(self.store.scale, False)
+            with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
+        self.store.finish()
 
     def _may_clear_early(self) -> bool:
         """Whether no callback after this one has a `before_step`: one could raise `CancelBatchException` there, and
@@ -301,40 +278,20 @@ class MixedPrecision(SessionCallback):
         accumulation ordered after us). They must then still be in the 16-bit grads: clearing waits for `after_step`."""
         return not any(cb.order > self.order and callable(getattr(cb, 'before_step', None)) for cb in self.learn.cbs)
 
-    def _check(self, grads:list, scale:float) -> torch.Tensor:
-        "The check alone: unscale the FP32 grads; at scale 1 a read-only pass over the 16-bit ones (exact copies)."
-        needs_max = self.scaler.needs_max_grad
-        grads = (self.master.model_grads if scale == 1. else grads) + self.master.own_grads()
-        return self.check(grads, 1. / scale, with_max=needs_max)
+    def _sync_ranks(self):
+        "A DDP model in several processes: all ranks start from rank 0's weights (DDP wraps after our `before_fit`)."
+        self.store.stage = Stage.READY
+        if self.half_storage: sync_masters(self.learn.model, [p.data for p in self.learn.model.parameters()])
+        elif sync_masters(self.learn.model, self.store._masters): self.store.master_to_model()
 
-    def _check_and_clear(self, grads:list, scale:float) -> torch.Tensor:
-        """Check the grads for inf/NaN (unscaling the FP32 ones), and clear the 16-bit ones for the next backward: the
-        masters hold the grads now, and the 16-bit ones are still in cache. At scale 1 nothing needs unscaling: the
-        16-bit grads (the FP32 ones are exact copies) are checked and cleared in ONE fused pass, by "unscaling" them
-        by 0 (an inf or NaN becomes NaN: on such a step the caller zeroes them again)."""
-        if scale == 1. and not self.scaler.needs_max_grad and not self.master.own_params:
-            return self.check(self.master.model_grads, 0.)
-        stats = self._check(grads, scale)
-        self.master.zero_model_grads(reattach=False)
-        return stats
-
-    def after_step(self):
-        """fastai calls this even for a cancelled step. The model already follows the masters: `MasterWeights` copies
-        them in right after the optimizer's `step` (a callback before us that raises here cannot make it miss that)."""
-        self._settle()
-
-    def _settle(self):
-        "After a step (or skip): clear the 16-bit grads unless already done, and arm BatchNorm's snapshot for the next."
-        if not self.grads_cleared: self.master.zero_model_grads()  # not cleared early, or the step was cancelled before us
-        self.skipped = self.grads_cleared = self.owed = self.master.stepped = False
-        self.bn_stats.arm()
-
-    def after_epoch(self):
-        scale_health(self)
+    def after_epoch(self): scale_health(self)
 
     def state_dict(self) -> dict:
-        "What a checkpoint keeps of this callback: the loss scaler's state."
-        return {'scaler': self.scaler.state_dict()}
+        "What a checkpoint keeps of this callback: the loss scaler's state, and the stochastic rounding's generator."
+        return {'scaler': self.scaler.state_dict(), **({'rng': self._rng.get_state()} if self._rng is not None else {})}
 
     def load_state_dict(self, sd:dict):
         self.scaler.load_state_dict(sd['scaler'])
+        if 'rng' in sd:
+            if self._rng is None: self._rng = torch.Generator()
+            self._rng.set_state(sd['rng'])

@@ -1,7 +1,8 @@
 """Checkpoints of mixed-precision learners. `learn.save` writes the exact FP32 master weights and the optimizer state
 keyed as for the model's own params (even mid-fit, when the model is 16-bit and the optimizer steps the masters),
 so the file also loads into a plain FP32 learner; with the optimizer state it keeps the precision callbacks' state
-(loss scaler, GradScaler). `learn.load` restores all of it, before, during or after a fit. `learn.save` (hence
+(loss scaler, GradScaler). Mid-fit, `learn.save` reads the FP32 view of the weight store and leaves the 16-bit model
+and its storages as they are. `learn.load` restores all of it, before, during or after a fit. `learn.save` (hence
 `SaveModelCallback`) writes atomically: a write that fails part-way keeps the previous file (`export`: see `export`)."""
 from __future__ import annotations
 import warnings
@@ -15,27 +16,25 @@ from fastcore.xtras import join_path_file
 import torch
 
 from .callbacks import ModelToHalf, MixedPrecision
-from .native import NativeMixedPrecision
-from .session import session_of
+from .session import session_of, is_ours
+from .weights import with_layout_of
 from .atomic import atomic_write
-from .distributed import is_ddp
 
-__all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'save_atomic']
+__all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'fp32_model_state', 'save_atomic']
 
 PRECISION_KEY = 'fp16cb'  # where the precision callbacks' state goes, inside the optimizer's state dict
-_STATEFUL = (MixedPrecision, NativeMixedPrecision)
 
-def _stateful_cbs(learn): return [cb for cb in learn.cbs if isinstance(cb, _STATEFUL)]
+def _stateful_cbs(learn): return [cb for cb in learn.cbs if is_ours(cb) and cb.checkpoint_key]
 
 def precision_state(learn) -> dict:
-    "`{callback class name: its state_dict()}` for the learner's stateful precision callbacks."
-    return {type(cb).__name__: cb.state_dict() for cb in _stateful_cbs(learn)}
+    "`{checkpoint key: state_dict()}` of the learner's precision callbacks that keep state (loss scaler, GradScaler)."
+    return {cb.checkpoint_key: cb.state_dict() for cb in _stateful_cbs(learn)}
 
 def load_precision_state(learn, sd:dict|None):
     "Give each precision callback of `learn` its state from `sd` (a mismatch warns, as fastai does for the optimizer)."
     if not sd: return
     for cb in _stateful_cbs(learn):
-        st = sd.get(type(cb).__name__)
+        st = sd.get(cb.checkpoint_key)
         if st is None: continue
         try: cb.load_state_dict(st)
         except (ValueError, KeyError, RuntimeError) as e:
@@ -44,16 +43,33 @@ def load_precision_state(learn, sd:dict|None):
 @contextmanager
 def fp32_view(learn):
     """Within: the model holds its exact FP32 master weights and the optimizer points at the model's own params with
-    their state, even in the middle of a mixed-precision fit; on exit the fit's 16-bit model and masters come back
-    (re-created from the FP32 values, so nothing is rounded twice and the optimizer state is moved, not copied)."""
-    session = session_of(learn)
-    if not session.active:
-        yield learn; return
-    # grads accumulated so far (gradient accumulation across the save: fastai's FP32 save leaves them alone)
-    grads = [(p, p.grad) for p in learn.model.parameters() if p.grad is not None]
-    with session.suspended(): yield learn
-    for p, g in grads:  # the next step copies them into the fit's flat grad buffers, as any replaced grad
-        if g.dtype == p.dtype and g.shape == p.shape: p.grad = g
+    their state, even in the middle of a mixed-precision fit (a pause of the session: `load` writes into it); on exit
+    the fit's 16-bit model and masters come back, made from the FP32 values (nothing rounded twice)."""
+    with session_of(learn).suspended(): yield learn
+
+def _active(learn, cls):
+    return next((cb for cb in session_of(learn).active if isinstance(cb, cls)), None)
+
+def fp32_model_state(learn) -> dict:
+    "The model's `state_dict` with the exact FP32 values (the masters, mid-fit), read without touching the model."
+    model = get_model(learn.model)
+    sd = model.state_dict()
+    mth = _active(learn, ModelToHalf)
+    if mth is None or not mth.converted: return sd
+    vals = mth.fp32_tensors()
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for name, cur in list(mod._parameters.items()) + list(mod._buffers.items()):
+            key, v = f'{prefix}.{name}' if prefix else name, vals.get((id(mod), name))
+            if v is not None and key in sd: sd[key] = with_layout_of(v.detach(), cur)  # owned: the file holds it alone
+    return sd
+
+@contextmanager
+def _fp32_opt(learn):
+    "Within: the optimizer on the model's own params with their FP32 state (mid-fit too); the model is untouched."
+    mp = _active(learn, MixedPrecision)
+    if mp is None or mp.store is None: yield learn.opt
+    else:
+        with mp.store.opt_view() as opt: yield opt
 
 class _OptLoader:
     "Stands in for the optimizer in fastai's `load_model`: takes our key out of the state dict before loading it."
@@ -70,23 +86,17 @@ def save(self:Learner,
     pickle_protocol:int=2,
     **torch_save_kwargs
 ):
-    "Save the FP32 model (the masters mid-fit) and, if `with_opt`, the optimizer and loss-scaler state"
+    "Save the FP32 model (the masters mid-fit, the 16-bit model left as it is) and, if `with_opt`, the optimizer and loss-scaler state"
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    if rank_distrib() and not _ddp_in_fit(self): return file  # don't save if child proc
+    if rank_distrib(): return file  # don't save if child proc
+    state = fp32_model_state(self)
     opt = getattr(self, 'opt', None)
-    with fp32_view(self):
-        if rank_distrib(): return file  # every rank took the FP32 view (it wraps DDP again), rank 0 alone writes
-        state = get_model(self.model).state_dict()
+    with _fp32_opt(self):
         if with_opt and opt is not None:
-            osd = opt.state_dict()
-            ps = precision_state(self)
+            osd, ps = opt.state_dict(), precision_state(self)
             state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
         save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return file
-
-def _ddp_in_fit(learn) -> bool:
-    "A mid-fit save of a DDP model: the FP32 view wraps it again (a collective), so every rank must take it."
-    return bool(session_of(learn).active) and is_ddp(learn.model)
 
 def save_atomic(obj, file, **kwargs):
     "`torch.save(obj, file)`, atomically when `file` is a path (a file object is written as it is)."

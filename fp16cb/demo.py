@@ -6,7 +6,7 @@ import argparse, math, sys, textwrap, time, warnings
 import torch
 
 from .dtypes import has_fast_half_math
-from .devices import resolve_device
+from .dtypes import resolve_device
 from .experiments import MODES, DEFAULT_MODES, TASKS, TOLERANCE, run_many, run_experiments, mean_acc
 
 __all__ = ['parse_args', 'format_table', 'format_experiments', 'main']

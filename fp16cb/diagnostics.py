@@ -4,9 +4,9 @@ import math
 from dataclasses import dataclass, field
 import torch
 from .dtypes import FP16_MAX
-from .health import scale_health
+from .monitor import scale_health
 
-__all__ = ['FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
+__all__ = ['state_bytes', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
            'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
 
 FP16_MIN_NORMAL = 2.**-14  # smallest normal fp16 (full 11-bit precision above it)
@@ -183,3 +183,27 @@ def plot_gradient_range(
                  f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
     ax.legend(fontsize='x-small', loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: never over the histograms
     return ax
+
+def state_bytes(learn) -> dict:
+    """Bytes per trainable parameter, by role, of what a learner holds during a fit: model weights and grads, FP32
+    masters and their grads, optimizer state (unique storages counted once)."""
+    from .callbacks import MixedPrecision  # diagnostics reads a fit's setup: imported late, the core never imports this
+    mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
+    params = [p for p in learn.model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    seen = set()
+    def size(ts):
+        tot = 0
+        for t in ts:
+            if t is None or not isinstance(t, Tensor) or t.dim() == 0: continue
+            k = t.untyped_storage().data_ptr()
+            if k in seen: continue
+            seen.add(k); tot += t.untyped_storage().nbytes()
+        return tot
+    res = {'weights': size(p.data for p in params), 'grads': size(p.grad for p in params)}
+    masters = mp.store.master_params if mp is not None and hasattr(mp.store, 'master_params') else []
+    res['masters'] = size(m.data for m in masters) + size(getattr(mp.store, '_masters', []) if mp else [])
+    res['master grads'] = size(getattr(mp.store, '_master_grads', []) if mp else [])
+    st = getattr(learn.opt, 'state', {})
+    res['optimizer state'] = size(v for s in st.values() for v in s.values())
+    return {k: v / n for k, v in res.items()} | {'total': sum(res.values()) / n}

@@ -18,26 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .scaling import world_size, is_multiprocess, is_ddp, syncs, reduce_max_
+
 __all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'sync_masters', 'rewrap',
            'patch_fastai', 'ByteCounter', 'count_allreduce']
-
-def world_size() -> int:
-    "The number of processes training together (1 when torch.distributed is not initialized)."
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-def is_multiprocess() -> bool: return world_size() > 1
-
-def is_ddp(model) -> bool: return isinstance(model, DDP)
-
-def syncs(model) -> bool:
-    """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP (a learner that
-    trains a plain model on one rank only, in a multi-process job, stays local: no collective it would hang on)."""
-    return is_ddp(model) and is_multiprocess()
-
-def reduce_max_(t:torch.Tensor, model=None) -> torch.Tensor:
-    "`t` all-reduced in place with MAX across ranks when `syncs(model)` (else as it is); no host sync of its own."
-    if syncs(model): dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
 
 def broadcast_(tensors:list, src:int=0):
     "Every tensor of `tensors` set in place to its value on rank `src` (no-op in a single process)."

@@ -1,4 +1,5 @@
-"""Dtype policy: which 16-bit dtypes we train in, which layers stay FP32, and how tensors are cast."""
+"""Before the fit: which 16-bit dtypes we train in, how a model is converted (BatchNorm stays FP32), what this CPU
+computes natively, and which devices the model and the main job can run on."""
 from __future__ import annotations
 import contextlib, functools, os, sys, warnings
 from typing import NamedTuple
@@ -6,7 +7,7 @@ import torch
 from torch import nn
 
 __all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
-           'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel']
+           'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP16_MAX = 65504.  # the largest finite float16
@@ -117,3 +118,27 @@ def warn_slow_half(dtype:torch.dtype, device):
     if has_fast_half_math(dtype, device) or (dtype, str(device)) in _warned: return
     _warned.add((dtype, str(device)))
     warnings.warn(_slow_half_message(dtype), RuntimeWarning, stacklevel=user_stacklevel())
+
+# ---- devices
+def resolve_device(
+    s, # a device name: 'cpu', 'cuda', 'cuda:1', 'mps', ...
+    types=('cpu', 'cuda', 'mps'), # the device types the caller supports
+    expected:str='cpu, cuda, cuda:N or mps', # how to name them in the error
+) -> torch.device:
+    "`s` as a `torch.device` that exists on this machine; a `ValueError` that says what is wrong otherwise."
+    try: d = torch.device(s)
+    except (RuntimeError, ValueError, TypeError): raise ValueError(f"not a torch device: {s!r} (expected {expected})")
+    if d.type not in types: raise ValueError(f"unsupported device type: {s!r} (expected {expected})")
+    if d.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"{s!r}: CUDA is not available on this machine (try --device cpu)")
+    if d.type == 'cuda' and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"{s!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if d.type == 'mps' and not (hasattr(torch.backends, 'mps') and torch.backends.mps.is_available()):
+        raise ValueError(f"{s!r}: MPS is not available on this machine")
+    return d
+
+def model_device(model) -> torch.device:
+    "The device of `model`'s first parameter (or buffer); CPU for a model without any."
+    for t in model.parameters(): return t.device
+    for t in model.buffers(): return t.device
+    return torch.device('cpu')

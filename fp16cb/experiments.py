@@ -18,8 +18,8 @@ from fastai.torch_core import set_seed
 import fastai.callback.schedule  # noqa: F401 (Learner.fit_one_cycle)
 
 from .callbacks import ModelToHalf
-from .overflow import OverflowCheck
-from .scalers import check_positive
+from .scaling import OverflowCheck
+from .scaling import check_positive
 from . import learner as _learner  # noqa: F401 (Learner.to_fp16 & co.)
 
 __all__ = ['HalfLossScale', 'MODES', 'DEFAULT_MODES', 'TASKS', 'Task', 'Run', 'digits_data', 'digits_cnn',

@@ -7,7 +7,7 @@ from torch import nn
 from fastai.optimizer import SGD
 
 from .callbacks import ModelToHalf
-from .storage import ClassicSGD
+from fastai.optimizer import Optimizer
 
 __all__ = ['digits_transformer', 'offset_cnn', 'MODES', 'EXPERIMENTS', 'register']
 
@@ -90,3 +90,15 @@ def register(modes:dict, tasks:dict, experiments:list):
     modes.update(MODES)
     tasks.update(_tasks())
     experiments.extend(e for e in EXPERIMENTS if e not in experiments)
+
+def classic_momentum(p, lr, mom, mom_buf=None, **kwargs):
+    """The 'vanilla' momentum of the slides, in the weights' own dtype: H = m*H - lr*dW, W = W + H. In 16-bit the product
+    lr*dW underflows and W + H rounds small updates away: the vanishing updates that FP32 masters, or the modified rule, avoid."""
+    if mom_buf is None: mom_buf = torch.zeros_like(p.data)
+    mom_buf.mul_(mom).sub_(p.grad.data * torch.tensor(lr, dtype=p.dtype))  # lr*dW computed in the param's dtype
+    p.data.add_(mom_buf)
+    return {'mom_buf': mom_buf}
+
+def ClassicSGD(params, lr, mom=0.9, wd=0.):
+    "SGD with the classic momentum rule `classic_momentum` (for the 'plain update' experiment of FP16 storage)."
+    return Optimizer(params, [classic_momentum], lr=lr, mom=mom, wd=wd)

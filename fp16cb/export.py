@@ -11,9 +11,8 @@ from fastai.torch_core import rank_distrib
 from fastcore.basics import patch
 from fastcore.foundation import L
 
-from .learner import OURS
 from .monitor import PrecisionValue
-from .session import session_of, _KEY
+from .session import session_of, is_ours, _KEY
 from .checkpoint import save_atomic
 
 __all__ = ['without_precision']
@@ -22,7 +21,7 @@ __all__ = ['without_precision']
 def without_precision(learn):
     "Within: `learn` without fp16cb's callbacks, their attributes, Recorder columns and session (put back on exit)."
     cbs, mets = learn.cbs, learn.metrics
-    ours = [cb for cb in cbs if isinstance(cb, OURS)]
+    ours = [cb for cb in cbs if is_ours(cb)]
     attrs = {n: learn.__dict__.pop(n) for n in [cb.name for cb in ours] + [_KEY] if n in learn.__dict__}
     learn.cbs = L(cb for cb in cbs if not any(cb is o for o in ours))
     learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]

@@ -12,16 +12,14 @@ from .native import NativeMixedPrecision
 
 from .session import session_of
 
-__all__ = ['precision_callbacks', 'OURS', 'FOREIGN', 'AMP_ARGS', 'check_kwargs']
+__all__ = ['precision_callbacks', 'AMP_ARGS', 'check_kwargs']
 
-FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
-                if hasattr(_fastai_fp16, n))  # fastai's own precision callbacks
-OURS = (ModelToHalf, MixedPrecision, NativeMixedPrecision)
+from .session import FOREIGN, is_ours, family_of
 
 @patch
 def precision_callbacks(self:Learner) -> list:
     "The mixed-precision callbacks of this learner (ours and fastai's)."
-    return [cb for cb in self.cbs if isinstance(cb, OURS + FOREIGN)]
+    return [cb for cb in self.cbs if family_of(cb) is not None]
 
 @patch
 def _set_precision(self:Learner, cbs:list):
@@ -117,7 +115,7 @@ _fastai_to_channelslast = getattr(Learner.to_channelslast, '_fastai', Learner.to
 @delegates(_fastai_to_channelslast)
 def to_channelslast(self:Learner, use_amp:bool=True, **kwargs):
     "fastai's `to_channelslast`; the precision set with `to_fp16`/`to_bf16`/`to_native_fp16` is kept (no AMP on top)."
-    if any(isinstance(cb, OURS) for cb in self.cbs): use_amp = False
+    if any(is_ours(cb) for cb in self.cbs): use_amp = False
     return _fastai_to_channelslast(self, use_amp=use_amp, **kwargs)
 to_channelslast._fastai = _fastai_to_channelslast
 Learner.to_channelslast = to_channelslast

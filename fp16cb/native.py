@@ -4,21 +4,19 @@ import torch
 from torch.amp import GradScaler
 from fastai.callback.core import CancelStepException
 
-from .dtypes import resolve_dtype, cast_floats, warn_slow_half
-from .devices import model_device
-from .callbacks import SessionCallback
-from .scalers import GradScalerAdapter
-from .overflow import OverflowCheck
-from .health import scale_health  # warns once: scale stuck at its floor, many skipped steps
+from .dtypes import resolve_dtype, warn_slow_half, model_device
+from .callbacks import cast_floats
+from .session import SessionCallback
+from .scaling import GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_, warn_all_skipped
+from .monitor import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
-from .guards import BNStatsGuard, count_skip, lr_find_stops_on
-from .distributed import reduce_max_
 
 __all__ = ['NativeMixedPrecision']
 
 class NativeMixedPrecision(SessionCallback):
     "Mixed precision with PyTorch's autocast and GradScaler, on the model's device (CPU included)."
     order = 10
+    family, checkpoint_key = 'native', 'NativeMixedPrecision'
     _stateattrs = ('_autocast',)  # not pickled (export): an autocast context belongs to one fit
     def __init__(self,
         init_scale:float=2.**16, # GradScaler's initial scale
@@ -37,9 +35,8 @@ class NativeMixedPrecision(SessionCallback):
         self.backoff_factor = check_real('backoff_factor', backoff_factor, 0., 1., lo_open=True, hi_open=True)
         self.growth_interval = check_int('growth_interval', growth_interval, 1, INT32_MAX)
         self.enabled, self.max_skipped = check_bool('enabled', enabled), check_int('max_skipped', max_skipped, 1)
-        self.bn_stats, self.skipped_in_a_row, self._check = None, 0, OverflowCheck()
+        self.record, self.skipped_in_a_row, self._check = StepRecord(), 0, OverflowCheck()
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
-        self.scales, self.skips = [], []  # per optimizer step: the loss scale used, and whether the step was skipped
 
     @property
     def loss_scale(self) -> float:
@@ -61,21 +58,25 @@ class NativeMixedPrecision(SessionCallback):
         if self.enabled: warn_slow_half(self.dtype, device_type)
         if self.scaler is None or device_type != self.device_type:  # kept across fits: its scale is learned state
             self.scaler, self.device_type = self._make_scaler(device_type), device_type
-        self.bn_stats, self.skipped_in_a_row = BNStatsGuard(self.learn.model), 0
+        if not self.session.suspending: self.record.new_fit()
+        self.record.setup(self.learn.model); self.skipped_in_a_row = 0
 
     def teardown(self):
         "Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`)."
         self._exit_autocast()
-        self.bn_stats = None
+        self.record.teardown()
+        if not self.session.suspending: warn_all_skipped(self.record.this_fit, self.skip_label)
 
     def before_batch(self):
-        if self.training and self.bn_stats is not None: self.bn_stats.snapshot()
+        if self.training: self.record.snapshot()
         self._autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
         self._autocast.__enter__()
 
     def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
     def after_loss(self): self._exit_autocast()
     def after_batch(self): self._exit_autocast()
+    scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
+    skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
     @property
     def skip_label(self) -> str: return f'{self.dtype} autocast'.replace('torch.', '')
     def after_epoch(self):
@@ -95,8 +96,7 @@ class NativeMixedPrecision(SessionCallback):
         # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
         # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
         scale = self.loss_scale
-        self.scales.append(scale); self.skips.append(self.skipped)
-        if self.skipped: self.bn_stats.restore()  # the skipped batch leaves no trace in BatchNorm's statistics
+        self.record.record(scale, self.skipped)  # a skipped batch leaves no trace in BatchNorm's statistics
         with lr_find_stops_on(self.learn):
             self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
                                                f"{self.dtype} autocast, loss scale {scale:g}")
@@ -111,7 +111,6 @@ class NativeMixedPrecision(SessionCallback):
     def after_step(self):
         if self._stepped: self.scaler.update()
         self._stepped = False
-        if self.bn_stats is not None: self.bn_stats.arm()
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the GradScaler's state (empty when scaling is off)."

@@ -1,23 +1,46 @@
 """The one owner of a mixed-precision fit's lifecycle. A `PrecisionSession` per learner sets the precision callbacks up
-at the start of a fit and tears them down at its end (also when the fit raises, when fastai skips `after_fit`). It
-also knows the nested `before_fit`/`after_fit` pairs that `validate`/`get_preds` fire inside a fit. Whatever must see
-the plain FP32 learner in the middle of a fit asks it for `suspended()`: `learn.save`/`load`, `freeze`/`unfreeze`,
-`export` and `copy.deepcopy(learn)`. The callbacks keep their own configuration and per-fit state, and never set
-themselves up or down on their own: `setup()` and `teardown()` are called by the session alone."""
+at the start of a fit (in callback order) and tears them down at its end in exactly the reverse order, once: at the
+outermost `after_fit`, or at once when the fit raises (fastai then skips `after_fit`). It knows the nested
+`before_fit`/`after_fit` pairs that `validate`/`get_preds` fire inside a fit, and nested `fit`s (a fit run from a
+callback of another). Whatever must see the plain FP32 learner in the middle of a fit asks for `suspended()`
+(`learn.load`, `freeze`/`unfreeze`, `export`, `copy.deepcopy(learn)`); `learn.save` needs no pause: it reads the FP32
+view of the weight store. The callbacks keep their configuration and per-fit state; `setup()` and `teardown()` are
+called by the session alone. Also here: the registry of our precision callbacks (`SessionCallback` subclasses, each
+with its family and checkpoint key) and the `Learner` methods the lifecycle goes through (`fit`, `remove_cb`,
+`freeze_to`, `__deepcopy__`)."""
 from __future__ import annotations
+import copy, functools, inspect
 from contextlib import contextmanager
+from fastai.callback.core import Callback
+from fastai.learner import Learner
+from fastcore.basics import patch
+from fastcore.foundation import L
+import fastai.callback.fp16 as _fastai_fp16
 
-__all__ = ['PrecisionSession', 'session_of']
+__all__ = ['PrecisionSession', 'session_of', 'SessionCallback', 'REGISTRY', 'FOREIGN', 'is_ours', 'family_of',
+           'check_precision_cbs', 'restore_precision']
 
 _KEY = '_fp16cb_session'
+REGISTRY = {}  # our precision callback classes: name -> class (each has `family` and `checkpoint_key`)
+FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
+                if hasattr(_fastai_fp16, n))  # fastai's own precision callbacks
+
+def is_ours(cb) -> bool: return isinstance(cb, SessionCallback)
+
+def family_of(k) -> str|None:
+    "Which precision setup a callback (or class) belongs to: ours by their `family`, fastai's by name; None: not one."
+    k = k if isinstance(k, type) else type(k)
+    if issubclass(k, SessionCallback): return k.family
+    if issubclass(k, FOREIGN): return 'fastai AMP' if k.__name__ == 'MixedPrecision' else 'fastai master weights'
+    return None
 
 class PrecisionSession:
     "Which precision callbacks of a learner are set up for its current fit, and how deep in nested fits we are."
     def __init__(self, learn=None):
         self.learn = learn
         self.active = []  # set-up callbacks, in setup order (their teardown goes in reverse)
-        self.depth = {}  # id(callback) -> open before_fit/after_fit pairs (1 + the nested validate/get_preds)
-        self.fitting = 0  # `Learner.fit` calls under way (nested fits, e.g. lr_find inside a callback, count too)
+        self.depth = 0  # open before_fit/after_fit pairs of the set-up callbacks (1 + nested validate/get_preds)
+        self.fitting = 0  # `Learner.fit` calls under way (nested fits count too)
         self.suspending = False  # within `suspended()`: the teardowns are a pause, not the end of the fit
 
     def __reduce__(self):
@@ -33,57 +56,65 @@ class PrecisionSession:
         "From `cb.before_fit`: set `cb` up, unless this is the nested `before_fit` of a `validate`/`get_preds` in a fit."
         if self.is_active(cb):
             if self.in_fit:
-                self.depth[id(cb)] += 1
+                if cb is self.active[0]: self.depth += 1
                 return
-            self._teardown(cb)  # outside `fit` nothing nests: a setup left by events fired without their after_fit
+            self.teardown_all()  # outside `fit` nothing nests: a setup left by events fired without their after_fit
+        if not self.active: self.depth = 1
         cb.setup()
-        self.active.append(cb); self.depth[id(cb)] = 1
+        self.active.append(cb)
 
     def end(self, cb):
-        "From `cb.after_fit`: tear `cb` down when its outermost `before_fit` is closed."
-        if not self.is_active(cb): return
-        self.depth[id(cb)] -= 1
-        if self.depth[id(cb)] <= 0: self._teardown(cb)
-
-    def _teardown(self, cb):
-        self.active = [c for c in self.active if c is not cb]
-        self.depth.pop(id(cb), None)
-        cb.teardown()
+        "From `cb.after_fit`: when the outermost `before_fit` closes, tear everything down, in reverse setup order."
+        if not self.active or cb is not self.active[0]: return
+        self.depth -= 1
+        if self.depth <= 0: self.teardown_all()
 
     def teardown_all(self):
-        "Put the learner back in its between-fits state: every active callback torn down, in reverse setup order."
-        for cb in reversed(list(self.active)): self._teardown(cb)
+        "Put the learner back in its between-fits state: every active callback torn down once, in reverse setup order."
+        cbs, self.active, self.depth = self.active, [], 0
+        err = None
+        for cb in reversed(cbs):
+            try: cb.teardown()
+            except BaseException as e: err = err or e  # the others are still torn down
+        if err is not None: raise err
 
     def drop(self, cb):
-        "Tear `cb` down now if it is set up (it is being removed from the learner)."
-        if self.is_active(cb): self._teardown(cb)
+        "Tear the setup down now if `cb` is part of it (`cb` is being removed from the learner)."
+        if self.is_active(cb): self.teardown_all()
 
     @contextmanager
     def suspended(self):
         """Within: the plain FP32 learner (exact FP32 masters in the model, the optimizer on the model's own params with
-        their state). On exit the fit's setup comes back, made again from those FP32 values (nothing rounded twice)."""
-        cbs, depth, outer = list(self.active), dict(self.depth), self.suspending
+        their state). On exit the fit's setup comes back, made again from those FP32 values (nothing rounded twice), with
+        the gradients accumulated so far (a step in progress keeps them)."""
+        cbs, depth, outer = list(self.active), self.depth, self.suspending
+        if not cbs:
+            yield self.learn; return
+        grads = [(p, p.grad) for p in self.learn.model.parameters() if p.grad is not None]
         self.suspending = True
-        try:
-            for cb in reversed(cbs): cb.teardown()
+        try: self.teardown_all()
         except BaseException:
             self.suspending = outer
             raise
-        self.active, self.depth = [], {}
         try: yield self.learn
         finally:
             for cb in cbs: cb.setup()
             self.active, self.depth, self.suspending = cbs, depth, outer
+            for p, g in grads:  # the 16-bit model again: its grads as they were (the next step reads them)
+                if g.dtype == p.dtype and g.shape == p.shape: p.grad = g
+            for cb in cbs: cb.resume()
 
     @contextmanager
     def fit(self):
-        "Around `Learner.fit`: any exception leaves the learner torn down at once (fastai then skips `after_fit`)."
-        outer = not self.in_fit
+        """Around `Learner.fit`: any exception leaves the learner torn down at once (fastai then skips `after_fit`). A fit
+        run inside another (from a callback) nests like a `validate`: when it raises, the outer fit's setup stays."""
+        outer, depth = not self.in_fit, self.depth
         if outer: self.teardown_all()  # whatever a fit that ended without `after_fit` (and without us) left behind
         self.fitting += 1
         try: yield
         except BaseException:
-            self.teardown_all()
+            if outer: self.teardown_all()
+            else: self.depth = depth  # the nested fit's open before_fit pairs are closed: the outer fit goes on
             raise
         finally: self.fitting -= 1
 
@@ -94,3 +125,83 @@ def session_of(learn) -> PrecisionSession:
         s = PrecisionSession(learn)
         learn.__dict__[_KEY] = s
     return s
+
+class SessionCallback(Callback):
+    """A precision callback of ours: the learner's `PrecisionSession` calls its `setup`/`teardown` (once per fit, not
+    per event). Subclasses register themselves with their `family` (one setup per fit) and `checkpoint_key` (where
+    `learn.save` keeps their `state_dict`, None: nothing to keep)."""
+    family, checkpoint_key = 'fp16cb', None
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        REGISTRY[cls.__name__] = cls
+    @property
+    def session(self): return session_of(self.learn)
+    def before_fit(self): self.session.begin(self)
+    def after_fit(self): self.session.end(self)
+    def setup(self): pass
+    def teardown(self): pass
+    def resume(self): "After a `suspended()` pause: the setup is back, with the model's grads as they were."
+    def restore(self):
+        "Tear this callback's setup down now (the learner is FP32 again as far as this callback is concerned)."
+        learn = self.__dict__.get('learn')
+        if learn is not None: session_of(learn).drop(self)
+        else: self.teardown()
+
+# ---- the Learner methods the lifecycle goes through
+def _unwrapped(f):
+    "`f` without the wrapper this module put around it (a reloaded module must not wrap twice; others' wrappers stay)."
+    return f.__wrapped__ if getattr(f, '_fp16cb', False) else f
+
+@patch
+def restore_precision(self:Learner):
+    "Put the learner back in its between-fits state: exact FP32 model, optimizer on the model's params, no autocast."
+    session_of(self).teardown_all()
+    return self
+
+def check_precision_cbs(cbs):
+    "Raise a `ValueError` unless `cbs` (callbacks or their classes) hold at most one precision setup."
+    kinds = [c if isinstance(c, type) else type(c) for c in cbs]
+    kinds = [k for k in kinds if family_of(k) is not None]
+    if len(set(kinds)) < len(kinds) or len({family_of(k) for k in kinds}) > 1:
+        raise ValueError(f"two precision setups would be stacked in this fit ({', '.join(k.__name__ for k in kinds)}): "
+                         f"set the precision once with `learn.to_fp16()`, `to_bf16()`, `to_native_fp16()` or "
+                         f"`to_fp32()` (the last call wins) and do not pass precision callbacks to `fit(cbs=...)` as well.")
+
+_fit = _unwrapped(Learner.fit)
+_fit_sig = inspect.signature(_fit)
+
+@functools.wraps(_fit)
+def _fit_in_session(self, *args, **kwargs):
+    check_precision_cbs(list(self.cbs) + list(L(_fit_sig.bind(self, *args, **kwargs).arguments.get('cbs'))))
+    with session_of(self).fit(): return _fit(self, *args, **kwargs)
+_fit_in_session._fp16cb = True
+Learner.fit = _fit_in_session
+
+_remove_cb = _unwrapped(Learner.remove_cb)
+
+@functools.wraps(_remove_cb)
+def _remove_cb_restoring(self, cb):
+    # a precision callback given to `fit(cbs=...)` is removed when an exception leaves the fit: restore it first
+    if is_ours(cb) and getattr(cb, 'learn', None) is self: session_of(self).drop(cb)
+    return _remove_cb(self, cb)
+_remove_cb_restoring._fp16cb = True
+Learner.remove_cb = _remove_cb_restoring
+
+_freeze_to = _unwrapped(Learner.freeze_to)
+
+@functools.wraps(_freeze_to)
+def _freeze_to_fp32(self, n):
+    # mid-fit (a callback unfreezing after an epoch): freeze the model's own params, then make the masters again
+    with session_of(self).suspended(): return _freeze_to(self, n)
+_freeze_to_fp32._fp16cb = True
+Learner.freeze_to = _freeze_to_fp32
+
+def _deepcopy_fp32(self, memo):
+    """`copy.deepcopy(learn)` (keep-the-best in a callback): mid-fit, the copy is taken of the plain FP32 learner, so it
+    is a learner between fits, with the exact FP32 weights of that moment, that fits and predicts on its own."""
+    with session_of(self).suspended():
+        res = self.__class__.__new__(self.__class__)
+        memo[id(self)] = res
+        res.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # fastai's: all but the lock, a new lock
+    return res
+Learner.__deepcopy__ = _deepcopy_fp32

@@ -17,7 +17,7 @@ import fastai.callback.schedule  # Learner.fit_one_cycle
 
 import fp16cb  # patches Learner.to_fp16 & co.
 import fp16cb.dtypes as _dtypes
-from fp16cb.devices import resolve_device
+from fp16cb.dtypes import resolve_device
 
 DEVICE = torch.device('cpu')  # the device of this run (`--device`), set by `pytest_configure`
 

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from fastai.basics import Learner, DataLoaders, SGD, CrossEntropyLossFlat, Callback
 from fastai.callback.channelslast import ChannelsLast
 
-import fp16cb.overflow as overflow
-from fp16cb.overflow import OverflowCheck, check_and_unscale_
-from fp16cb.layout import dense_strides, flat_views
+import fp16cb.scaling as overflow
+from fp16cb.scaling import OverflowCheck, check_and_unscale_
+from fp16cb.weights import dense_strides, flat_views
 from conftest import make_learner, quiet_fit, seed_all
 
 @pytest.fixture

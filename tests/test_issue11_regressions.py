@@ -11,7 +11,7 @@ from fastai.callback.mixup import MixUp
 from fastai.callback.tracker import SaveModelCallback
 from fastai.torch_core import trainable_params
 from fp16cb import MixedPrecision, NativeMixedPrecision, LogNormalScaler
-from fp16cb.health import scale_health
+from fp16cb.monitor import scale_health
 from conftest import make_learner, quiet_fit, seed_all, Record
 from test_checkpoint import make_learner as datasets_learner  # fastai `Datasets`: `export` can empty them
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from fastai.basics import Callback
-from fp16cb.scalers import BackoffScaler, FP16_MAX
+from fp16cb.scaling import BackoffScaler, FP16_MAX
 from fp16cb.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, count_host_reads
 

@@ -3,9 +3,9 @@ static scaling, and clipping of the unscaled FP32 master grads."""
 import pytest
 import torch
 from torch import nn
-import fp16cb.overflow as ov  # `ov.test_overflow`: never bind a `test_*` name that pytest would collect
+import fp16cb.scaling as ov  # `ov.test_overflow`: never bind a `test_*` name that pytest would collect
 from fp16cb import grad_overflow
-from fp16cb.overflow import OverflowCheck
+from fp16cb.scaling import OverflowCheck
 from fastai.basics import Callback
 from conftest import make_learner, quiet_fit, Record, clones, flat_pgs, count_host_reads, DEVICE
 

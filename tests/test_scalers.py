@@ -5,8 +5,8 @@ from torch import nn
 from hypothesis import given, settings, strategies as st
 from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, set_seed, Callback
 from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
-from fp16cb.scalers import make_scaler, FP16_MAX
-from fp16cb.overflow import OverflowCheck
+from fp16cb.scaling import make_scaler, FP16_MAX
+from fp16cb.scaling import OverflowCheck
 from conftest import DEVICE
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')

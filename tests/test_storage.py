@@ -6,7 +6,9 @@ from torch import nn
 from fastai.optimizer import SGD, Adam, Optimizer, weight_decay, l2_reg
 
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
-from fp16cb.storage import round_stochastic, HalfStorage, ClassicSGD, state_bytes
+from fp16cb.weights import round_stochastic, HalfStorage
+from fp16cb.diagnostics import state_bytes
+from fp16cb.experiments_precision import ClassicSGD
 from fp16cb.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, Record
 

@@ -396,7 +396,7 @@ def test_precision_callbacks_given_to_fit():
 def test_fastai_own_master_weight_pair_is_one_setup():
     "fastai's ModelToHalf + NonNativeMixedPrecision are one setup (not 'stacked'); next to ours they are refused."
     import fastai.callback.fp16 as ffp16
-    from fp16cb.workflow import check_precision_cbs
+    from fp16cb.session import check_precision_cbs
     check_precision_cbs([ffp16.ModelToHalf(), ffp16.NonNativeMixedPrecision()])  # no error
     check_precision_cbs([ModelToHalf(), MixedPrecision()])
     for mixed in ([ffp16.ModelToHalf(), MixedPrecision()], [ffp16.MixedPrecision(), NativeMixedPrecision()],

@@ -108,7 +108,7 @@ print(moved); assert moved['fp16_storage_rn'] < 0.1 < 0.9 < moved['fp16_storage'
 md("""Memory, in bytes per trainable parameter during a fit (SGD with momentum; `fp16cb.storage.state_bytes`): FP32 masters
 hold 2 (16-bit weight) + 2 (16-bit grad) + 4 (master) + 4 (master grad) + 4 (momentum) = 16; 16-bit storage holds
 2 + 2 + 4 (momentum, FP32) = 8. (No GPU was available for this run: on CUDA the same accounting applies.)"""),
-code("""from fp16cb.storage import state_bytes
+code("""from fp16cb.diagnostics import state_bytes
 import pandas as pd
 class Snapshot(Callback):
     "After the first optimizer step: the bytes per parameter the learner holds, then stop."

@@ -1,15 +1,23 @@
-"""Loss scalers: small strategy objects with explicit state that pick the loss scale step after step."""
+"""Loss scaling, the third module of a training step (after the callback's events and the weight store): the scalers
+that pick the loss scale step after step, the fused inf/NaN check (one host synchronisation per step, all-reduced
+across ranks), the accounting of skipped steps, and what a skip must undo (BatchNorm's running statistics)."""
 from __future__ import annotations
-import math
-import torch
+import math, operator, warnings
+from contextlib import contextmanager
 from statistics import NormalDist
+import torch
+from torch import Tensor, nn
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from .dtypes import FP16_MAX, resolve_dtype
-from .validation import check_positive, check_real, check_int, check_bool  # `check_positive` was defined here: kept importable
+from .validation import check_positive, check_real, check_int, check_bool
 
+__all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
+           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'test_overflow', 'grad_overflow', 'OverflowCheck',
+           'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
+           'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord']
 
-__all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'check_positive',
-           'make_scaler', 'FP16_MAX', 'GradScalerAdapter', 'SEED_LOSS_SCALE']
-
+# ---- scalers
 class LossScaleError(FloatingPointError):
     "Training cannot go on: gradients keep overflowing whatever the loss scale."
 
@@ -125,6 +133,7 @@ class BackoffScaler(LossScaler):
             self.scale = max(min(self.scale / self.factor, 1.), self.min_scale)
             return
         if max_grad is None: raise ValueError("BackoffScaler.update needs the largest |unscaled grad| to calibrate")
+        if max_grad == 0: return  # an all-zero gradient (a masked batch) says nothing of the range: calibrate later
         self.scale, self.calibrated = self.calibrated_scale(max_grad), True
 
     def _update(self, found_inf, grad_stats):
@@ -272,3 +281,210 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
         return LogNormalScaler(min(max(2.**16, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
                                max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype))
     raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")
+
+# ---- the fused check
+def test_overflow(x:Tensor) -> bool:
+    "Whether `x` holds an inf, -inf or NaN anywhere."
+    return not bool(torch.isfinite(x).all())
+
+def _by_device(tensors) -> dict:
+    res = {}
+    for t in tensors: res.setdefault((t.device, t.dtype), []).append(t)
+    return res
+
+def _real(ts) -> list:
+    "The non-empty tensors of `ts`, complex ones as real views (the checks and reductions want real numbers)."
+    return [torch.view_as_real(t) if t.is_complex() else t for t in ts if t.numel()]
+
+def _max_abs(tensors) -> Tensor:
+    "Largest |value| over `tensors` (NaN if any is NaN), as a 0-dim FP32 tensor on their device; no host sync."
+    ts = _real(tensors)
+    if not ts: return torch.zeros((), device=tensors[0].device if tensors else 'cpu')
+    if ts[0].device.type != 'cpu': return torch.stack(torch._foreach_norm(ts, float('inf'))).float().max()
+    # on the CPU `_foreach_norm(inf)` is a slow generic reduction (6.8 ms vs 0.34 ms for `aminmax` on 2M floats)
+    return torch.stack([torch.stack(torch.aminmax(t)).abs().max().float() for t in ts]).max()
+
+def grad_overflow(pgs:list) -> bool:
+    "Whether any gradient of any param of the groups `pgs` holds an inf or NaN; a single host sync."
+    grads = [p.grad for pg in pgs for p in pg if p.grad is not None]
+    if not grads: return False
+    maxes = [_max_abs(ts).to(grads[0].device) for ts in _by_device(grads).values()]
+    return not bool(torch.isfinite(torch.stack(maxes)).all())
+
+def _not_implemented(e:Exception) -> bool:
+    "Whether `e` is a kernel refusing a dtype (torch says so with NotImplementedError, some builds a RuntimeError)."
+    return isinstance(e, NotImplementedError) or 'not implemented for' in str(e)
+
+_REFUSED = set()  # (device type, dtype) whose fused check-and-unscale kernel refused them: use the generic pass
+
+def fused_supported(device_type:str, dtype:torch.dtype) -> bool:
+    "Whether the fused kernel took `dtype` on `device_type` so far (it is tried once per pair; a refusal is kept)."
+    return (device_type, dtype) not in _REFUSED
+
+def _generic_check_and_unscale(ts:list, found:Tensor, inv_scale:float):
+    """What the fused kernel does, from stock foreach ops (no host sync): flag an inf/NaN anywhere into `found`,
+    multiply by `inv_scale`. For the dtypes a device's kernel lacks (bf16 on CUDA) and complex grads (as real views)."""
+    ts = _real(ts)
+    if not ts: return
+    norms = torch.stack(torch._foreach_norm(ts, float('inf')))  # inf or NaN exactly when a tensor holds one
+    found.add_(norms.isfinite().all().logical_not().to(found.dtype))
+    if inv_scale == 0.: torch._foreach_mul_(ts, 0.)  # as the kernel: finite -> 0, inf/NaN -> NaN
+    elif inv_scale != 1.: torch._foreach_mul_(ts, inv_scale)
+
+def check_and_unscale_(ts:list, found:Tensor, inv:Tensor, inv_scale:float):
+    """`torch._amp_foreach_non_finite_check_and_unscale_` on tensors of one device and dtype, or the generic pass where
+    the kernel does not take their dtype on that device (probed on first use, per (device type, dtype))."""
+    key = (ts[0].device.type, ts[0].dtype)
+    if key not in _REFUSED and not ts[0].is_complex():
+        try: return torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
+        except (NotImplementedError, RuntimeError) as e:
+            if not _not_implemented(e): raise
+            _REFUSED.add(key)
+    _generic_check_and_unscale(ts, found, inv_scale)
+
+_FEW = 8  # up to this many tensors, a check at scale 1 reads them with one `aminmax` each; more: the fused kernel
+
+class OverflowCheck:
+    "Unscale gradients in place and detect inf/NaN in the same fused pass; optionally the largest |grad| too."
+    def __init__(self): self._bufs, self._grads, self._groups = {}, None, None
+
+    def _grouped(self, grads) -> dict:
+        "`grads` by (device, dtype), cached while the caller passes the very same tensors (it does, step after step)."
+        if not (self._grads is not None and len(grads) == len(self._grads) and all(map(operator.is_, grads, self._grads))):
+            self._grads, self._groups = list(grads), _by_device(grads)
+        return self._groups
+
+    def _buf(self, device):
+        if device not in self._bufs:
+            self._bufs[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        return self._bufs[device]
+
+    def __call__(self,
+        grads:list, # FP32 master gradients, unscaled in place
+        inv_scale:float, # 1/loss_scale
+        with_max:bool=False, # also return the largest |unscaled grad|
+    ) -> Tensor: # `[found_inf]` or `[found_inf, max_abs_grad]` on the first grad's device; read it once per step
+        if inv_scale == 1. and len(grads) <= _FEW: return self._check_only(grads, with_max)
+        return self._check_and_unscale(grads, inv_scale, with_max)
+
+    def _check_and_unscale(self, grads, inv_scale:float, with_max:bool) -> Tensor:
+        "The fused kernel: one call per (device, dtype) whatever the number of tensors."
+        groups = self._grouped(grads)
+        first = grads[0].device if grads else torch.device('cpu')
+        founds, maxes = {}, []
+        for (device, _), ts in groups.items():
+            found, inv = self._buf(device)
+            if device not in founds:  # once per device: its dtypes (e.g. bf16 + FP32 BatchNorm) share the flag
+                found.zero_(); inv.fill_(inv_scale); founds[device] = found
+            check_and_unscale_(ts, found, inv, inv_scale)
+            if with_max: maxes.append(_max_abs(ts).to(first).reshape(1))
+        founds = [f.to(first) for f in founds.values()]
+        found = founds[0] if len(founds) == 1 else torch.stack(founds).sum(0) if founds else torch.zeros(1, device=first)
+        if not with_max: return found
+        return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])
+
+    def _check_only(self, grads, with_max:bool) -> Tensor:
+        """Unscaling by 1 changes nothing: a read-only `aminmax` pass (an inf/NaN shows in a min or a max) gives both
+        stats. One `aminmax` per tensor: for the few flat buffers `MixedPrecision` passes, not for hundreds of grads."""
+        first = grads[0].device if grads else torch.device('cpu')
+        ts = _real(grads)
+        if not ts: return torch.zeros(2 if with_max else 1, device=first)
+        mm = torch.stack([torch.stack(torch.aminmax(t)).to(first, torch.float32) for t in ts])
+        found = torch.isfinite(mm).all().logical_not_().float().reshape(1)
+        return torch.cat([found, mm.abs().max().reshape(1)]) if with_max else found
+
+
+# ---- across ranks: the step's one sync takes every rank's worst
+def world_size() -> int:
+    "The number of processes training together (1 when torch.distributed is not initialized)."
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def is_multiprocess() -> bool: return world_size() > 1
+
+def is_ddp(model) -> bool: return isinstance(model, DDP)
+
+def syncs(model) -> bool:
+    """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP (a learner that
+    trains a plain model on one rank only, in a multi-process job, stays local: no collective it would hang on)."""
+    return is_ddp(model) and is_multiprocess()
+
+def reduce_max_(t:Tensor, model=None) -> Tensor:
+    "`t` all-reduced in place with MAX across ranks when `syncs(model)` (else as it is); no host sync of its own."
+    if syncs(model): dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+# ---- what a skip must undo, and its accounting
+class BNStatsGuard:
+    "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
+    def __init__(self,
+        model:nn.Module, # the model whose BatchNorm layers (tracking running stats) are guarded
+    ):
+        self.bufs = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                     for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+        self.snaps = [torch.empty_like(b) for b in self.bufs]
+        self.armed = True  # a snapshot is due: nothing was accumulated since the last optimizer step
+
+    def snapshot(self):
+        "Copy the statistics aside (one fused copy) when a new step starts; micro-batches of an accumulated step keep the first."
+        if not self.armed or not self.bufs: return
+        torch._foreach_copy_(self.snaps, self.bufs)
+        self.armed = False
+
+    def restore(self):
+        "Put back the statistics of the snapshot: the skipped step's forward passes leave no trace in them."
+        if self.bufs and not self.armed: torch._foreach_copy_(self.bufs, self.snaps)
+        self.armed = True
+
+    def arm(self):
+        "An optimizer step (or skip) happened: the next training batch takes a new snapshot."
+        self.armed = True
+
+def count_skip(n_in_a_row:int, skipped:bool, max_skipped:int, what:str) -> int:
+    "Consecutive skipped steps after this one; past `max_skipped` the scalers' loud `LossScaleError`."
+    n = n_in_a_row + 1 if skipped else 0
+    if n > max_skipped:
+        raise LossScaleError(f"Mixed-precision training stopped: {n} steps in a row had inf/NaN gradients "
+                             f"and were skipped ({what}). {_HINT}")
+    return n
+
+@contextmanager
+def lr_find_stops_on(learn):
+    "In `lr_find`, steps that keep overflowing mean the growing lr diverged: end the search (as `stop_div` does), not raise."
+    from fastai.callback.core import CancelFitException
+    from fastai.callback.schedule import LRFinder
+    try: yield
+    except LossScaleError:
+        if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
+        raise
+
+def warn_all_skipped(skips:list, what:str):
+    "At the end of a fit: warn when every optimizer step of it was skipped for inf/NaN gradients (the weights never moved)."
+    if skips and all(skips):
+        import warnings
+        warnings.warn(f"all {len(skips)} optimizer steps of this fit were skipped for inf/NaN gradients ({what}): the "
+                      f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or try "
+                      f"`learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)
+
+def read_stats(stats:Tensor, model=None) -> tuple:
+    "The step's one host sync (after every rank's worst is taken, under DDP): `(found_inf, max |grad| or None)`."
+    s = reduce_max_(stats, model).tolist()
+    return s[0] > 0, (s[1] if len(s) > 1 else None)
+
+class StepRecord:
+    """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all
+    its fits; `fit_start` is where the current fit's steps begin), and the BatchNorm statistics a skipped step must
+    not change (snapshot at each step's first micro-batch, restored on a skip)."""
+    def __init__(self): self.scales, self.skips, self.fit_start, self.bn = [], [], 0, None
+    def new_fit(self): self.fit_start = len(self.skips)
+    def setup(self, model): self.bn = BNStatsGuard(model)
+    def teardown(self): self.bn = None
+    def snapshot(self):
+        if self.bn is not None: self.bn.snapshot()
+    def record(self, scale:float, skipped:bool):
+        "One optimizer step done (or skipped: BatchNorm's statistics go back to the snapshot); the next one re-arms."
+        self.scales.append(scale); self.skips.append(skipped)
+        if self.bn is not None:
+            if skipped: self.bn.restore()
+            self.bn.arm()
+    @property
+    def this_fit(self) -> list: return self.skips[self.fit_start:]

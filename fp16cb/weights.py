@@ -1,0 +1,745 @@
+"""The weight store, the second module of a training step: what the optimizer steps in a mixed-precision fit and how
+a step's gradients get there. FP32 masters (per param, or one flat buffer per param group) and 16-bit storage are
+implementations of one interface (`WeightStore`), whose shared part holds the rules for what may be converted.
+Also fastai's original master-weight functions (`get_master`, `to_master_grads`, `to_model_params`, `copy_clone`)
+and the memory layout of the flat buffers (views that keep each tensor's strides: channels_last survives)."""
+from __future__ import annotations
+import operator
+from contextlib import contextmanager
+from enum import Enum
+import torch
+from torch import nn, Tensor
+from fastcore.foundation import L
+from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
+
+from .scaling import OverflowCheck
+
+__all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights', 'HalfStorage',
+           'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
+           'round_stochastic', 'round_to', 'dense_strides', 'flat_views', 'flatten_like', 'with_layout_of', 'owns_storage']
+
+MASTERED = (torch.float32, torch.float16, torch.bfloat16)  # params of other dtypes (float64, complex) train as they are
+
+# ---- memory layout of the flat buffers
+def _contiguous_strides(shape) -> tuple:
+    res, s = [], 1
+    for n in reversed(shape): res.append(s); s *= max(n, 1)
+    return tuple(reversed(res))
+
+def dense_strides(t:Tensor) -> tuple:
+    """`t`'s strides when its elements fill a span of exactly `t.numel()` (contiguous, channels_last, or any other
+    permutation of the dims); else the contiguous strides (an overlapping or gappy tensor gets a dense copy)."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda o: o[1]):
+        if stride != expected: return _contiguous_strides(t.shape)
+        expected *= size
+    return tuple(t.stride())
+
+def flat_views(flat:Tensor, like:list) -> list:
+    "Views into the 1-d `flat`, one per tensor of `like` in order, each with the shape and dense strides of its tensor."
+    res, o = [], 0
+    for t in like:
+        n = t.numel()
+        chunk = flat[o:o+n]
+        res.append(chunk.as_strided(t.shape, dense_strides(t), chunk.storage_offset()))
+        o += n
+    return res
+
+def flatten_like(tensors:list, like:list, dtype=None) -> Tensor:
+    "One flat buffer holding `tensors` (in `dtype`), each laid out as its counterpart in `like` is (`flat_views` order)."
+    ref = like[0] if like else tensors[0]
+    flat = torch.empty(sum(t.numel() for t in like), dtype=dtype or ref.dtype, device=ref.device)
+    if like:
+        with torch.no_grad(): torch._foreach_copy_(flat_views(flat, like), [t.detach() for t in tensors])
+    return flat
+
+def owns_storage(t:Tensor) -> bool:
+    "Whether `t` is the whole of its storage (not a view into a larger buffer, which `torch.save` would write whole)."
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+def with_layout_of(t:Tensor, like:Tensor) -> Tensor:
+    "`t` itself when it owns its storage and has `like`'s strides; else a copy of it that does, laid out as `like`."
+    strides = dense_strides(like)
+    if owns_storage(t) and tuple(t.stride()) == strides: return t
+    return torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+# ---- masters: fastai's original functions, and the optimizer's state moved between params
+def _trainable(pg, own:bool=False):
+    "The trainable params of `pg` that get FP32 masters (`own`: those that train in their own dtype, without)."
+    return [p for p in pg if getattr(p, 'requires_grad', False) and hasattr(p, 'data') and (p.dtype not in MASTERED) == own]
+
+def check_unique_params(param_lists, names:dict|None=None):
+    "A `ValueError` naming the param and its groups when a param is in two param groups (or twice in one)."
+    where = {}
+    for i, pg in enumerate(param_lists):
+        for p in pg:
+            if id(p) in where:
+                name = (names or {}).get(id(p), f'of shape {tuple(p.shape)}')
+                raise ValueError(f"parameter {name} is in param groups {where[id(p)]} and {i} of the optimizer: mixed "
+                                 f"precision keeps one FP32 master per parameter, so it must be in exactly one group "
+                                 f"(check the learner's `splitter`).")
+            where[id(p)] = i
+
+def _state_key(state:dict):
+    "What must be equal for params to share one flat master: every non-tensor (or 0-dim tensor) state entry."
+    key = []
+    for k, v in sorted(state.items()):
+        if isinstance(v, Tensor):
+            if v.dim() == 0: key.append((k, v.item()))
+        else: key.append((k, repr(v)))
+    return tuple(key)
+
+def _opt_state(opt) -> dict:
+    "The per-param state dict of `opt`: a fastai `OptimWrapper` keeps it in the wrapped torch optimizer."
+    opt = _innermost(opt)
+    inner = getattr(opt, 'opt', None)
+    return inner.state if isinstance(inner, torch.optim.Optimizer) else opt.state
+
+def _flat_partitions(pg, opt=None):
+    "Split the params of a group into runs that can share one flat master: same device and same per-param flags."
+    parts = {}
+    for p in pg:
+        state = _opt_state(opt).get(p, {}) if opt is not None and hasattr(opt, 'state') else {}
+        parts.setdefault((p.device, _state_key(state)), []).append(p)
+    return [sorted(part, key=lambda p: str(p.dtype)) for part in parts.values()]  # stable: one run per dtype
+
+def _fp32_leaf(t:Tensor) -> Tensor: return t.detach().float()
+
+def get_master(
+    opt, # fastai `Optimizer` (or `OptimWrapper`) whose `param_lists` hold the model's params
+    flat_master:bool=False, # One flat FP32 master per param group (per run of params with the same flags)
+    *,
+    fp32_of=None, # `param -> exact FP32 value`; given, masters share these tensors instead of cloning `param.data`
+) -> tuple: # `(model_pgs, master_pgs)`: trainable model params per group and their FP32 masters
+    "Per param group of `opt`, the trainable model params and FP32 master copies of them."
+    model_pgs = [_trainable(pg) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
+    src = (lambda p: _fp32_leaf(fp32_of(p)).to(p.device)) if fp32_of is not None else (lambda p: p.data.detach().clone().float())
+    if not flat_master:
+        return model_pgs, [[nn.Parameter(src(p), requires_grad=True) for p in pg] for pg in model_pgs]
+    master_pgs = []
+    for i, pg in enumerate(model_pgs):
+        flats, parts = [], _flat_partitions(pg, opt)
+        model_pgs[i] = [p for part in parts for p in part]  # params in the order of their flat masters
+        for part in parts:
+            flat = nn.Parameter(flatten_like([src(p) for p in part], part, torch.float32), requires_grad=True)
+            flat.grad = torch.zeros_like(flat)
+            flats.append(flat)
+        master_pgs.append(flats)
+    return model_pgs, master_pgs
+
+def _pairs(model_pgs, master_pgs, flat_master):
+    "`(model params, master tensors)` matched one to one (views into the flat masters when flat)."
+    models, masters, grads = [], [], []
+    for pg, mg in zip(model_pgs, master_pgs):
+        if flat_master:
+            parts = _split_like(pg, mg)
+            for part, flat in zip(parts, mg):
+                models += part; masters += flat_views(flat.data, part)
+                if flat.grad is None: flat.grad = torch.zeros_like(flat)
+                grads += flat_views(flat.grad, part)
+        else:
+            models += pg; masters += [m.data for m in mg]; grads += [None]*len(mg)
+    return models, masters, grads
+
+def _split_like(pg, flats):
+    "Cut the params `pg` (in flat-master order) into the consecutive runs that each of `flats` holds."
+    if len(flats) == 1: return [pg]
+    parts, i = [], 0
+    for flat in flats:
+        part, n = [], 0
+        while n < flat.numel(): part.append(pg[i]); n += pg[i].numel(); i += 1
+        parts.append(part)
+    return parts
+
+def to_master_grads(
+    model_pgs:list, # 16-bit model params, per group
+    master_pgs:list, # their FP32 masters, per group
+    flat_master:bool=False, # whether `master_pgs` were flattened
+):
+    "Copy the model's gradients into the FP32 masters' gradients (a missing gradient stays missing, or zero when flat)."
+    models, masters, grads = _pairs(model_pgs, master_pgs, flat_master)
+    if flat_master:
+        with_grad = [(g, p.grad) for g, p in zip(grads, models) if p.grad is not None]
+        if with_grad: torch._foreach_copy_([g for g, _ in with_grad], [s for _, s in with_grad])
+        missing = [g for g, p in zip(grads, models) if p.grad is None]
+        if missing: torch._foreach_zero_(missing)
+        return
+    for p, m in zip(models, (m for mg in master_pgs for m in mg)):
+        if p.grad is None: m.grad = None
+        elif m.grad is None: m.grad = p.grad.detach().float().clone()
+        else: m.grad.copy_(p.grad)
+
+def to_model_params(
+    model_pgs:list, # 16-bit model params to copy into, per group
+    master_pgs:list, # FP32 masters to copy from, per group
+    flat_master:bool=False, # whether `master_pgs` were flattened
+)->None:
+    "Copy the FP32 master weights into the (16-bit) model params, rounding once."
+    models, masters, _ = _pairs(model_pgs, master_pgs, flat_master)
+    if models:
+        with torch.no_grad(): torch._foreach_copy_(models, masters)
+
+def copy_clone(d:dict) -> dict:
+    "A detached FP32 clone of every tensor of the optimizer-state dict `d`, other values as they are."
+    return {k: (v.detach().clone().float() if isinstance(v, Tensor) and torch.is_floating_point(v) else
+                v.detach().clone() if isinstance(v, Tensor) else v) for k, v in d.items()}
+
+def _fp32_state(d:dict) -> dict:
+    "`d` itself when its floating tensors are FP32 already (moved, not copied), else its FP32 clone."
+    if all(not isinstance(v, Tensor) or not torch.is_floating_point(v) or v.dtype == torch.float32 for v in d.values()):
+        return d
+    return copy_clone(d)
+
+def _merge_states(states:list, params:list) -> dict:
+    "One flat state from per-param states (tensors shaped like their param are concatenated; flags are shared)."
+    keys = dict.fromkeys(k for s in states for k in s)
+    out = {}
+    for k in keys:
+        vals = [s.get(k) for s in states]
+        if any(isinstance(v, Tensor) and v.dim() > 0 for v in vals):
+            out[k] = flatten_like([v if v is not None else torch.zeros_like(p, dtype=torch.float32) for v, p in zip(vals, params)],
+                                  params, torch.float32)
+        else: out[k] = next(v for v in vals if v is not None)
+    return out
+
+def _split_state(state:dict, params:list) -> list:
+    "Per-param states from a flat one (flat tensors are cut and cloned; other entries copied to each)."
+    n = sum(p.numel() for p in params)
+    res = [{} for _ in params]
+    for k, v in state.items():
+        if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n:
+            for r, view in zip(res, flat_views(v, params)): r[k] = view.clone()
+        else:
+            for r in res: r[k] = v.clone() if isinstance(v, Tensor) else v
+    return res
+
+def _set_param_lists(opt, pgs):
+    "Point `opt` (the innermost optimizer) at `pgs`: `L`s for a fastai `Optimizer`, lists for an `OptimWrapper`'s torch optimizer."
+    opt.param_lists = [list(pg) for pg in pgs] if isinstance(opt, OptimWrapper) else L(L(pg) for pg in pgs)
+
+def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None):
+    """Move the per-param state from `from_pgs` to `to_pgs` (no copy when already FP32) and point `opt` at `param_lists`
+    (default `to_pgs`). `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse. fastai's
+    `Lookahead` keeps slow weights per param: they follow the same way (flat ones are split, per-param ones merged)."""
+    core = _innermost(opt)
+    slow = _slow_weights(opt, core)
+    state = _opt_state(core)
+    _set_param_lists(core, param_lists if param_lists is not None else to_pgs)
+    for src, dst in zip(from_pgs, to_pgs):
+        if flat == 'merge':
+            for part, m in zip(_split_like(src, dst), dst):
+                state[m] = _merge_states([state.pop(p, {}) for p in part], part)
+                if slow is not None: slow[id(m)] = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
+        elif flat == 'split':
+            for part, m in zip(_split_like(dst, src), src):
+                for p, s in zip(part, _split_state(state.pop(m, {}), part)): state[p] = s
+                if slow is not None and id(m) in slow:
+                    slow.update({id(p): v.clone() for p, v in zip(part, flat_views(slow[id(m)], part))})
+        else:
+            for p, m in zip(src, dst):
+                if p is not m: state[m] = _fp32_state(state.pop(p, {}))
+                if slow is not None and id(p) in slow: slow[id(m)] = slow[id(p)]
+    if slow is not None: opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
+                                              for pg in core.param_lists)
+
+def _slow_weights(opt, core):
+    "`{id(param): slow weight}` of a fastai `Lookahead` that has started (None otherwise)."
+    sw = opt.__dict__.get('slow_weights') if opt is not core else None
+    if sw is None: return None
+    return {id(p): s for pg, sg in zip(core.param_lists, sw) for p, s in zip(pg, sg)}
+
+_grad_of = operator.attrgetter('grad')
+
+def _stock_zero_grad(opt) -> bool:
+    "Whether `opt.zero_grad` is fastai's `Optimizer.zero_grad` itself (so it only zeroes grads: dropping them is the same)."
+    return 'zero_grad' not in vars(opt) and getattr(type(opt), 'zero_grad', None) is Optimizer.zero_grad
+
+class _FlatRun:
+    """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
+    flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
+    `keep_none`: a param without grad keeps none (non-flat semantics); else it gets a zero grad (flat semantics).
+    With `keep_none`, a param without grad still gets its view at once (else autograd would allocate a grad of its own
+    for the first backward, on top of the buffer: a peak of 2 bytes/param more on each fit's first step); a hook
+    notes which of them the backward reaches, and the others lose the view again at the first `reattach_grads`."""
+    def __init__(self, params, master:Tensor, master_grad:Tensor, keep_none:bool=False):
+        n = sum(p.numel() for p in params)
+        p0 = params[0]
+        self.params, self.master, self.master_grad, self.keep_none = params, master, master_grad, keep_none
+        self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
+        self.views, self.grad_views = flat_views(self.buf, params), flat_views(self.grad, params)
+        with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
+        self.pending, self.reached = [], set()  # params with no grad yet; those a backward reached
+        for p, v, g in zip(params, self.views, self.grad_views):
+            p.data = v
+            if p.grad is not None: g.copy_(p.grad)
+            elif keep_none: self.pending.append(p)
+            p.grad = g
+        self._hooks = [p.register_post_accumulate_grad_hook(self._reach) for p in self.pending]
+
+    def _reach(self, p): self.reached.add(id(p))
+
+    def _settle_pending(self):
+        "After the first backward(s): a param without grad before the fit that no backward reached goes back to None."
+        for p in self.pending:
+            if id(p) not in self.reached and p.grad is not None and self._owns(p.grad, self.grad): p.grad = None
+        for h in self._hooks: h.remove()
+        self.pending, self.reached, self._hooks = [], set(), []
+
+    def _owns(self, t:Tensor, buf:Tensor) -> bool:
+        return t is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+    def reattach_grads(self) -> list:
+        "Grads that someone replaced go back into the flat grad buffer; returns the params left without grad."
+        if self.pending: self._settle_pending()
+        if all(map(operator.is_, map(_grad_of, self.params), self.grad_views)): return []  # the usual case, ~50ns/param
+        missing = []
+        for p, g in zip(self.params, self.grad_views):
+            if p.grad is g: continue
+            if p.grad is None:
+                g.zero_()
+                if self.keep_none: missing.append(p); continue
+            else: g.copy_(p.grad)
+            p.grad = g
+        return missing
+
+    def relink(self):
+        "Point params whose tensor someone replaced (same device and dtype) at their views again (their grads follow at the next step)."
+        ptr = self.buf.untyped_storage().data_ptr()
+        for p, v in zip(self.params, self.views):
+            if p.data.untyped_storage().data_ptr() != ptr: p.data = v
+
+    def release(self):
+        "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
+        if self.pending: self._settle_pending()  # a fit that ended before any step
+        for p in self.params:
+            if self._owns(p.data, self.buf): p.data = p.data.clone()
+            if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
+                p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
+
+def _storage_runs(models:list, masters:list) -> tuple:
+    """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data and
+    grads move into one FP32 buffer per device, ordered by the model's dtype: returns `(runs, FP32 grad buffers)`."""
+    by_dev = {}
+    for i in sorted(range(len(models)), key=lambda i: str(models[i].dtype)): by_dev.setdefault(models[i].device, []).append(i)
+    runs, grad_bufs = [], []
+    for dev, idx in by_dev.items():
+        n = sum(models[i].numel() for i in idx)
+        data, grad = torch.empty(n, device=dev), torch.zeros(n, device=dev)
+        o = 0
+        for i in idx:
+            m, k = masters[i], masters[i].numel()
+            view = flat_views(data[o:o+k], [models[i]])[0]  # laid out as the model param (channels_last stays)
+            view.copy_(m.data)
+            m.data, o = view, o + k
+            m.grad = None
+        o, j = 0, 0
+        while j < len(idx):
+            k = j
+            while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
+            ps = [models[i] for i in idx[j:k]]
+            size = sum(p.numel() for p in ps)
+            runs.append(_FlatRun(ps, data[o:o+size], grad[o:o+size], keep_none=True))
+            o, j = o + size, k
+        grad_bufs.append(grad)
+    return runs, grad_bufs
+
+def _flat_runs(model_pgs:list, master_pgs:list) -> list:
+    "A `_FlatRun` per run of consecutive params with the same dtype inside each flat master."
+    runs = []
+    for pg, mg in zip(model_pgs, master_pgs):
+        for part, flat in zip(_split_like(pg, mg), mg):
+            data, grad, o, i = flat.detach(), flat.grad, 0, 0
+            while i < len(part):
+                j = i
+                while j < len(part) and part[j].dtype == part[i].dtype: j += 1
+                n = sum(p.numel() for p in part[i:j])
+                runs.append(_FlatRun(part[i:j], data[o:o+n], grad[o:o+n]))
+                o, i = o + n, j
+    return runs
+
+
+# ---- the weight store: one interface, the step's second module
+class Stage(Enum):
+    "Where a store is in the current optimizer step (as torch's `GradScaler` keeps an `OptState` per optimizer)."
+    NEW = 0       # set up for a fit: under DDP, the ranks still have to agree on the weights (at the first batch)
+    READY = 1     # between steps: the next backward accumulates into the model's grads
+    UNSCALED = 2  # `prepare_grads` brought the grads in, unscaled and checked; the step may still be cancelled
+    STEPPED = 3   # the optimizer stepped (the model follows it already); the model's grads are owed a clearing
+    SKIPPED = 4   # the step overflowed and was skipped; the model's grads are owed a clearing
+
+def _innermost(opt):
+    "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
+    while not isinstance(opt, OptimWrapper) and type(opt) is not Optimizer and isinstance(getattr(opt, 'opt', None), _BaseOptimizer):
+        opt = opt.opt
+    return opt
+
+def _sparse_params(model) -> set:
+    "ids of the params whose grads come sparse (`nn.Embedding(sparse=True)` and the like)."
+    return {id(p) for m in model.modules() if getattr(m, 'sparse', False) is True for p in m.parameters(recurse=False)} if model is not None else set()
+
+class WeightStore:
+    """What the optimizer steps in a mixed-precision fit, and how a step's gradients get there (after Megatron-LM's
+    mixed-precision optimizer: `prepare_grads`, then `step`). The callback asks; the store decides which tensors, when
+    and how. Implementations: FP32 masters (`ParamMasters`, `FlatMasters`) and 16-bit storage (`HalfStorage`).
+
+    The rules for what is converted live here, once, for every implementation:
+    - only trainable params (`requires_grad`) are the store's; frozen ones are left as they are;
+    - a param in two param groups (or twice in one) is refused, naming it;
+    - FP32/fp16/bf16 params are stored by the implementation; any other dtype (float64, complex) trains as it is, in its
+      own dtype, its (loss-scaled) grads checked and unscaled with the others (`own_params`);
+    - sparse grads (`nn.Embedding(sparse=True)`) are made dense as they come in.
+    What must hold during a fit: the model's params are the store's (`check_linked`, every step, O(buffers))."""
+    flat = False
+    master_pgs = None  # FP32 masters per group (None: this store has none)
+    clears_early = True  # `prepare_grads(clear=True)` clears the model's grads (their values are in the store now)
+    def __init__(self,
+        opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
+        names:dict=None, # `{id(param): name}`, for error messages
+        model=None, # the model (which of its params get sparse grads)
+    ):
+        self.opt, self.core, self.names = opt, _innermost(opt), names or {}
+        check_unique_params(self.core.param_lists, names)
+        self.old_param_lists = [list(pg) for pg in self.core.param_lists]
+        self.model_pgs = [_trainable(pg) for pg in self.old_param_lists]
+        self.own_pgs = [_trainable(pg, own=True) for pg in self.old_param_lists]  # stepped as they are
+        self.own_params = [p for pg in self.own_pgs for p in pg]
+        sparse = _sparse_params(model)
+        self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
+        self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
+        self._prev_step = vars(opt).get('step')
+        opt.step = self._step
+
+    # -- the interface the callback uses, in the order of a step
+    def prepare_grads(self,
+        scale:float, # the loss scale the grads carry
+        with_max:bool=False, # also report the largest |unscaled grad|
+        clear:bool=False, # the model's grads may be cleared now (no callback can cancel the batch to accumulate them)
+    ):
+        "Bring the grads in, unscaled, checked for inf/NaN in one fused pass: `[found, (max)]` on the device, or None (no grads)."
+        for p in self.sparse:
+            if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
+        stats = self._prepare(scale, with_max, clear)
+        if stats is not None: self.stage, self.scale, self.cleared = Stage.UNSCALED, scale, clear and self.clears_early
+        return stats
+
+    def clip(self, max_norm:float, global_norm:bool=False):
+        "Clip the unscaled grads the optimizer will use: each param group's norm, or (`global_norm`) all groups' together."
+        raise NotImplementedError
+
+    def _step(self, *args, **kwargs):
+        "The optimizer's `step` during a fit: the optimizer steps once (a `Lookahead` counts one step), the model follows."
+        out = self._step_impl(*args, **kwargs)
+        self.stage = Stage.STEPPED
+        return out
+
+    def skip(self):
+        "The step overflowed: its grads go, nothing of them reaches the weights."
+        self.zero_model_grads()
+        self.cleared, self.stage = True, Stage.SKIPPED
+
+    def finish(self):
+        "After a step (or a skip): the model's grads cleared for the next backward, unless they were already."
+        if not self.cleared: self.zero_model_grads()
+        self.stage, self.cleared = Stage.READY, False
+
+    def check_linked(self, model=None):
+        "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
+
+    def own_grads(self) -> list:
+        "The grads of the params that train in their own dtype (loss-scaled like the others)."
+        return [p.grad for p in self.own_params if p.grad is not None]
+
+    def fp32_views(self) -> dict:
+        "`{model param: FP32 tensor holding its current trained value}` (empty: the model's own values are the truth)."
+        return {}
+
+    @contextmanager
+    def opt_view(self):
+        "Within: the optimizer on the model's own params, with their state (FP32), as between fits; the model is untouched."
+        yield self.opt
+
+    def restore(self):
+        "Give the optimizer its own `step`, params and state back (the end of the fit)."
+        if self._prev_step is None: self.opt.__dict__.pop('step', None)
+        else: self.opt.step = self._prev_step
+
+    @property
+    def _inner_step(self):
+        "The optimizer's own `step` (what was on the instance before us, or its class's)."
+        return self._prev_step if self._prev_step is not None else type(self.opt).step.__get__(self.opt)
+
+    # -- what each kind does its own way
+    def _prepare(self, scale, with_max, clear): raise NotImplementedError
+    def _step_impl(self, *args, **kwargs): raise NotImplementedError
+    def zero_model_grads(self): raise NotImplementedError
+
+def _check_same_tensor(p, buf, what:str, name:str):
+    "Whether `p` still views `buf`: True; re-linked (same device and dtype): False; else a clear error."
+    if p.data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(): return True
+    if p.device != buf.device or p.dtype != buf.dtype:
+        raise RuntimeError(
+            f"mixed precision: the model's parameter {name} was replaced during the fit by a tensor on {p.device} in "
+            f"{p.dtype} (it was on {buf.device} in {buf.dtype}): something after the setup moved or converted the model "
+            f"(a callback calling `learn.model.to(...)`/`.float()`, a wrapper). Training on would never change the "
+            f"weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
+            f"(or before the fit), or order that callback before fp16cb's (order < -50).")
+    return False
+
+class FP32Masters(WeightStore):
+    """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
+    into one flat buffer per (device, dtype) run of the masters, so that grad->master, master->model and zeroing are one
+    vectorised op per buffer. Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32
+    master per param, viewing one FP32 buffer per device; the optimizer steps per-param masters)."""
+    def __init__(self, opt,
+        fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
+        names:dict=None, # `{id(param): name}` for error messages
+        model=None, # the model (sparse grads)
+    ):
+        super().__init__(opt, names, model)
+        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of)
+        self.master_params = [m for mg in self.master_pgs for m in mg]
+        self.runs = self._make_runs()
+        self.models, self.masters, self.grad_views = _pairs(self.model_pgs, self.master_pgs, self.flat)
+        self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
+        move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+        self._bufs, self._grads = [r.buf for r in self.runs], [r.grad for r in self.runs]
+        self._masters, self._master_grads = [r.master for r in self.runs], [r.master_grad for r in self.runs]
+        self._own_zero_grad = _stock_zero_grad(self.core)
+        if self._own_zero_grad: self.core.zero_grad = self.drop_master_grads
+
+    # -- the interface
+    def _prepare(self, scale, with_max, clear):
+        if not self.runs and not self.own_params: return None
+        self._attach_master_grads([p for r in self.runs for p in r.reattach_grads()])
+        if self.runs: torch._foreach_copy_(self._master_grads, self._grads)
+        if clear and scale == 1. and not with_max and not self.own_params:
+            return self.check(self._grads, 0.)  # check and clear the 16-bit grads in ONE pass ("unscale" by 0: inf -> NaN)
+        # at scale 1 the 16-bit grads are exact copies of the FP32 ones: a read-only pass over fewer bytes
+        stats = self.check((self._grads if scale == 1. else self.master_grads()) + self.own_grads(), 1. / scale, with_max=with_max)
+        if clear: self.zero_model_grads(reattach=False)
+        return stats
+
+    def clip(self, max_norm:float, global_norm:bool=False):
+        pgs = self.opt_pgs
+        for pg in ([[m for pg in pgs for m in pg]] if global_norm else pgs):
+            if pg: nn.utils.clip_grad_norm_(pg, max_norm, foreach=True)
+
+    def _step_impl(self, *args, **kwargs):
+        out = self._inner_step(*args, **kwargs)
+        self.master_to_model()
+        return out
+
+    def zero_model_grads(self, reattach:bool=True):
+        "Zero the model's 16-bit grads (grads someone replaced go back into the flat buffers first, unless just done)."
+        if reattach:
+            for r in self.runs: r.reattach_grads()
+        if self.runs: torch._foreach_zero_(self._grads)
+
+    def check_linked(self, model=None):
+        "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
+        for r in self.runs:
+            p = r.params[0]
+            if _check_same_tensor(p, r.buf, 'the FP32 masters', self.names.get(id(p), tuple(p.shape))): continue
+            r.relink()
+
+    def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
+
+    @contextmanager
+    def opt_view(self):
+        self._point_opt(to_model=True)
+        try: yield self.opt
+        finally: self._point_opt(to_model=False)
+
+    def _point_opt(self, to_model:bool):
+        "Move the optimizer (params, state, Lookahead's slow weights) between the masters and the model's params."
+        if to_model: move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None, self.old_param_lists)
+        else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+
+    def restore(self):
+        for r in self.runs: r.release()
+        if self._own_zero_grad: self.core.__dict__.pop('zero_grad', None)
+        super().restore()
+        self._point_opt(to_model=True)
+
+    # -- helpers
+    def drop_master_grads(self):
+        """The optimizer's `zero_grad` during a fit (fastai calls it after every step): the next `prepare_grads`
+        overwrites every master grad, so zeroing them is a wasted pass: drop them (None), as torch's `set_to_none`."""
+        for m in self.master_params: m.grad = None
+        for p in self.own_params: p.grad = None
+
+    def master_to_model(self):
+        "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
+        if self.runs: torch._foreach_copy_(self._bufs, self._masters)
+
+    def buffers(self) -> list:
+        "The flat buffers behind the model's 16-bit params and grads and the FP32 masters and grads (memory accounting)."
+        return self._bufs + self._grads + self._masters + self._master_grads
+
+    @property
+    def model_grads(self) -> list: return self._grads
+
+    def master_grads(self) -> list: raise NotImplementedError
+    def _make_runs(self) -> list: raise NotImplementedError
+    def _attach_master_grads(self, missing:list): raise NotImplementedError
+
+class FlatMasters(FP32Masters):
+    "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
+    flat = True
+    def _make_runs(self):
+        runs = _flat_runs(self.model_pgs, self.master_pgs)
+        self.flat_grads = [m.grad for m in self.master_params]
+        return runs
+
+    def _attach_master_grads(self, missing:list):
+        "A param without grad gets a zero grad (flat semantics); a flat grad an optimizer dropped is attached again."
+        for m, g in zip(self.master_params, self.flat_grads):
+            if m.grad is not g: m.grad = g
+
+    def master_grads(self): return self.flat_grads
+
+class ParamMasters(FP32Masters):
+    "One FP32 master per param (per-param optimizer state and steps), their data and grads in one buffer per device."
+    def _make_runs(self):
+        runs, self._grad_bufs = _storage_runs([p for pg in self.model_pgs for p in pg], self.master_params)
+        self._master_grad_views = self._master_grads_of_runs(runs)
+        return runs
+
+    def _master_grads_of_runs(self, runs) -> list:
+        "The view into the FP32 grad buffers that each master's grad is, in `master_params` order."
+        views = {}
+        for r in runs:
+            o = r.master_grad.storage_offset()
+            for p in r.params:  # aliases, not autograd views: fastai's `zero_grad` calls `grad.detach_()`
+                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape, dense_strides(p))
+                o += p.numel()
+        return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
+
+    def _attach_master_grads(self, missing:list):
+        "Each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
+        views = self._master_grad_views
+        if not missing:  # the usual case: all attached, or all dropped by `drop_master_grads`
+            if not all(map(operator.is_, map(_grad_of, self.master_params), views)):
+                for m, v in zip(self.master_params, views): m.grad = v
+            return
+        drop = {id(p) for p in missing}
+        for p, m, v in zip(self.models, self.master_params, views):
+            m.grad = None if id(p) in drop else v
+
+    def master_grads(self): return self._grad_bufs
+
+def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
+    "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`)."
+    return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
+
+# ---- 16-bit storage
+def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
+    """`x` (FP32) rounded to `dtype`, up or down at random with the probabilities that make the result exact on
+    average: E[round(x)] = x, so updates smaller than half a 16-bit spacing still move the weights in expectation."""
+    y = x.to(dtype)  # nearest
+    d = x - y.float()  # exact: y is one of the two neighbours of x
+    other = torch.nextafter(y, torch.where(d > 0, torch.inf, -torch.inf).to(dtype))  # the neighbour on x's other side
+    gap = other.float() - y.float()
+    prob = torch.where(d != 0, d / gap, torch.zeros_like(d)).nan_to_num_(0.)  # in [0, 1/2]
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    return torch.where(u < prob, other, y)
+
+def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None) -> Tensor:
+    "`x` in `dtype`: to nearest (even), or stochastically."
+    return round_stochastic(x, dtype, generator) if stochastic and dtype != x.dtype else x.to(dtype)
+
+class HalfStorage(WeightStore):
+    """FP16 master-weight storage (NVIDIA's "Training with mixed precision" NVCaffe slides, 2017): one 16-bit copy of
+    the weights and no FP32 masters. Each param is lifted to FP32 as the optimizer reaches it (weights, and grads
+    unscaled there, never in 16-bit), stepped by the optimizer's own code with FP32 state, and rounded back (to nearest,
+    or stochastically: updates under half a 16-bit spacing then still move the weights on average). A fastai
+    `Optimizer` is stepped once, one param lifted at a time; a torch optimizer (`OptimWrapper`) is stepped once with all
+    params lifted. Params that are not 16-bit (BatchNorm's FP32, float64, complex) are stepped in their own dtype."""
+    clears_early = False  # the step needs the model's grads: they are the only ones
+    def __init__(self, opt,
+        stochastic:bool=True, # round the stored weights stochastically (False: to nearest even)
+        generator=None, # a `torch.Generator` of its own for the stochastic rounding (not the global RNG)
+        names:dict=None, model=None,
+    ):
+        super().__init__(opt, names, model)
+        self.stochastic, self.generator = stochastic, generator
+        self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
+        self.grad_factor, self.factors = 1., {}  # 1/loss scale (times a clip coefficient); per param
+        self._dtypes = {id(p): p.dtype for p in self.params}
+
+    def grads(self) -> list: return [p.grad for p in self.params if p.grad is not None]
+
+    def _prepare(self, scale, with_max, clear):
+        "The 16-bit grads are checked as they are (unscaling in 16-bit could underflow: the lift unscales in FP32)."
+        grads = self.grads()
+        if not grads: return None
+        self.grad_factor, self.factors = 1. / scale, {}
+        stats = self.check(grads, 1., with_max=with_max)
+        return stats if len(stats) == 1 else stats * torch.tensor([1., 1. / scale], device=stats.device)
+
+    def clip(self, max_norm:float, global_norm:bool=False):
+        "The clip coefficient joins the unscaling factor that the lift applies in FP32."
+        pgs = [[p for p in a + b if p.grad is not None] for a, b in zip(self.model_pgs, self.own_pgs)]
+        for pg in ([[p for pg in pgs for p in pg]] if global_norm else pgs):
+            if not pg: continue
+            norms = torch._foreach_norm([torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad for p in pg], 2, dtype=torch.float32)
+            c = float((max_norm / (torch.linalg.vector_norm(torch.stack(norms)) * self.grad_factor + 1e-6)).clamp(max=1.))
+            self.factors.update({id(p): c for p in pg})
+
+    def _lift(self, p) -> tuple:
+        "`p` in FP32 for the optimizer, with its grad unscaled in FP32 (other dtypes: as they are, unscaled in place)."
+        data, grad = p.data, p.grad
+        factor = self.grad_factor * self.factors.get(id(p), 1.)
+        if p.dtype in (torch.float16, torch.bfloat16):
+            p.data, p.grad = data.float(), grad.float()
+            if factor != 1.: p.grad.mul_(factor)
+        elif factor != 1.: grad.mul_(factor)
+        return data, grad
+
+    def _store(self, p, saved:tuple):
+        "Put `p`'s stepped FP32 value back into its 16-bit storage (rounded once), and its own grad back."
+        data, grad = saved
+        if p.data is not data:
+            with torch.no_grad(): data.copy_(round_to(p.data, data.dtype, self.stochastic, self.generator))
+            p.data = data
+        p.grad = grad
+
+    def _step_impl(self, *args, **kwargs):
+        if isinstance(self.core, Optimizer): return self._step_fastai(self.core)
+        saved = [(p, self._lift(p)) for p in self.params if p.grad is not None]
+        try: return self._inner_step(*args, **kwargs)
+        finally:
+            for p, s in saved: self._store(p, s)
+
+    def _step_fastai(self, core):
+        """The fastai `Optimizer`'s step, one param lifted at a time (a wrapper such as `Lookahead` still steps once).
+        This is `Optimizer.step`'s own loop, with the lift around each param."""
+        if self.opt is not core: return self._with_core_step(core)
+        self._lifted_loop(core)
+
+    def _with_core_step(self, core):
+        "A wrapper (Lookahead): its `step` runs once, and calls the wrapped optimizer's step, which lifts."
+        core.step = lambda *a, **k: self._lifted_loop(core)
+        try: return self._inner_step()
+        finally: core.__dict__.pop('step', None)
+
+    def _lifted_loop(self, core):
+        for p, pg, state, hyper in core.all_params(with_grad=True):
+            saved = self._lift(p)
+            try:
+                for cb in core.cbs: state = _update(state, cb(p, **{**state, **hyper}))
+                core.state[p] = state
+            finally: self._store(p, saved)
+
+    def zero_model_grads(self):
+        gs = self.grads()
+        if gs: torch._foreach_zero_(gs)
+
+    def check_linked(self, model=None):
+        "The optimizer steps the model's own params: only a change of their dtype (`.float()`) would go unnoticed."
+        for p in self.params[:1] + self.params[-1:]:
+            if p.dtype != self._dtypes[id(p)]:
+                raise RuntimeError(f"mixed precision (half_storage): the model's parameter {self.names.get(id(p), tuple(p.shape))} "
+                                   f"changed dtype during the fit ({self._dtypes[id(p)]} -> {p.dtype}): something after the setup "
+                                   f"converted the model. Convert it before `learn.to_fp16()`/`to_bf16()`, or after the fit.")
