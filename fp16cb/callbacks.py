@@ -184,6 +184,7 @@ class MixedPrecision(SessionCallback):
     n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1], doc="Whether the last step was skipped.")
     master = property(lambda self: self.store, doc="The weight store of the current fit (None between fits).")
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs, doc="The params the store steps, per group.")
     master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs, doc="Their FP32 masters, per group.")
@@ -252,7 +253,9 @@ class MixedPrecision(SessionCallback):
         scale = self.loss_scale
         stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad, clear=self._may_clear_early())
         if stats is None: return
-        found, self.max_grad = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
+        calibrating = self.scaler.needs_max_grad and self.scaler.is_dynamic
+        # the one host sync; DDP: any rank's inf skips all
+        found, self.max_grad = read_stats(stats, self.learn.model, self.learn.loss_grad if calibrating else None)
         if not found:
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             return

@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 import torch
+from torch import Tensor
 from .dtypes import FP16_MAX
 from .monitor import scale_health
 

@@ -133,7 +133,7 @@ class BackoffScaler(LossScaler):
             self.scale = max(min(self.scale / self.factor, 1.), self.min_scale)
             return
         if max_grad is None: raise ValueError("BackoffScaler.update needs the largest |unscaled grad| to calibrate")
-        if max_grad == 0: return  # an all-zero gradient (a masked batch) says nothing of the range: calibrate later
+        if max_grad == 0: return  # an all-zero gradient of a zero loss (a masked batch) says nothing: calibrate later
         self.scale, self.calibrated = self.calibrated_scale(max_grad), True
 
     def _update(self, found_inf, grad_stats):
@@ -465,10 +465,15 @@ def warn_all_skipped(skips:list, what:str):
                       f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or try "
                       f"`learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)
 
-def read_stats(stats:Tensor, model=None) -> tuple:
-    "The step's one host sync (after every rank's worst is taken, under DDP): `(found_inf, max |grad| or None)`."
+def read_stats(stats:Tensor, model=None, loss:Tensor|None=None) -> tuple:
+    """The step's one host sync (after every rank's worst is taken, under DDP): `(found_inf, max |grad| or None)`.
+    With `loss` (the calibrating step), a zero max |grad| of a nonzero loss means every gradient underflowed: the
+    largest is unknown (NaN: the scaler goes up), unlike a masked batch's zero loss (0: it waits for another batch)."""
+    if loss is not None: stats = torch.cat([stats, loss.detach().abs().reshape(1).to(stats)])
     s = reduce_max_(stats, model).tolist()
-    return s[0] > 0, (s[1] if len(s) > 1 else None)
+    mx = s[1] if len(s) > 1 else None
+    if mx == 0 and loss is not None and s[2] != 0: mx = math.nan
+    return s[0] > 0, mx
 
 class StepRecord:
     """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all

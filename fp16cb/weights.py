@@ -407,7 +407,7 @@ class WeightStore:
         sparse = _sparse_params(model)
         self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
         self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
-        self._prev_step = vars(opt).get('step')
+        self._prev_step, self._inner_step = vars(opt).get('step'), opt.step  # the optimizer's own, to call and give back
         opt.step = self._step
 
     # -- the interface the callback uses, in the order of a step
@@ -463,11 +463,6 @@ class WeightStore:
         "Give the optimizer its own `step`, params and state back (the end of the fit)."
         if self._prev_step is None: self.opt.__dict__.pop('step', None)
         else: self.opt.step = self._prev_step
-
-    @property
-    def _inner_step(self):
-        "The optimizer's own `step` (what was on the instance before us, or its class's)."
-        return self._prev_step if self._prev_step is not None else type(self.opt).step.__get__(self.opt)
 
     # -- what each kind does its own way
     def _prepare(self, scale, with_max, clear): raise NotImplementedError
