@@ -8,7 +8,7 @@ from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
-from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp
+from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, FP32_MAX
@@ -284,6 +284,7 @@ class MixedPrecision(SessionCallback):
     def _sync_ranks(self):
         "A DDP model in several processes: all ranks start from rank 0's weights (DDP wraps after our `before_fit`)."
         self.store.stage = Stage.READY
+        if not syncs(self.learn.model): return
         if self.half_storage: sync_masters(self.learn.model, [p.data for p in self.learn.model.parameters()])
         elif sync_masters(self.learn.model, self.store._masters): self.store.master_to_model()
 

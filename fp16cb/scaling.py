@@ -469,7 +469,7 @@ def read_stats(stats:Tensor, model=None, loss:Tensor|None=None) -> tuple:
     """The step's one host sync (after every rank's worst is taken, under DDP): `(found_inf, max |grad| or None)`.
     With `loss` (the calibrating step), a zero max |grad| of a nonzero loss means every gradient underflowed: the
     largest is unknown (NaN: the scaler goes up), unlike a masked batch's zero loss (0: it waits for another batch)."""
-    if loss is not None: stats = torch.cat([stats, loss.detach().abs().reshape(1).to(stats)])
+    if loss is not None: stats = torch.cat([stats, loss.detach().as_subclass(Tensor).abs().reshape(1).to(stats)])  # fastai's TensorBase: plain
     s = reduce_max_(stats, model).tolist()
     mx = s[1] if len(s) > 1 else None
     if mx == 0 and loss is not None and s[2] != 0: mx = math.nan

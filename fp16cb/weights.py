@@ -303,11 +303,17 @@ class _FlatRun:
             p.grad = g
         return missing
 
+    def linked(self) -> bool:
+        "Whether the first param still views the buffers (a `.to()` replaces every param's tensor, and its grad's)."
+        p = self.params[0]
+        return self._owns(p.data, self.buf) and (p.grad is None or self._owns(p.grad, self.grad))
+
     def relink(self):
-        "Point params whose tensor someone replaced (same device and dtype) at their views again (their grads follow at the next step)."
-        ptr = self.buf.untyped_storage().data_ptr()
-        for p, v in zip(self.params, self.views):
-            if p.data.untyped_storage().data_ptr() != ptr: p.data = v
+        "Point the params (and grads) that someone replaced (same device and dtype) at fresh views into the buffers."
+        self.views, self.grad_views = flat_views(self.buf, self.params), flat_views(self.grad, self.params)
+        for p, v, g in zip(self.params, self.views, self.grad_views):
+            p.data = v
+            if p.grad is not None: p.grad = g
 
     def release(self):
         "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
@@ -469,9 +475,8 @@ class WeightStore:
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
     def zero_model_grads(self): raise NotImplementedError
 
-def _check_same_tensor(p, buf, what:str, name:str):
-    "Whether `p` still views `buf`: True; re-linked (same device and dtype): False; else a clear error."
-    if p.data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(): return True
+def _check_same_kind(p, buf, what:str, name:str):
+    "`p`, no longer a view of `buf`, can be re-linked to it (same device and dtype), or this is a clear error."
     if p.device != buf.device or p.dtype != buf.dtype:
         raise RuntimeError(
             f"mixed precision: the model's parameter {name} was replaced during the fit by a tensor on {p.device} in "
@@ -479,7 +484,6 @@ def _check_same_tensor(p, buf, what:str, name:str):
             f"(a callback calling `learn.model.to(...)`/`.float()`, a wrapper). Training on would never change the "
             f"weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
             f"(or before the fit), or order that callback before fp16cb's (order < -50).")
-    return False
 
 class FP32Masters(WeightStore):
     """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
@@ -534,8 +538,9 @@ class FP32Masters(WeightStore):
     def check_linked(self, model=None):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
         for r in self.runs:
+            if r.linked(): continue
             p = r.params[0]
-            if _check_same_tensor(p, r.buf, 'the FP32 masters', self.names.get(id(p), tuple(p.shape))): continue
+            _check_same_kind(p, r.buf, 'the FP32 masters', self.names.get(id(p), tuple(p.shape)))
             r.relink()
 
     def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
