@@ -56,3 +56,123 @@ def test_a_pause_mid_fit_keeps_the_recorder_consistent(tmp_path):
     rec = learn.recorder
     assert 'loss_scale' not in rec.metric_names and len(rec.values) == 3
     assert all(len(row) == len(rec.metric_names) - 2 for row in rec.values)  # no 'epoch', no 'time'
+
+# ---- one lifecycle: teardown in exact reverse, mid-fit save without a pause, steps kept across pauses
+from fastai.callback.core import CancelBatchException, CancelFitException
+from fp16cb.callbacks import ModelToHalf, MixedPrecision
+
+def _weights(learn): return [p.detach().float().clone() for p in learn.model.parameters()]
+
+def _teardown_order(monkeypatch) -> list:
+    order = []
+    for cls in (ModelToHalf, MixedPrecision):
+        orig = cls.teardown
+        def td(self, _orig=orig, _name=cls.__name__): order.append(_name); return _orig(self)
+        monkeypatch.setattr(cls, 'teardown', td)
+    return order
+
+class _Raise(Callback):
+    order = 30
+    def after_batch(self): raise KeyboardInterrupt()
+
+@pytest.mark.parametrize('how', ['end', 'exception', 'save', 'freeze'])
+def test_teardown_is_the_exact_reverse_of_setup(monkeypatch, how, tmp_path):
+    "A fit's end, an exception, a mid-fit pause: MixedPrecision is torn down before ModelToHalf, each once (save: none)."
+    order = _teardown_order(monkeypatch)
+    learn = make_learner().to_fp16(); learn.path = tmp_path
+    class Pause(Callback):
+        order = 30
+        def after_batch(self):
+            if how == 'save': self.learn.save('mid')
+            else: self.learn.freeze_to(0)
+            raise CancelFitException()
+    cbs = {'end': [], 'exception': [_Raise()], 'save': [Pause()], 'freeze': [Pause()]}[how]
+    try: quiet_fit(learn, 1, cbs=cbs)
+    except KeyboardInterrupt: pass
+    pairs = ['MixedPrecision', 'ModelToHalf']
+    assert order == pairs * {'end': 1, 'exception': 1, 'save': 1, 'freeze': 2}[how]
+
+def test_mid_fit_save_leaves_the_16bit_model_as_it_is(tmp_path):
+    "`learn.save` in a fit reads the store's FP32 view: the 16-bit params keep their storages; the file holds the masters."
+    learn = make_learner().to_fp16(); learn.path = tmp_path
+    seen = {}
+    class SaveMid(Callback):  # not `Save`: fastai would make it `learn.save`
+        order = 30
+        def after_batch(self):
+            if 'ptrs' in seen: return
+            ps = list(self.learn.model.parameters())
+            seen['ptrs'], seen['dtypes'] = [p.data_ptr() for p in ps], [p.dtype for p in ps]
+            seen['masters'] = {n: t.clone() for n, t in ((n, self.learn.mixed_precision.store.fp32_views().get(p)) for n, p in self.learn.model.named_parameters()) if t is not None}
+            seen['file'] = self.learn.save('mid')
+            seen['after'] = [p.data_ptr() for p in ps], [p.dtype for p in ps]
+    quiet_fit(learn, 1, cbs=[SaveMid()])
+    assert seen['after'] == (seen['ptrs'], seen['dtypes']) and torch.float16 in seen['dtypes']
+    sd = torch.load(seen['file'], weights_only=False)['model']
+    for n, t in seen['masters'].items(): assert sd[n].dtype == torch.float32 and torch.equal(sd[n], t)
+
+@pytest.mark.parametrize('action', ['save', 'freeze', 'load'])
+def test_a_pause_in_before_step_keeps_the_step_s_grads(action, tmp_path):
+    "save/freeze/load from a `before_step` after ours: the step still applies this batch's gradients."
+    ref = make_learner().to_fp16(); ref.path = tmp_path
+    quiet_fit(ref, 1)
+    learn = make_learner().to_fp16(); learn.path = tmp_path
+    class Pause(Callback):
+        order = 20
+        def before_step(self):
+            if action == 'save': self.learn.save('p')
+            elif action == 'freeze': self.learn.freeze_to(0)
+            else: self.learn.save('p'); self.learn.load('p')
+    quiet_fit(learn, 1, cbs=[Pause()])
+    for a, b in zip(_weights(ref), _weights(learn)): assert torch.equal(a, b)
+
+class _Accumulate(Callback):
+    "Gradient accumulation ordered after MixedPrecision: every other batch is a micro-batch whose step is cancelled."
+    order = 20
+    def before_fit(self): self.n = 0
+    def before_step(self):
+        self.n += 1
+        if self.n % 2: raise CancelBatchException()
+
+def test_accumulation_after_us_keeps_one_scale_per_step():
+    "The scale does not change between the micro-batches of an accumulated step: the first update is FP32's."
+    upd = {}
+    for meth in ('to_fp32', 'to_fp16'):
+        learn = getattr(make_learner(), meth)()
+        w0 = _weights(learn)
+        class Stop(Callback):
+            order = 30
+            def after_step(self): raise CancelFitException()
+        quiet_fit(learn, 1, cbs=[_Accumulate(), Stop()])
+        upd[meth] = [b - a for a, b in zip(w0, _weights(learn))]
+    for a, b in zip(upd['to_fp32'], upd['to_fp16']):
+        assert torch.allclose(a, b, rtol=0.02, atol=1e-4), (a, b)
+    learn = make_learner().to_fp16()
+    quiet_fit(learn, 1, cbs=[_Accumulate()])
+    assert len(learn.mixed_precision.skips) == 2  # optimizer steps, not micro-batches
+
+def test_a_zero_gradient_first_batch_does_not_calibrate():
+    "A masked first batch (zero loss, zero grads) leaves the scale uncalibrated; the next batch calibrates it, no skip."
+    class MaskFirst(Callback):
+        order = 5
+        def before_fit(self): self.n = 0
+        def after_loss(self):
+            if self.training and self.n == 0: self.learn.loss_grad = self.learn.loss_grad * 0
+            self.n += self.training
+    learn = make_learner().to_fp16()
+    quiet_fit(learn, 2, cbs=[MaskFirst()])
+    mp = learn.mixed_precision
+    assert mp.scaler.calibrated and not any(mp.skips) and mp.scales[:2] == [1., 1.] and mp.scales[2] > 1.
+
+def test_a_nested_fit_that_raises_leaves_the_outer_fit_going():
+    "A `learn.fit` run from a callback raises and the callback catches it: the outer fit's setup is untouched."
+    learn = make_learner().to_fp16()
+    class Inner(Callback):
+        order = 30
+        def after_epoch(self):
+            if getattr(self, 'done', False): return
+            self.done = True
+            try: self.learn.fit(1, cbs=[_Raise()])
+            except KeyboardInterrupt: pass
+    quiet_fit(learn, 2, cbs=[Inner()])
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+    assert len(learn.mixed_precision.skips) >= 8
