@@ -13,7 +13,7 @@ from .monitor import add_precision_metrics, remove_precision_metrics, scale_heal
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, FP32_MAX
 from .policy import PrecisionPolicy, IslandHooks, policy_report
-from .distributed import rewrap, sync_masters, patch_fastai
+from .distributed import rewrap, patch_fastai
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'model_device']
 
@@ -282,11 +282,9 @@ class MixedPrecision(SessionCallback):
         return not any(cb.order > self.order and callable(getattr(cb, 'before_step', None)) for cb in self.learn.cbs)
 
     def _sync_ranks(self):
-        "A DDP model in several processes: all ranks start from rank 0's weights (DDP wraps after our `before_fit`)."
+        "A DDP model in several processes: every rank starts from rank 0's weights (DDP wraps after our `before_fit`)."
         self.store.stage = Stage.READY
-        if not syncs(self.learn.model): return
-        if self.half_storage: sync_masters(self.learn.model, [p.data for p in self.learn.model.parameters()])
-        elif sync_masters(self.learn.model, self.store._masters): self.store.master_to_model()
+        if syncs(self.learn.model): self.store.broadcast_from(0)
 
     def after_epoch(self): scale_health(self)
 

@@ -13,6 +13,7 @@ from fastcore.foundation import L
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
 from .scaling import OverflowCheck
+from .distributed import broadcast_
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
@@ -452,6 +453,11 @@ class WeightStore:
     def check_linked(self, model=None):
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 
+    def broadcast_from(self, src:int=0):
+        "Give every rank the weights of rank `src` (what the optimizer steps, and the model after it)."
+        broadcast_(self._shared())
+        self._after_broadcast()
+
     def own_grads(self) -> list:
         "The grads of the params that train in their own dtype (loss-scaled like the others)."
         return [p.grad for p in self.own_params if p.grad is not None]
@@ -471,6 +477,8 @@ class WeightStore:
         else: self.opt.step = self._prev_step
 
     # -- what each kind does its own way
+    def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
+    def _after_broadcast(self): pass
     def _prepare(self, scale, with_max, clear): raise NotImplementedError
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
     def zero_model_grads(self): raise NotImplementedError
@@ -544,6 +552,8 @@ class FP32Masters(WeightStore):
             r.relink()
 
     def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
+    def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
+    def _after_broadcast(self): self.master_to_model()
 
     @contextmanager
     def opt_view(self):
