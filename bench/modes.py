@@ -1,5 +1,6 @@
-"""The benchmark's modes (how a learner trains: fp32, fastai's AMP, fastai's master-weight algorithm, fp16cb's), its
-optimizers (fastai's Adam, or torch's fused AdamW through `OptimWrapper`), and the reference: a plain PyTorch AMP loop."""
+"""The benchmark's modes (how a learner trains: fp32, fastai's AMP, fastai's master-weight algorithm, fp16cb's, and
+the limit: a bare bf16 model), its optimizers (fastai's Adam, or torch's fused AdamW through `OptimWrapper`), and the
+reference: a plain PyTorch AMP loop."""
 from __future__ import annotations
 from functools import partial
 import torch
@@ -10,9 +11,10 @@ import fastai.callback.fp16 as ffp16
 
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import model_device
-from fp16cb.dtypes import cast_floats
+from fp16cb.dtypes import cast_floats, convert_network
 
-__all__ = ['AutocastCB', 'FastaiNonNative', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key', 'fused_adamw_ok', 'half_dtype']
+__all__ = ['AutocastCB', 'FastaiNonNative', 'BareBF16', 'bare_bf16', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key',
+           'fused_adamw_ok', 'half_dtype']
 
 def half_dtype(device) -> torch.dtype:
     "The 16-bit dtype of the autocast modes: fp16 on CUDA, bf16 on a CPU."
@@ -63,6 +65,23 @@ class FastaiNonNative(ffp16.NonNativeMixedPrecision):
             _move_torch_state(self.learn.opt, self.master_pgs, self.model_pgs)
         super().after_fit()
 
+class BareBF16(Callback):
+    "The bare bf16 model's one callback: its prediction back to FP32 for the loss (as every other mode's)."
+    order = 10
+    def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
+
+def _cast_inputs_bf16(module, args, kwargs): return cast_floats(args, torch.bfloat16), cast_floats(kwargs, torch.bfloat16)
+
+def bare_bf16(learn, device=None):
+    """The limit of a bf16 fastai loop: the model converted to bf16 once and for good (BatchNorm stays FP32, as
+    `fp16cb.dtypes.convert_network` does), floating inputs cast to bf16 as they enter it (a forward pre-hook, as fp16cb's
+    `ModelToHalf`), the prediction cast back to FP32 for the loss (`BareBF16`), and the optimizer (created at the fit,
+    after the conversion) stepping the bf16 params directly: no FP32 masters, no loss scale, no fp16cb callback."""
+    if learn.opt is not None: raise ValueError("bare_bf16: the optimizer must be created after the conversion")
+    convert_network(learn.model, torch.bfloat16)
+    learn.model.register_forward_pre_hook(_cast_inputs_bf16, with_kwargs=True, prepend=True)
+    return learn.add_cb(BareBF16())
+
 def _fastai_amp(learn, device):
     "fastai's own `to_fp16()`: its `MixedPrecision` callback itself on CUDA; elsewhere the same on the model's device (bf16)."
     if torch.device(device).type == 'cuda': return learn.add_cb(ffp16.MixedPrecision())
@@ -78,6 +97,8 @@ MODES = {
                   "dynamic scale)", lambda l, d: l.add_cbs([ffp16.ModelToHalf(), FastaiNonNative()])),
     'bf16':      ('fp16cb learn.to_bf16()', lambda l, d: l.to_bf16()),
     'bf16-flat': ('fp16cb learn.to_bf16(flat_master=True)', lambda l, d: l.to_bf16(flat_master=True)),
+    'bare-bf16': ('the limit of a bf16 fastai loop: the model bf16 for good (BatchNorm FP32), inputs cast to bf16, the '
+                  'prediction back to FP32, the optimizer stepping the bf16 params (no masters, no fp16cb)', bare_bf16),
     'fp16':      ('fp16cb learn.to_fp16()', lambda l, d: l.to_fp16()),
     'fp16-flat': ('fp16cb learn.to_fp16(flat_master=True)', lambda l, d: l.to_fp16(flat_master=True)),
     'native':    ('fp16cb learn.to_native_fp16() (dtype=bf16 on CPU)', lambda l, d: l.to_native_fp16(dtype=half_dtype(d))),

@@ -1,5 +1,5 @@
 "The benchmark (`python -m bench`) runs on the test device; the fast paths (flat views, cached foreach lists) train bit for bit like the seed's simple path."
-import copy, json, runpy, sys
+import copy, json, runpy, statistics, sys
 from functools import partial
 import pytest, torch
 from torch import nn
@@ -9,7 +9,8 @@ from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
 from bench.workloads import GPT
-from bench.modes import POLICY_MODES
+from bench.modes import POLICY_MODES, BareBF16
+from bench.measure import evaluate
 from conftest import DEVICE
 
 torch.set_num_threads(1)
@@ -257,3 +258,42 @@ def test_policy_opt_ins_are_benchmark_modes():
     res = run_bench(['mlp'], ['bf16', 'bf16-norm', 'bf16-cls'], steps=1, rounds=1, warmup=1, warmup_max=1, device=DEVICE,
                     scale=.002, verbose=False)['mlp']
     for m in ('bf16', 'bf16-norm', 'bf16-cls'): assert res[m]['ms_step'] > 0 and res[m]['skipped'] == 0
+
+def test_bare_bf16_mode_trains_bf16_params_directly():
+    "The bare bf16 mode (the limit of a bf16 fastai loop): bf16 params but BatchNorm, stepped directly, no fp16cb callback."
+    batches = _batches(4)
+    dls = DataLoaders(Batches(batches), Batches(batches[:1])); dls.device = DEVICE
+    learn = Learner(dls, _model(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=1e-2)
+    MODES['bare-bf16'][1](learn, DEVICE)
+    before = statistics.mean(evaluate(learn.model, b)[0] for b in batches)  # FP32 inputs: the model casts them
+    _fit(learn, 8)
+    after = statistics.mean(evaluate(learn.model, b)[0] for b in batches)
+    assert after < before - .05, (before, after)
+    for m in learn.model.modules():
+        for p in m.parameters(recurse=False):
+            assert p.dtype == (torch.float32 if isinstance(m, nn.BatchNorm1d) else torch.bfloat16), m
+    opt_params = [p for pg in learn.opt.param_lists for p in pg]
+    assert len(opt_params) == len(list(learn.model.parameters()))  # the optimizer steps the model's params: no masters
+    assert all(a is b for a, b in zip(opt_params, learn.model.parameters()))
+    assert all(v.dtype == p.dtype for p in opt_params for v in learn.opt.state[p].values() if isinstance(v, torch.Tensor)
+               and v.is_floating_point() and v.dim())
+    assert not any(type(cb).__module__.startswith('fp16cb') for cb in learn.cbs)
+    assert sum(isinstance(cb, BareBF16) for cb in learn.cbs) == 1
+
+def test_report_prints_the_design_issues_cpu_targets():
+    "The bookkeeping targets (copy bound, fastai's algorithm) on `book` and to_bf16 vs bare-bf16 on `mlp`: reported lines."
+    res = run_bench(['mlp', 'book'], ['fastai', 'bf16', 'bare-bf16'], steps=1, rounds=1, warmup=1, warmup_max=1,
+                    device=DEVICE, scale=.002, verbose=False, cb_timers=True)
+    assert res['mlp']['bare-bf16']['ms_step'] > 0 and res['mlp']['bare-bf16']['skipped'] == 0
+    got = {(t['workload'], t['what'], t['op'], t['threshold']) for t in res['targets']}
+    assert {('book', 'bf16 cb ms / copy bound ms', '<=', 1.5), ('book', 'fastai cb ms / bf16 cb ms', '>=', 2.5),
+            ('mlp', 'bf16 ms / bare-bf16 ms', '<=', 1.05)} <= got
+    table = format_table(res)
+    for line in ("| to_bf16() bookkeeping (ms in its callbacks) within 1.5x the copy bound on the many-tensor model (CPU) "
+                 "| book | adam | bf16 cb ms / copy bound ms |",
+                 "| to_bf16() bookkeeping >= 2.5x less than fastai's master-weight algorithm on the many-tensor model "
+                 "(CPU) | book | adam | fastai cb ms / bf16 cb ms |",
+                 "| to_bf16() within 1.05x of the bare bf16 model (the limit) on the compute-bound MLP | mlp | adam | "
+                 "bf16 ms / bare-bf16 ms |"):
+        assert line in table
+    assert '<= 1.5 |' in table and '>= 2.5 |' in table and '<= 1.05 |' in table
