@@ -2,7 +2,7 @@
 import torch, sys, time, statistics
 torch.set_num_threads(1)
 from bench import run as R, workloads as W, measure as BM
-from fp16cb import master as M, overflow as O
+from fp16cb import weights as M, scaling as O
 import fastai.callback.fp16 as F
 T={}
 def wrap(obj, name, key=None):
@@ -12,7 +12,7 @@ def wrap(obj, name, key=None):
         if isinstance(r, torch.Tensor): r.tolist()
         T.setdefault(key,[]).append(time.process_time()-t); return r
     setattr(obj,name,w)
-for n in ('grads_to_master','master_to_model','zero_model_grads'): wrap(M.MasterWeights,n)
+for n in ('prepare_grads','master_to_model','finish'): wrap(M.FP32Masters,n)
 wrap(O.OverflowCheck,'__call__','overflow_check+sync')
 wrap(M._FlatRun,'reattach_grads')
 for n in ('grad_overflow','to_master_grads','to_model_params'): wrap(F,n,'fastai.'+n)

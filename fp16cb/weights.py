@@ -697,50 +697,59 @@ class HalfStorage(WeightStore):
             c = float((max_norm / (torch.linalg.vector_norm(torch.stack(norms)) * self.grad_factor + 1e-6)).clamp(max=1.))
             self.factors.update({id(p): c for p in pg})
 
-    def _lift(self, p) -> tuple:
-        "`p` in FP32 for the optimizer, with its grad unscaled in FP32 (other dtypes: as they are, unscaled in place)."
-        data, grad = p.data, p.grad
+    def _lift(self, p):
+        """What the optimizer steps for `p`: a 16-bit param's FP32 copy with its grad unscaled in FP32 (the param itself is
+        never touched: DDP's hooks, and autograd's, stay on it); another dtype's param itself, its grad unscaled in place."""
         factor = self.grad_factor * self.factors.get(id(p), 1.)
-        if p.dtype in (torch.float16, torch.bfloat16):
-            p.data, p.grad = data.float(), grad.float()
+        if p.dtype not in (torch.float16, torch.bfloat16):
             if factor != 1.: p.grad.mul_(factor)
-        elif factor != 1.: grad.mul_(factor)
-        return data, grad
+            return p
+        q = p.detach().float()
+        q.grad = p.grad.float().mul_(factor) if factor != 1. else p.grad.float()
+        return q
 
-    def _store(self, p, saved:tuple):
-        "Put `p`'s stepped FP32 value back into its 16-bit storage (rounded once), and its own grad back."
-        data, grad = saved
-        if p.data is not data:
-            with torch.no_grad(): data.copy_(round_to(p.data, data.dtype, self.stochastic, self.generator))
-            p.data = data
-        p.grad = grad
+    def _store(self, p, q):
+        "`p`'s stepped FP32 value `q` back into its 16-bit storage, rounded once (to nearest, or stochastically)."
+        if q is p: return
+        with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator))
 
     def _step_impl(self, *args, **kwargs):
-        if isinstance(self.core, Optimizer): return self._step_fastai(self.core)
-        saved = [(p, self._lift(p)) for p in self.params if p.grad is not None]
-        try: return self._inner_step(*args, **kwargs)
-        finally:
-            for p, s in saved: self._store(p, s)
+        if isinstance(self.core, Optimizer):
+            if self.opt is self.core: return self._lifted_loop(self.core)
+            return self._with_core_step()
+        return self._step_torch(*args, **kwargs)
 
-    def _step_fastai(self, core):
-        """The fastai `Optimizer`'s step, one param lifted at a time (a wrapper such as `Lookahead` still steps once).
-        This is `Optimizer.step`'s own loop, with the lift around each param."""
-        if self.opt is not core: return self._with_core_step(core)
-        self._lifted_loop(core)
-
-    def _with_core_step(self, core):
-        "A wrapper (Lookahead): its `step` runs once, and calls the wrapped optimizer's step, which lifts."
+    def _with_core_step(self):
+        "A wrapper (fastai's `Lookahead`): its `step` runs once and calls the wrapped optimizer's, which lifts."
+        core = self.core
         core.step = lambda *a, **k: self._lifted_loop(core)
         try: return self._inner_step()
         finally: core.__dict__.pop('step', None)
 
     def _lifted_loop(self, core):
+        "fastai's `Optimizer.step` loop, on one lifted param at a time (the state stays keyed by the model's param)."
         for p, pg, state, hyper in core.all_params(with_grad=True):
-            saved = self._lift(p)
-            try:
-                for cb in core.cbs: state = _update(state, cb(p, **{**state, **hyper}))
-                core.state[p] = state
-            finally: self._store(p, saved)
+            q = self._lift(p)
+            for cb in core.cbs: state = _update(state, cb(q, **{**state, **hyper}))
+            core.state[p] = state
+            self._store(p, q)
+
+    def _step_torch(self, *args, **kwargs):
+        "A torch optimizer (`OptimWrapper`): stepped once on the lifted params, its state moved to them and back."
+        groups, state = self.core.opt.param_groups, self.core.opt.state
+        lifted = [[(p, self._lift(p)) if p.grad is not None else (p, p) for p in g['params']] for g in groups]
+        def swap(pairs_of):
+            for g, pairs in zip(groups, lifted):
+                g['params'] = [pairs_of(a, b)[1] for a, b in pairs]
+                for a, b in pairs:
+                    src, dst = pairs_of(a, b)
+                    if src is not dst and src in state: state[dst] = state.pop(src)
+        swap(lambda p, q: (p, q))
+        try: return self._inner_step(*args, **kwargs)
+        finally:
+            swap(lambda p, q: (q, p))
+            for pairs in lifted:
+                for p, q in pairs: self._store(p, q)
 
     def zero_model_grads(self):
         gs = self.grads()
