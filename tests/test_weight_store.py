@@ -172,3 +172,21 @@ def test_the_store_owns_the_step_and_its_stage():
         quiet_fit(learn, 1, cbs=[Watch()])
         assert stages[:2] == [Stage.UNSCALED, Stage.READY]  # our after_step (order 10) ran before Watch's
     assert issubclass(HalfStorage, WeightStore) and issubclass(FP32Masters, WeightStore)
+
+@pytest.mark.parametrize('opt', ['fastai Adam', 'OptimWrapper(AdamW)'])
+def test_half_storage_keeps_the_model_s_own_tensors_and_fp32_state(opt):
+    "16-bit storage steps FP32 copies: the params' tensors are never swapped; the state is FP32, keyed by the params."
+    opt_func = Adam if opt == 'fastai Adam' else partial(OptimWrapper, opt=torch.optim.AdamW)
+    learn = make_learner(opt_func=opt_func).to_bf16(half_storage=True)
+    ptrs = {}
+    class Watch(Callback):
+        order = 20
+        def after_step(self):
+            for p in self.learn.model.parameters(): assert ptrs.setdefault(id(p), p.data_ptr()) == p.data_ptr()
+    w0 = _weights(learn)
+    quiet_fit(learn, 1, cbs=[Watch()])
+    assert all(not torch.equal(a, b) for a, b in zip(w0, _weights(learn)))
+    state = learn.opt.opt.state if opt != 'fastai Adam' else learn.opt.state
+    ps = [p for p in learn.model.parameters()]
+    assert all(p in state for p in ps)
+    assert all(v.dtype == torch.float32 for p in ps for v in state[p].values() if torch.is_tensor(v) and v.dim())
