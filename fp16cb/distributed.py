@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 __all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'sync_masters', 'rewrap',
-           'patch_fastai', 'ByteCounter', 'count_allreduce']
+           'patch_fastai']
 
 def world_size() -> int:
     "The number of processes training together (1 when torch.distributed is not initialized)."
@@ -79,18 +79,5 @@ def sync_masters(model, masters:list) -> bool:
     if not syncs(model): return False
     broadcast_(masters)
     return True
-
-class ByteCounter:
-    """Counts what DDP's all-reduces move (bytes per rank, all buckets): `counter.register(ddp_model)` before the first
-    backward; it then all-reduces as DDP does by default. `bytes`, `calls` and the buckets' `dtypes` so far."""
-    def __init__(self): self.bytes, self.calls, self.dtypes = 0, 0, set()
-    def register(self, ddp:DDP): ddp.register_comm_hook(self, count_allreduce)
-
-def count_allreduce(state:ByteCounter, bucket):
-    "A DDP comm hook: count the bucket into `state` (a `ByteCounter`), then DDP's default all-reduce (the average)."
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    buf = bucket.buffer()
-    state.bytes += buf.numel() * buf.element_size(); state.calls += 1; state.dtypes.add(str(buf.dtype))
-    return allreduce_hook(None, bucket)
 
 patch_fastai()

@@ -15,7 +15,7 @@ from torch import Tensor
 from fastcore.foundation import L
 from fastai.optimizer import Optimizer
 
-__all__ = ['round_stochastic', 'round_to', 'HalfStorage', 'classic_momentum', 'ClassicSGD', 'state_bytes']
+__all__ = ['round_stochastic', 'round_to', 'HalfStorage', 'state_bytes']
 
 def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
     """`x` (FP32) rounded to `dtype`, up or down at random with the probabilities that make the result exact on
@@ -106,18 +106,6 @@ class HalfStorage:
         "Give the optimizer its own `step` back."
         if self._prev_step is None: self.opt.__dict__.pop('step', None)
         else: self.opt.step = self._prev_step
-
-def classic_momentum(p, lr, mom, mom_buf=None, **kwargs):
-    """The 'vanilla' momentum of the slides, in the weights' own dtype: H = m*H - lr*dW, W = W + H. In 16-bit the product
-    lr*dW underflows and W + H rounds small updates away: the vanishing updates that FP32 masters, or the modified rule, avoid."""
-    if mom_buf is None: mom_buf = torch.zeros_like(p.data)
-    mom_buf.mul_(mom).sub_(p.grad.data * torch.tensor(lr, dtype=p.dtype))  # lr*dW computed in the param's dtype
-    p.data.add_(mom_buf)
-    return {'mom_buf': mom_buf}
-
-def ClassicSGD(params, lr, mom=0.9, wd=0.):
-    "SGD with the classic momentum rule `classic_momentum` (for the 'plain update' experiment of FP16 storage)."
-    return Optimizer(params, [classic_momentum], lr=lr, mom=mom, wd=wd)
 
 def state_bytes(learn) -> dict:
     """Bytes per trainable parameter, by role, of what a learner holds during a fit: model weights and grads, FP32

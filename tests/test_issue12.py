@@ -5,7 +5,7 @@ import pytest
 import torch
 from fastai.basics import Callback
 from fp16cb.scalers import BackoffScaler, FP16_MAX
-from fp16cb.experiments import make_learner as digits_learner, train
+from fp16cb.demos.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, count_host_reads
 
 # ---- 1. the first dynamic scale comes from the first step's gradients -------------------------------------------

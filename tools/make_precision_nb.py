@@ -46,7 +46,7 @@ md("""Only the classifier gets casts (one in, one out); the 20 BatchNorm layers 
 
 ### A small transformer, trained
 8x8 digits as 8 tokens of 8 pixels, one pre-norm encoder layer: LayerNorms and the classifier kept FP32."""),
-code("""from fp16cb.experiments import make_learner, train
+code("""from fp16cb.demos.experiments import make_learner, train
 learn = make_learner('transformer', 'fp32', seed=0)
 learn.to_bf16(keep_fp32=['norm', 'classifier'])
 rep = learn.mixed_precision.policy_report(leaves=True)

@@ -4,7 +4,7 @@ resnet10t (random init, no download) on the digits upscaled to 32x32. Usage:
 import sys, time, warnings, torch, torch.nn.functional as F
 warnings.filterwarnings('ignore')
 import fp16cb
-from fp16cb.experiments import digits_data, digits_cnn
+from fp16cb.demos.experiments import digits_data, digits_cnn
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
