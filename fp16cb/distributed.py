@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .scaling import world_size, is_multiprocess, is_ddp, syncs, reduce_max_
 
 __all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'sync_masters', 'rewrap',
-           'patch_fastai', 'ByteCounter', 'count_allreduce']
+           'patch_fastai']
 
 def broadcast_(tensors:list, src:int=0):
     "Every tensor of `tensors` set in place to its value on rank `src` (no-op in a single process)."
@@ -63,18 +63,5 @@ def sync_masters(model, masters:list) -> bool:
     if not syncs(model): return False
     broadcast_(masters)
     return True
-
-class ByteCounter:
-    """Counts what DDP's all-reduces move (bytes per rank, all buckets): `counter.register(ddp_model)` before the first
-    backward; it then all-reduces as DDP does by default. `bytes`, `calls` and the buckets' `dtypes` so far."""
-    def __init__(self): self.bytes, self.calls, self.dtypes = 0, 0, set()
-    def register(self, ddp:DDP): ddp.register_comm_hook(self, count_allreduce)
-
-def count_allreduce(state:ByteCounter, bucket):
-    "A DDP comm hook: count the bucket into `state` (a `ByteCounter`), then DDP's default all-reduce (the average)."
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    buf = bucket.buffer()
-    state.bytes += buf.numel() * buf.element_size(); state.calls += 1; state.dtypes.add(str(buf.dtype))
-    return allreduce_hook(None, bucket)
 
 patch_fastai()

@@ -93,6 +93,17 @@ def quiet_fit(learn, n_epoch=1, lr=None, cbs=None, one_cycle=False, **kwargs):
 
 def clones(ts): return [t.detach().clone() for t in ts]
 
+def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
+
+# short fits: fp16's dynamic scale starts lower than 2**24, so that its first steps do not overflow
+HALF_MODES = {'fp16': ('to_fp16', {'max_loss_scale': 2.**8}), 'bf16': ('to_bf16', {})}
+
+def to_mode(learn, mode, **kwargs):
+    "Put `learn` in `mode` of `HALF_MODES` ('fp32' leaves it alone: the reference run without precision callbacks)."
+    if mode == 'fp32': return learn
+    name, kw = HALF_MODES[mode]
+    return getattr(learn, name)(**{**kw, **kwargs})
+
 def flat_pgs(pgs): return [t for pg in pgs for t in pg]
 
 _INNER = ('before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step',

@@ -1,4 +1,4 @@
-"""One rank of the multi-process tests (`tests/test_distributed.py` launches 2 with `fp16cb.ddp_demo.launch`): runs
+"""One rank of the multi-process tests (`tests/test_distributed.py` launches 2 with `fp16cb.demos.ddp.launch`): runs
 every scenario in turn, each with a fresh DDP, and writes what it saw to `OUT/rank{RANK}.json` for the test to compare.
 Every rank starts from a different random init (`seed=rank`) and trains on its own shard of the data."""
 import json, math, os, sys, warnings
@@ -13,8 +13,7 @@ from fastai.callback.progress import ProgressCallback
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import MixedPrecision
 from fp16cb.native import NativeMixedPrecision
-from fp16cb.distributed import ByteCounter
-from fp16cb.ddp_demo import init, demo_learner, DDPWrap, fingerprint
+from fp16cb.demos.ddp import init, demo_learner, DDPWrap, ByteCounter, fingerprint
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])

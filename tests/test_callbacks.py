@@ -1,15 +1,20 @@
 """ModelToHalf + MixedPrecision during a fit: dtypes at each event, the recorded (unscaled) loss, what
-`learn.mixed_precision` exposes, bf16, the slow-fp16-on-CPU warning, comparison with FP32 training, bad arguments."""
+`learn.mixed_precision` exposes, bf16, the slow-fp16-on-CPU warning, comparison with FP32 training, bad arguments;
+with other callbacks (a cancel in an earlier `after_step`, fastai's MixUp), and the Recorder's precision columns."""
 import warnings
 import pytest
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback, CancelStepException, CancelBatchException
+from fastai.basics import CrossEntropyLossFlat
+from fastai.callback.core import CancelTrainException
+from fastai.callback.mixup import MixUp
+from fastai.metrics import mae
 from fastai.optimizer import Optimizer, sgd_step
 from fastai.layers import BatchNorm
 import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
-from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all, DEVICE
+from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all, DEVICE, to_mode, weights
 
 NO_OVERFLOW = dict(loss_scale=2.**8, max_loss_scale=2.**8)  # a fixed start that does not overflow
 HALF = [torch.float16, torch.bfloat16]
@@ -345,3 +350,86 @@ def test_channels_last_is_kept_during_the_fit(setup):
     rec = Record(after_pred=lambda l: l.model[0].weight.is_contiguous(memory_format=torch.channels_last))
     quiet_fit(learn, 1, cbs=rec)
     assert rec.log['after_pred'] == [True, True]
+
+# ---- a lower-order callback cancels the training in after_step ------------------------------------------------
+
+class CancelTrainAfterStep(Callback):
+    "Order 5, before MixedPrecision (10): `CancelTrainException` in the `after_step` of the second batch."
+    order = 5
+    def after_step(self):
+        if self.training and self.iter == 1: raise CancelTrainException()
+
+class WeightsAtValidate(Callback):
+    order = 90
+    def before_validate(self): self.w = weights(self.learn)
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_cancel_train_in_an_earlier_after_step_updates_the_model(mode):
+    """Before the fix: our `after_step` was skipped, so the 16-bit model missed the last update and the validation
+    after the cancel ran the stale weights (only `after_fit` gave the FP32 model the masters)."""
+    finals = []
+    for m in ('fp32', mode):
+        learn = to_mode(make_learner(), m)
+        at_valid = WeightsAtValidate()
+        quiet_fit(learn, 1, lr=1e-1, cbs=[CancelTrainAfterStep(), at_valid])
+        finals.append(weights(learn))
+    # the final weights are the trained masters (those of BatchNorm, FP32 in the model, too: they missed the update)
+    for a, b in zip(*finals): assert torch.allclose(a, b, rtol=0., atol=5e-3)
+    # the model that validated after the cancel is the masters (= the final FP32 weights) rounded to 16-bit
+    for v, f in zip(at_valid.w, finals[1]): assert torch.equal(v, f.to(v.dtype))
+
+# ---- fastai's MixUp -------------------------------------------------------------------------------------------
+
+def classifier(n=64, bs=16):
+    "A tiny 2-class classifier on fixed data."
+    seed_all()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g); y = (x[:, 0] > 0).long()
+    ds = list(zip(x, y))
+    dls = DataLoaders(DataLoader(ds[:48], bs=bs), DataLoader(ds[48:], bs=bs), device=torch.device('cpu'))
+    return Learner(dls, nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), loss_func=CrossEntropyLossFlat())
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_mixup_trains(mode):
+    """Before the fix: `expected dtype c10::BFloat16 for 'weight' but got dtype float` in MixUp's `before_batch`
+    (fp16: c10::Half)."""
+    learn = to_mode(classifier(), mode)
+    w0 = weights(learn)
+    quiet_fit(learn, 1, lr=1e-1, cbs=MixUp())
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
+    assert not torch.equal(learn.model[0].weight, w0[0])
+
+# ---- Recorder columns: with a dynamic scale only, printed but kept out of the recorded metrics ----------------
+
+class _Printed(Callback):
+    "What fastai prints for each epoch: the Recorder's names and the logged row (`learn.logger`)."
+    order = 70
+    def before_fit(self): self.names, self.rows, self.learn.logger = [], [], lambda row: self.rows.append(list(row))
+    def after_epoch(self): self.names.append(list(self.recorder.metric_names))
+
+@pytest.mark.parametrize('setup,shown', [(lambda l: l.to_fp16(), True), (lambda l: l.to_bf16(), False),
+                                          (lambda l: l.to_fp16(dynamic=False, loss_scale=64.), False)])
+def test_precision_columns_only_with_a_dynamic_scale(setup, shown):
+    learn = setup(make_learner(metrics=mae))
+    p = _Printed()
+    with learn.no_bar(): learn.fit(2, 1e-2, cbs=p)
+    assert (p.names[-1][-3:-1] == ['loss_scale', 'n_skipped']) == shown  # the table printed during the fit
+    assert all(len(r) == len(p.names[-1]) for r in p.rows)
+    # what plots the metrics (e.g. the widespread `Recorder.plot_metrics` recipe) sees the user's columns only
+    rec = learn.recorder
+    assert list(rec.metric_names) == ['epoch', 'train_loss', 'valid_loss', 'mae', 'time']
+    assert all(len(v) == 3 for v in rec.values) and learn.final_record is rec.values[-1]
+
+# ---- the slow-fp16 warning: how much slower, what to use, at the user's line ----------------------------------
+
+@pytest.mark.parametrize('how', ['fit_one_cycle', 'fit'])
+def test_slow_fp16_warning_says_how_much_and_points_at_the_users_line(reset_warned, monkeypatch, how):
+    monkeypatch.setattr(fp16cb.dtypes, 'cpu_has_native', {torch.float16: False, torch.bfloat16: True}.get)
+    learn = make_learner().to_fp16()
+    with warnings.catch_warnings(record=True) as w, learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('always')
+        getattr(learn, how)(1, 1e-2)  # the user's line: fastai's fit -> its callbacks -> fp16cb
+    ours = [o for o in w if 'fp16 training on the CPU' in str(o.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, [(o.filename, o.lineno) for o in ours]
+    msg = str(ours[0].message)
+    assert '20 to 100 times slower than FP32' in msg and 'Use `learn.to_bf16()` instead: bf16 is native' in msg

@@ -1,11 +1,13 @@
-"Checkpoints: learn.save / learn.load during and after mixed-precision fits, resume, export / load_learner."
-import warnings, tempfile
+"""Checkpoints: learn.save / learn.load during and after mixed-precision fits, resume, export / load_learner; save and
+export are atomic (a failed write keeps the previous file), and an exported learner loads with fastai alone."""
+import errno, io, os, subprocess, sys, warnings, tempfile
 import pytest, torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, Datasets, ItemGetter, MSELossFlat, set_seed, Callback, load_learner
 from fastai.callback.tracker import SaveModelCallback
 from fastai.optimizer import OptimWrapper
-from conftest import DEVICE
+from conftest import DEVICE, quiet_fit, weights, synth_data, tiny_model
+from conftest import make_learner as synth_learner  # conftest's regression learner; `make_learner` here uses `Datasets`
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
 
@@ -154,7 +156,7 @@ def test_export_and_load_learner():
     assert torch.equal(new.model(x), learn.model(x))
     preds, _ = new.get_preds(dl=new.dls.test_dl([(t, torch.zeros(1)) for t in x.cpu()]))
     assert preds.dtype == torch.float32 and torch.allclose(preds, learn.model(x).cpu(), atol=1e-6)
-    kept = load_learner(learn.path/'exp.pkl', cpu=False)  # the FP32 learner, without our callbacks (issue 12)
+    kept = load_learner(learn.path/'exp.pkl', cpu=False)  # the FP32 learner, without our callbacks
     assert kept.model[0].weight.dtype == torch.float32 and not kept.precision_callbacks()
     kept.dls = learn.dls
     fit(kept.to_fp16(scaler='lognormal'), 1)  # to train in mixed precision: to_fp16 again
@@ -184,3 +186,112 @@ def test_save_mid_accumulation_keeps_the_accumulated_grads(mode, flat):
         fit(learn, 3, 1e-1, cbs=cbs)  # 4 batches an epoch: accumulations span the epochs' ends
         finals.append([p.detach().clone() for p in learn.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*finals))
+
+# ---- atomic save and export -----------------------------------------------------------------------------------
+
+def failing_save(real_save):
+    "A `torch.save` that writes the first half of the real file, then fails as a full disk does."
+    def save(obj, f, *args, **kwargs):
+        buf = io.BytesIO(); real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()[:len(buf.getvalue()) // 2]
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, 'wb') as fh: fh.write(data)
+        else: f.write(data)
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    return save
+
+def files(d): return sorted(os.listdir(d))
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    "Before the fix: `learn.save` truncated the old file first, so a save failing part-way destroyed the checkpoint."
+    learn = synth_learner(path=tmp_path).to_bf16()
+    quiet_fit(learn, 1, lr=1e-2)
+    fname = learn.save('ck')
+    saved, w = fname.read_bytes(), weights(learn)
+    quiet_fit(learn, 1, lr=1e-2)
+    monkeypatch.setattr(torch, 'save', failing_save(torch.save))
+    with pytest.raises(OSError): learn.save('ck')
+    monkeypatch.undo()
+    assert fname.read_bytes() == saved and files(fname.parent) == ['ck.pth']  # intact, and no temporary file left
+    learn.load('ck')
+    for a, b in zip(weights(learn), w): assert torch.equal(a, b)
+
+def test_failed_save_of_save_model_callback_keeps_the_previous_file(tmp_path, monkeypatch):
+    "`SaveModelCallback` saves with `learn.save`: a failed save in a later fit keeps the best model of the earlier one."
+    learn = synth_learner(path=tmp_path).to_fp16(max_loss_scale=2.**8)
+    quiet_fit(learn, 1, lr=1e-2, cbs=SaveModelCallback(fname='best'))
+    fname = tmp_path/'models'/'best.pth'
+    saved = fname.read_bytes()
+    monkeypatch.setattr(torch, 'save', failing_save(torch.save))
+    with pytest.raises(OSError): quiet_fit(learn, 1, lr=1e-2, cbs=SaveModelCallback(fname='best'))  # a new best: saved
+    monkeypatch.undo()
+    assert fname.read_bytes() == saved and files(fname.parent) == ['best.pth']
+
+def test_failed_export_keeps_the_previous_export(tmp_path, monkeypatch):
+    "Before the fix: `learn.export` overwrote in place, so an export failing part-way destroyed the previous one."
+    learn = make_learner(path=tmp_path).to_bf16()
+    quiet_fit(learn, 1, lr=1e-2)
+    learn.export('exp.pkl')
+    fname = tmp_path/'exp.pkl'
+    saved, dls, w = fname.read_bytes(), learn.dls, weights(learn)
+    monkeypatch.setattr(torch, 'save', failing_save(torch.save))
+    with pytest.raises(OSError): learn.export('exp.pkl')
+    monkeypatch.undo()
+    assert fname.read_bytes() == saved and files(tmp_path) == ['exp.pkl']
+    assert learn.dls is dls and learn.opt is not None  # the learner keeps its data and optimizer
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        new = load_learner(fname)
+    for a, b in zip(weights(new), w): assert torch.equal(a, b)
+
+def test_atomic_write_replaces_only_on_success(tmp_path):
+    from fp16cb.atomic import atomic_write
+    fname = tmp_path/'f.bin'
+    with atomic_write(fname) as f: f.write(b'old')
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(fname) as f:
+            f.write(b'new, half written'); raise KeyboardInterrupt()
+    assert fname.read_bytes() == b'old' and files(tmp_path) == ['f.bin']
+    with atomic_write(fname) as f: f.write(b'new')
+    assert fname.read_bytes() == b'new' and files(tmp_path) == ['f.bin']
+    assert fname.stat().st_mode & 0o777 == 0o666 & ~_umask()  # permissions of a file made with `open`, not 0o600
+
+def _umask():
+    m = os.umask(0); os.umask(m)
+    return m
+
+# ---- an exported learner loads with fastai alone, as the FP32 learner -----------------------------------------
+
+_LOAD_WITHOUT_FP16CB = r"""
+import sys, torch
+class Refuse:
+    "fp16cb is not installed here."
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'fp16cb': raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Refuse())
+from fastai.learner import load_learner
+learn = load_learner(sys.argv[1])
+assert not any(m.startswith('fp16cb') for m in sys.modules)
+learn.model.eval()
+torch.save(learn.model(torch.load(sys.argv[2])).detach(), sys.argv[3])
+print(sorted(type(cb).__name__ for cb in learn.cbs))
+"""
+
+@pytest.mark.parametrize('setup', ['to_fp16', 'to_bf16', 'to_native_fp16'])
+def test_exported_learner_loads_with_fastai_alone(setup, tmp_path):
+    dsets = [Datasets(synth_data(n, seed=s), tfms=[[ItemGetter(0)], [ItemGetter(1)]]) for n, s in ((64, 1), (32, 2))]
+    learn = Learner(DataLoaders.from_dsets(*dsets, bs=16), tiny_model(), loss_func=MSELossFlat(), path=tmp_path)
+    learn = getattr(learn, setup)()
+    quiet_fit(learn, 1, lr=1e-2)
+    cbs = list(learn.cbs)
+    learn.export('exp.pkl')
+    assert list(learn.cbs) == cbs and learn.precision_callbacks()  # the learner itself keeps its precision
+    x = torch.randn(5, 4)
+    torch.save(x, tmp_path/'x.pt')
+    r = subprocess.run([sys.executable, '-c', _LOAD_WITHOUT_FP16CB, str(tmp_path/'exp.pkl'), str(tmp_path/'x.pt'),
+                        str(tmp_path/'y.pt')], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'MixedPrecision' not in r.stdout and 'ModelToHalf' not in r.stdout  # no precision callback: FP32 inference
+    learn.model.eval()
+    assert torch.equal(torch.load(tmp_path/'y.pt'), learn.model(x).detach())  # the FP32 model's predictions, exactly
+    quiet_fit(learn, 1, lr=1e-2)  # and the exporting learner trains on in its precision

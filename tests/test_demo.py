@@ -3,10 +3,10 @@ import os, subprocess, sys
 from pathlib import Path
 import pytest
 import torch
-from fp16cb.demo import parse_args, main, format_table
+from fp16cb.demos.cli import parse_args, main, format_table
 from fp16cb import ModelToHalf
 from fp16cb.dtypes import has_fast_half_math
-from fp16cb.experiments import run_mode, MODES, HalfLossScale, make_learner, train
+from fp16cb.demos.experiments import run_mode, MODES, HalfLossScale, make_learner, train
 from conftest import DEVICE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +82,6 @@ def test_unchecked_overflow_poisons_the_weights():
     assert run.finite
 
 def test_format_table_handles_stopped_runs():
-    from fp16cb.experiments import Run
+    from fp16cb.demos.experiments import Run
     t = format_table([('a', [Run('a', 0, float('nan'), 1., 2.**20, 3)]), ('b', [Run('b', 0, .5, 1., None, 0)] * 2)])
     assert 'stopped' in t and '2^20' in t and '50.00 ± 0.00' in t

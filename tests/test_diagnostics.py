@@ -1,4 +1,5 @@
-"Diagnostics: loss-scale plots, the gradient range report against fp16's range, and the scale-health warnings."
+"""Diagnostics: loss-scale plots, the gradient range report against fp16's range, and the scale-health warnings (a
+scale at its floor, every step of a fit skipped)."""
 import math, warnings
 from types import SimpleNamespace
 import matplotlib; matplotlib.use('Agg')
@@ -7,10 +8,12 @@ import pytest
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, SGD, MSELossFlat
+from fastai.callback.core import Callback
 from fp16cb import BackoffScaler, StaticScaler, LogNormalScaler
 from fp16cb.diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, scale_health, scaling_callback,
                                 GradientReport)
-from conftest import DEVICE
+from conftest import DEVICE, make_learner, weights
+from conftest import quiet_fit as fit_quietly  # this module's `quiet_fit` hides warnings
 
 def synth_learner(factor=1., n=64, bs=16, seed=0):
     "y = 2x + 1 with a small MLP (with BatchNorm); the loss is multiplied by `factor`."
@@ -127,3 +130,27 @@ def test_no_16bit_grads_left_on_fp32_params():
     learn.to_fp32()
     quiet_fit(learn)
     assert all(p.grad.dtype == torch.float32 for p in learn.model.parameters())
+
+# ---- the floor warning for LogNormalScaler --------------------------------------------------------------------
+
+def test_scale_health_floor_warning_for_lognormal_scaler():
+    "Before the fix: `health` took a scaler without a `wait` attribute for a static one: LogNormalScaler never warned."
+    cb = SimpleNamespace(scales=[1.] * 50, skips=[False] * 50, loss_scaler=LogNormalScaler(init_scale=1., min_scale=1.))
+    with pytest.warns(RuntimeWarning, match='sits at its floor'): scale_health(cb)
+
+# ---- a fit whose every step was skipped -----------------------------------------------------------------------
+
+class NaNLoss(Callback):
+    "Every training loss NaN: every step is skipped."
+    order = 5
+    def after_loss(self):
+        if self.training: self.learn.loss_grad = self.learn.loss_grad * float('nan')
+
+@pytest.mark.parametrize('call', ['to_fp16', 'to_bf16', 'to_native_fp16'])
+def test_fit_with_every_step_skipped_warns(call):
+    """Before the fix: no error and no warning (the skip warning counted the leading skips as the dynamic scale's
+    calibration)."""
+    learn = getattr(make_learner(), call)(max_skipped=100)
+    w0 = weights(learn)
+    with pytest.warns(RuntimeWarning, match='skipped'): fit_quietly(learn, 1, lr=1e-2, cbs=NaNLoss())
+    for a, b in zip(weights(learn), w0): assert torch.equal(a, b)

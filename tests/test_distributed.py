@@ -1,5 +1,5 @@
 """Multi-process training under torch's `DistributedDataParallel`: 2 CPU processes (gloo on 127.0.0.1), launched once for
-the module by `fp16cb.ddp_demo.launch` and bounded in time; `tests/ddp_worker.py` runs the scenarios on each rank and
+the module by `fp16cb.demos.ddp.launch` and bounded in time; `tests/ddp_worker.py` runs the scenarios on each rank and
 these tests compare what the ranks saw. Every rank starts from its own random init and trains on its own data."""
 import json, sys
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from fastai.callback.progress import ProgressCallback
 
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
-from fp16cb.ddp_demo import launch, demo_learner, shard
+from fp16cb.demos.ddp import launch, demo_learner, shard
 from fp16cb.distributed import reduce_max_, sync_masters, is_multiprocess
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")

@@ -1,9 +1,12 @@
-"""Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32: which callbacks, toggling, bad arguments."""
+"""Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32: which callbacks, toggling, bad arguments;
+fastai's own names and arguments (its `MixedPrecision`, `to_non_native_fp16`, `to_channelslast`, its AMP arguments)."""
+import pathlib, re
 import pytest
 import torch
 from fastai.learner import Learner
 import fastai.callback.fp16 as fastai_fp16
-from fp16cb import ModelToHalf, MixedPrecision
+import fp16cb
+from fp16cb import ModelToHalf, MixedPrecision, NativeMixedPrecision
 from conftest import make_learner, quiet_fit, Record
 
 def _kinds(learn): return sorted(type(cb).__name__ for cb in learn.precision_callbacks())
@@ -108,3 +111,52 @@ def test_signatures_show_the_callback_arguments():
                        ('to_native_fp16', ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled'])]:
         params = inspect.signature(getattr(Learner, name)).parameters
         assert all(a in params for a in args), (name, list(params))
+
+# ---- fastai's MixedPrecision and ours: each refuses the other's arguments, naming the right class --------------
+
+def test_fastai_mixed_precision_refuses_our_arguments_naming_ours():
+    with pytest.raises(TypeError, match=r"from fp16cb import MixedPrecision, ModelToHalf"):
+        fastai_fp16.MixedPrecision(loss_scale=512, flat_master=True)  # the README's line under fastai's star import
+    with pytest.raises(TypeError, match="GradScaler's arguments"): fastai_fp16.MixedPrecision(growth=2.)
+    assert fastai_fp16.MixedPrecision(amp_mode='fp16', init_scale=8.).kwargs == {'init_scale': 8.}  # fastai's own use
+
+def test_our_callbacks_refuse_fastais_arguments_naming_theirs():
+    with pytest.raises(TypeError, match=r"NativeMixedPrecision\(init_scale=...\)"): MixedPrecision(init_scale=2.**16)
+    with pytest.raises(TypeError, match="fastai.callback.fp16"): MixedPrecision(amp_mode='bf16')
+    with pytest.raises(TypeError, match="to_native_bf16"): NativeMixedPrecision(amp_mode='bf16')
+
+def test_readme_quick_start_imports_give_our_classes():
+    readme = (pathlib.Path(__file__).parents[1]/'README.md').read_text()
+    quick = readme[readme.index('## Quick start'):readme.index('## API')]
+    ns = {}
+    exec('\n'.join(l for l in re.findall(r'^(from .*import .*|import .*)$', quick, re.M)), ns)
+    assert ns['MixedPrecision'] is fp16cb.MixedPrecision and ns['ModelToHalf'] is fp16cb.ModelToHalf
+
+# ---- fastai 2.8's to_fp16 arguments, to_non_native_fp16, unknown keywords --------------------------------------
+
+@pytest.mark.parametrize('kw', ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled', 'amp_mode'])
+def test_to_fp16_with_fastais_amp_arguments_points_to_native(kw):
+    learn = make_learner()
+    with pytest.raises(TypeError, match=r"`learn.to_fp16\(\)` got '" + kw + r"'.*learn.to_native_fp16\("):
+        learn.to_fp16(**{kw: 2})
+    assert learn.precision_callbacks() == []
+
+def test_unknown_keyword_names_the_method_and_the_valid_ones():
+    learn = make_learner()
+    with pytest.raises(TypeError, match=r"`learn.to_fp16\(\)` got .*'loss_scael' \(did you mean 'loss_scale'\?\); it takes: loss_scale, flat_master"):
+        learn.to_fp16(loss_scael=3)
+    with pytest.raises(TypeError, match=r"`learn.to_bf16\(\)` got"): learn.to_bf16(bogus=1)
+    with pytest.raises(TypeError, match=r"`learn.to_native_fp16\(\)` got 'loss_scale': .*`learn.to_fp16\(\)`"):
+        learn.to_native_fp16(loss_scale=8)
+
+def test_fastais_to_non_native_fp16_replaces_ours():
+    learn = make_learner().to_fp16()
+    learn.to_non_native_fp16()
+    assert sorted(type(cb).__module__ for cb in learn.precision_callbacks()) == ['fastai.callback.fp16']*2
+    learn.to_fp16()
+    assert not any(isinstance(cb, fastai_fp16.NonNativeMixedPrecision) for cb in learn.cbs)
+
+def test_to_channelslast_keeps_our_precision():
+    learn = make_learner().to_native_fp16()
+    learn.to_channelslast()
+    assert [type(cb).__name__ for cb in learn.precision_callbacks()] == ['NativeMixedPrecision']

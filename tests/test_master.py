@@ -1,13 +1,17 @@
 """FP32 master weights: the seed API (get_master, to_master_grads, to_model_params, copy_clone), the update they get
-during a fit, flat masters, param groups + freeze, and the exact FP32 weights and optimizer state after the fit."""
+during a fit, flat masters, param groups + freeze, and the exact FP32 weights and optimizer state after the fit;
+params that are not FP32 (complex, float64) train in their own dtype, one param in two groups is refused, and after a
+fit every param owns its storage."""
+import io, re
 from functools import partial
 import pytest
 import torch
 from torch import nn
 from fastai.basics import SGD, Adam
 from fastai.optimizer import Optimizer, sgd_step
+from fastai.torch_core import trainable_params
 from fp16cb import get_master, to_master_grads, to_model_params, copy_clone, convert_network
-from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, clones, flat_pgs, seed_all, DEVICE
+from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, clones, flat_pgs, seed_all, DEVICE, to_mode
 
 # Loss scale small enough that this tiny regression never overflows in fp16 (|grad| * 2**8 << 65504).
 NO_OVERFLOW = dict(max_loss_scale=2.**8)
@@ -334,3 +338,83 @@ def test_masters_grads_dropped_not_zeroed_after_each_step(flat):
     learn2.to_fp16(flat_master=flat, max_loss_scale=2.**8)
     quiet_fit(learn2, 1, lr=1e-2)
     assert _CountingSGD.calls == 4 and 'zero_grad' not in vars(learn2.opt)
+
+# ---- params that are not FP32: complex and float64 train in their own dtype, outside the masters ----------------
+
+def flat_kw(mode, flat): return {} if mode == 'fp32' else {'flat_master': flat}
+
+class WithComplex(nn.Module):
+    "A linear model plus a term of a complex parameter `c` (which gets a complex grad)."
+    def __init__(self):
+        super().__init__()
+        self.lin, self.c = nn.Linear(4, 1), nn.Parameter(torch.tensor([1+2j, 3-4j]))
+    def forward(self, x): return self.lin(x) + (x[:, :2] * self.c).abs().sum(1, keepdim=True) * .1
+
+def complex_run(mode, flat=False):
+    seed_all(); model = WithComplex()
+    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **flat_kw(mode, flat))
+    dtypes = Record(before_batch=lambda l: l.model.c.dtype)
+    quiet_fit(learn, 1, lr=1e-1, cbs=dtypes)
+    return learn.model.c.detach().clone(), dtypes.log['before_batch']
+
+@pytest.mark.parametrize('flat', [False, True])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_complex_param_trains_in_its_own_dtype(mode, flat):
+    """Before the fix: fp16 kept the real part only (`[1+2j, 3-4j]` -> `[0.99+0j, 2.99+0j]`: the master was
+    `c.float()`); bf16 died with `NotImplementedError ... 'ComplexFloat'` in the overflow check."""
+    c0 = torch.tensor([1+2j, 3-4j])
+    ref, _ = complex_run('fp32')
+    c, dtypes = complex_run(mode, flat)
+    assert set(dtypes) == {torch.complex64} and c.dtype == torch.complex64  # never altered to real, not even mid-fit
+    assert (ref.imag - c0.imag).abs().min() > 1e-3  # the reference moves the imaginary part...
+    assert torch.allclose(c.imag - c0.imag, ref.imag - c0.imag, rtol=.1, atol=1e-3)  # ...and so does the 16-bit run
+    assert torch.allclose(c.real - c0.real, ref.real - c0.real, rtol=.1, atol=1e-3)
+
+class WithDouble(nn.Module):
+    "A linear model plus a float64 offset `d`."
+    def __init__(self):
+        super().__init__()
+        self.lin, self.d = nn.Linear(4, 1), nn.Parameter(torch.tensor([.5], dtype=torch.float64))
+    def forward(self, x): return self.lin(x) + self.d.float()
+
+def double_run(mode, flat=False):
+    seed_all(); model = WithDouble()
+    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **flat_kw(mode, flat))
+    dtypes = Record(before_batch=lambda l: l.model.d.dtype)
+    quiet_fit(learn, 1, lr=1e-1, cbs=dtypes)
+    return learn.model.d.detach().clone(), dtypes.log['before_batch']
+
+@pytest.mark.parametrize('flat', [False, True])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_float64_param_keeps_its_dtype(mode, flat):
+    "Before the fix: the float64 param was 16-bit during the fit and came back float32 (only float32 params convert)."
+    ref, _ = double_run('fp32')
+    d, dtypes = double_run(mode, flat)
+    assert set(dtypes) == {torch.float64} and d.dtype == torch.float64
+    assert abs(ref.item() - .5) > 1e-2 and abs(d.item() - ref.item()) < .1 * abs(ref.item() - .5)
+
+# ---- one parameter in two param groups ------------------------------------------------------------------------
+
+def body_in_both(m):
+    "Splitter: the first Linear in both groups."
+    return [list(m[0].parameters()), list(m[0].parameters()) + list(m[1].parameters()) + list(m[3].parameters())]
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_param_in_two_groups_is_refused(flat):
+    """Before the fix: two masters for one param, and only the last group's update survived (lr [0.1, 0]: fp32 moves
+    it, bf16 did not)."""
+    learn = make_learner(splitter=body_in_both).to_bf16(flat_master=flat)
+    with pytest.raises(ValueError, match='group') as e: quiet_fit(learn, 1, lr=[.1, 0.])
+    assert re.search(r"0\.(weight|bias)|param\w*\s*#?\d", str(e.value)), str(e.value)  # which parameter
+
+# ---- storage of the params after a non-flat fit ---------------------------------------------------------------
+
+def test_params_own_their_storage_after_a_fit():
+    "Before the fix: after a non-flat fit every param was a view into one shared buffer (saving one bias wrote all)."
+    learn = to_mode(make_learner(), 'bf16')
+    quiet_fit(learn, 1, lr=1e-2)
+    for n, p in learn.model.named_parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n
+        assert p.grad is None or p.grad.untyped_storage().nbytes() == p.grad.numel() * p.grad.element_size(), n
+    buf = io.BytesIO(); torch.save(learn.model[3].bias, buf)
+    assert len(buf.getvalue()) < 2000

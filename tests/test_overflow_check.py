@@ -281,3 +281,18 @@ def test_overflow_check_matches_reference(arrs, log2_scale):
 def _p(g):
     p = nn.Parameter(torch.zeros_like(g)); p.grad = g
     return p
+
+class _InfAt(Callback):
+    "An inf in the head's grad at the optimizer steps numbered in `steps`."
+    order = 5
+    def __init__(self, steps): self.steps, self.n = set(steps), 0
+    def after_backward(self):
+        if self.n in self.steps: self.learn.model[3].weight.grad[0, 0] = float('inf')
+        self.n += 1
+
+def test_overflow_later_in_the_run_still_backs_off_and_grows():
+    learn = make_learner(n_train=160).to_fp16(scale_wait=3)
+    quiet_fit(learn, 1, lr=1e-3, cbs=_InfAt([4]))
+    sc, sk = learn.mixed_precision.scales, learn.mixed_precision.skips
+    assert sk == [False]*4 + [True] + [False]*5 and sc[0] == 1.
+    assert sc[5] == sc[4] / 2 and sc[8] == sc[4]  # halved on the overflow, grown back after 3 clean steps

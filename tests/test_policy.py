@@ -1,4 +1,4 @@
-"Per-layer precision policy (issue 13): what stays FP32, the casts at the edges of FP32 islands, tied params, the report."
+"Per-layer precision policy (`keep_fp32=`): what stays FP32, the casts at the edges of FP32 islands, tied params, the report."
 import re
 import pytest
 import torch

@@ -1,13 +1,16 @@
-"Loss scalers: the state machines (hypothesis), LogNormal on synthetic gradient streams, the loud failure, training."
+"""Loss scalers: the state machines (hypothesis), LogNormal on synthetic gradient streams, the loud failure, training;
+the first dynamic scale, calibrated from the first step's gradients, or an explicit `loss_scale`."""
 import math, random, warnings
 import pytest, torch
 from torch import nn
 from hypothesis import given, settings, strategies as st
 from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, set_seed, Callback
-from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError
+from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError, MixedPrecision
 from fp16cb.scaling import make_scaler, FP16_MAX
 from fp16cb.scaling import OverflowCheck
-from conftest import DEVICE
+from fp16cb.demos.experiments import make_learner as digits_learner, train
+from conftest import DEVICE, quiet_fit, count_host_reads
+from conftest import make_learner as synth_learner  # conftest's two-group regression (`make_learner` here: a classifier)
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
 FAST = settings(max_examples=60, deadline=None)
@@ -195,7 +198,7 @@ def test_training_with_each_strategy(scaler):
     with learn.no_logging(): learn.fit(2, 1e-2, cbs=mg)
     mp = learn.mixed_precision
     assert len(mp.scales) == len(mp.skips) == 12 and mp.n_skipped == sum(mp.skips)
-    # printed during the fit (dynamic scales only), then out of the recorded metrics (tests/test_issue12.py)
+    # printed during the fit (dynamic scales only), then out of the recorded metrics (tests/test_callbacks.py)
     assert list(learn.recorder.metric_names) == ['epoch', 'train_loss', 'valid_loss', 'time']
     assert len(learn.recorder.values[-1]) == 2
     assert learn.recorder.values[-1][0] < learn.recorder.values[0][0] + .05 and learn.model[0].weight.dtype == torch.float32
@@ -242,3 +245,51 @@ def test_nan_loss_fails_loudly(scaler):
     assert len(learn.metrics) == 0  # fastai skipped after_fit, but the exception leaving `fit` restored at once
     learn.to_fp32()
     assert len(learn.metrics) == 0 and learn.model[0].weight.dtype == torch.float32
+
+# ---------- the first dynamic scale comes from the first step's gradients ----------
+def test_calibrated_scale_is_the_largest_power_of_2_under_the_headroom():
+    s = BackoffScaler(1., calibrate=True, headroom=16.)
+    assert s.scale == 1. and not s.calibrated and s.needs_max_grad
+    s.update(False, 0.3)  # the first finite step: counted as a step, not a skip
+    assert s.scale == 2.**math.floor(math.log2(FP16_MAX / (16 * 0.3))) == 2.**13
+    assert s.calibrated and not s.needs_max_grad and s.n_skipped == 0 and s.n_steps == 1
+    assert BackoffScaler(1., calibrate=True, max_scale=2.**10).calibrated_scale(1e-9) == 2.**10  # the ceiling holds
+    assert BackoffScaler(1., calibrate=True).calibrated_scale(1e4) == 1.  # the floor holds
+    assert BackoffScaler(1., calibrate=True).calibrated_scale(0.) == 2.**24  # no gradient seen: the old fixed start
+
+def test_calibration_survives_overflow_and_checkpoints():
+    s = BackoffScaler(1., calibrate=True)
+    s.update(True, float('nan'))  # a NaN first batch is skipped (no error at the floor), the next one calibrates
+    assert not s.calibrated and s.scale == 1. and s.n_skipped == 1
+    s.update(False, 1.)
+    t = BackoffScaler(1., calibrate=True); t.load_state_dict(s.state_dict())
+    assert t.calibrated and t.scale == s.scale == 2.**11
+
+def test_default_to_fp16_skips_at_most_two_steps_at_the_start():
+    "Before: the scale started at 2^24 and the first ~7 steps of this 1-epoch digits fit were skipped."
+    run = train(digits_learner('digits', 'to_fp16', seed=0), epochs=1)
+    assert sum(run.skips) <= 2 and run.scales[0] == 1. and run.scales[1] > 2.**8 and run.accuracy > .5
+
+def test_calibration_keeps_one_host_read_per_step_and_the_first_step(monkeypatch):
+    calls = count_host_reads(monkeypatch, MixedPrecision)
+    learn = synth_learner().to_fp16()
+    w0 = learn.model[3].weight.detach().clone()
+    quiet_fit(learn, 1, lr=1e-2, cbs=_StopAfter(1))
+    monkeypatch.undo()
+    mp = learn.mixed_precision
+    assert mp.skips == [False] and mp.scaler.calibrated and len(calls) == 1
+    assert not torch.equal(w0, learn.model[3].weight)  # the calibrating step was applied
+
+class _StopAfter(Callback):
+    order = 30
+    def __init__(self, n): self.n = n
+    def after_step(self):
+        self.n -= 1
+        if self.n == 0: raise __import__('fastai').callback.core.CancelFitException()
+
+# ---------- an explicit loss_scale is the dynamic scale's start ----------
+def test_explicit_loss_scale_starts_the_dynamic_scale():
+    learn = synth_learner().to_fp16(loss_scale=1024)
+    quiet_fit(learn, 1, lr=1e-2)
+    mp = learn.mixed_precision
+    assert mp.scales[0] == 1024. and mp.scaler.calibrated

@@ -1,10 +1,11 @@
-"The fit's one owner: `PrecisionSession` sets up and tears down, and what it installs on the optimizer comes off again."
-import copy, pickle
+"""The fit's one owner: `PrecisionSession` sets up and tears down, and what it installs on the optimizer comes off again;
+what pauses a fit from a callback (freeze / unfreeze, `copy.deepcopy(learn)`) and a change of precision mid-fit."""
+import copy, pickle, re
 from functools import partial
 import pytest, torch
 from fastai.basics import Callback, OptimWrapper, Adam, SGD
 from fp16cb.session import session_of, PrecisionSession
-from conftest import make_learner, quiet_fit
+from conftest import make_learner, quiet_fit, to_mode, weights
 
 OPTS = {'fastai SGD': partial(SGD, mom=0.9), 'fastai Adam': Adam,
         'OptimWrapper(AdamW)': partial(OptimWrapper, opt=torch.optim.AdamW)}
@@ -176,3 +177,84 @@ def test_a_nested_fit_that_raises_leaves_the_outer_fit_going():
     quiet_fit(learn, 2, cbs=[Inner()])
     assert all(p.dtype == torch.float32 for p in learn.model.parameters())
     assert len(learn.mixed_precision.skips) >= 8
+
+# ---- freeze / unfreeze from a callback during a fit -----------------------------------------------------------
+
+class ToggleAt0(Callback):
+    "At the end of epoch 0, `learn.freeze()` or `learn.unfreeze()`; keeps the first Linear's weight of that moment."
+    order = 50
+    def __init__(self, how): self.how = how
+    def after_epoch(self):
+        if self.epoch != 0: return
+        getattr(self.learn, self.how)()
+        self.w = self.learn.model[0].weight.detach().clone()
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_freeze_from_a_callback_takes_effect(mode):
+    "Before the fix: the frozen body kept training in epoch 1 and ended with `requires_grad=True`."
+    learn = to_mode(make_learner(), mode)
+    cb = ToggleAt0('freeze')
+    head = learn.model[3].weight.detach().clone()
+    quiet_fit(learn, 2, lr=1e-1, cbs=cb)
+    w = learn.model[0].weight
+    assert not w.requires_grad
+    assert torch.equal(w.detach().to(cb.w.dtype), cb.w)  # not moved since the freeze
+    assert not torch.equal(learn.model[3].weight, head)  # the head still trained
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_unfreeze_from_a_callback_takes_effect(mode):
+    "Before the fix: the unfrozen body never trained (no master) and ended with `requires_grad=False`."
+    learn = make_learner()
+    learn.freeze()
+    w0 = learn.model[0].weight.detach().clone()
+    to_mode(learn, mode)
+    cb = ToggleAt0('unfreeze')
+    quiet_fit(learn, 2, lr=1e-1, cbs=cb)
+    w = learn.model[0].weight
+    assert torch.equal(cb.w, w0.to(cb.w.dtype))  # frozen in epoch 0
+    assert w.requires_grad and (w.detach() - w0).abs().max() > 1e-2  # trained in epoch 1
+
+# ---- deepcopy of the learner during a fit ---------------------------------------------------------------------
+
+class DeepcopyAt0(Callback):
+    "The keep-the-best pattern: `copy.deepcopy(learn)` at the end of epoch 0."
+    order = 60
+    def after_epoch(self):
+        if self.epoch != 0 or hasattr(self, 'best'): return
+        self.best = None  # set before the copy: the copy's own DeepcopyAt0 does not copy again
+        self.best = copy.deepcopy(self.learn)
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_deepcopy_mid_fit_gives_a_plain_learner(mode):
+    "Before the fix: the copy's model stayed 16-bit, and its own `fit` trained nothing."
+    one = to_mode(make_learner(), mode); quiet_fit(one, 1, lr=1e-1)  # the weights at the end of epoch 0
+    two = to_mode(make_learner(), mode); quiet_fit(two, 2, lr=1e-1)  # the run without deepcopy
+    learn, cb = to_mode(make_learner(), mode), DeepcopyAt0()
+    quiet_fit(learn, 2, lr=1e-1, cbs=cb)
+    for a, b in zip(weights(learn), weights(two)): assert torch.equal(a, b)  # the original fit is unaffected
+    best = cb.best
+    assert all(p.dtype == torch.float32 for p in best.model.parameters())
+    for a, b in zip(weights(best), weights(one)): assert torch.equal(a, b)  # the FP32 weights at copy time
+    before = weights(best)
+    quiet_fit(best, 1, lr=1e-1)
+    assert all(p.dtype == torch.float32 for p in best.model.parameters())
+    assert not torch.equal(best.model[0].weight, before[0])  # the copy trains
+
+# ---- to_bf16 from a callback during an fp32 fit ---------------------------------------------------------------
+
+class ToBF16At(Callback):
+    "`learn.to_bf16()` after the first training batch of an FP32 fit."
+    def after_batch(self):
+        if self.training and self.epoch == 0 and self.iter == 0: self.learn.to_bf16()
+
+def test_to_bf16_during_a_fit_is_clean():
+    """Before the fix: `AttributeError: 'NoneType' object has no attribute 'grads_to_master'` in MixedPrecision's
+    `before_step`."""
+    learn = make_learner()
+    w0 = weights(learn)
+    try: quiet_fit(learn, 2, lr=1e-2, cbs=ToBF16At())
+    except Exception as e:  # a clear refusal is fine: it says that a fit is running
+        assert not isinstance(e, AttributeError) and isinstance(e, (RuntimeError, ValueError)), repr(e)
+        assert re.search(r'\bfit\b', str(e)), str(e)
+    else: assert not torch.equal(learn.model[0].weight, w0[0])  # or it takes effect: the fit trained
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())

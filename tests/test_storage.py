@@ -1,4 +1,4 @@
-"FP16 master-weight storage (NVIDIA's NVCaffe slides) and FP32 regularization (OpenSeq2Seq's guide), issue 13."
+"FP16 master-weight storage (NVIDIA's NVCaffe slides) and FP32 regularization (OpenSeq2Seq's guide)."
 from functools import partial
 import pytest
 import torch
@@ -8,8 +8,7 @@ from fastai.optimizer import SGD, Adam, Optimizer, weight_decay, l2_reg
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
 from fp16cb.weights import round_stochastic, HalfStorage
 from fp16cb.diagnostics import state_bytes
-from fp16cb.experiments_precision import ClassicSGD
-from fp16cb.experiments import make_learner as digits_learner, train
+from fp16cb.demos.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, Record
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_grid():
@@ -110,11 +109,11 @@ def test_wd_bn_bias_keeps_its_meaning():
     assert _decay_run('mixed', 1e-3, wd_bn_bias=True)[1] == pytest.approx(_decay_run('fp32', 1e-3, wd_bn_bias=True)[1], rel=1e-3)
 
 def test_experiment_rows_run_at_tiny_scale():
-    "`python -m fp16cb --experiments` has the issue-13 rows (registered by `experiments_precision`) and formats them."
-    from fp16cb.experiments import EXPERIMENTS, run_experiments
-    from fp16cb.experiments_precision import EXPERIMENTS as OURS
-    from fp16cb.demo import format_experiments
-    assert all(e in EXPERIMENTS for e in OURS)
-    res = [r for r in run_experiments(seeds=(0,), epochs=1, log=None) if r[0] in {t for t, _, _ in OURS}]
+    "`python -m fp16cb --experiments` has the precision-policy and FP16-storage rows in its one table, and formats them."
+    from fp16cb.demos.experiments import EXPERIMENTS, run_experiments
+    from fp16cb.demos.cli import format_experiments
+    ours = {t for t, _, _ in EXPERIMENTS if t.startswith(('Precision policy', 'FP16 master-weight storage', 'FP16 storage'))}
+    assert len(ours) == 4
+    res = [r for r in run_experiments(seeds=(0,), epochs=1, log=None) if r[0] in ours]
     text, _ = format_experiments(res)
     assert 'fp16 storage, plain update' in text and 'classifier FP32' in text

@@ -14,8 +14,8 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.text import Text
 
 import fp16cb
-from fp16cb import demo
-from fp16cb.experiments import MODES, DEFAULT_MODES, EXPERIMENTS, Run
+from fp16cb.demos import cli
+from fp16cb.demos.experiments import MODES, DEFAULT_MODES, EXPERIMENTS, Run
 
 REPO = Path(__file__).resolve().parents[1]
 # internal names of the source documents ("seed 001", "seed 002's table", "Seed 000/004's"), or "the seed's behaviour"
@@ -26,7 +26,7 @@ def _internal(text) -> list: return [m.group(0) for m in INTERNAL.finditer(text)
 # --help
 
 def _help(capsys) -> str:
-    with pytest.raises(SystemExit) as e: demo.parse_args(['--help'])
+    with pytest.raises(SystemExit) as e: cli.parse_args(['--help'])
     assert e.value.code == 0
     return capsys.readouterr().out
 
@@ -111,7 +111,8 @@ def _public_texts(mod) -> dict:
             if not attr.startswith('_') and callable(member): texts[(home, f"{name}.{attr}")] = inspect.getdoc(member) or ''
     return texts
 
-MODULES = sorted(f"fp16cb.{m.name}" for m in pkgutil.iter_modules(fp16cb.__path__) if not m.name.startswith('_'))
+MODULES = sorted(m.name for m in pkgutil.walk_packages(fp16cb.__path__, 'fp16cb.')  # with fp16cb.demos and its modules
+                 if not m.name.rsplit('.', 1)[-1].startswith('_'))
 
 @pytest.mark.parametrize('modname', ['fp16cb'] + MODULES)
 def test_public_docstrings_name_sources_not_labels(modname):
@@ -175,7 +176,7 @@ def _check_legends(fig):
             assert _visible(handle, ax), f"legend entry {label!r} of {ax.get_title()!r} is drawn outside the axes"
 
 def test_experiments_figure(saved_figures, tmp_path):
-    demo._plot_experiments(tmp_path/'exp.png', _fake_experiments(), 'cpu')
+    cli._plot_experiments(tmp_path/'exp.png', _fake_experiments(), 'cpu')
     fig, = saved_figures
     assert _internal(_figure_texts(fig)) == []
     _check_legends(fig)
@@ -193,7 +194,7 @@ def test_default_figure(saved_figures, tmp_path):
     rows = [(m, [_run(.97 + .001 * s, s, scales=scales if m == 'to_fp16' else None,
                       skips=[i < 6 for i in range(30)] if m == 'to_fp16' else None) for s in range(2)])
             for m in ('fp32', 'to_fp16', 'to_bf16')]
-    demo._plot_default(tmp_path/'runs.png', rows)
+    cli._plot_default(tmp_path/'runs.png', rows)
     fig, = saved_figures
     assert _internal(_figure_texts(fig)) == []
     _check_legends(fig)
@@ -201,7 +202,7 @@ def test_default_figure(saved_figures, tmp_path):
 def test_gradient_range_legend_is_visible():
     "The 'lost below this at the suggested scale' line lies inside the axes even for a scale of 2^24."
     from fp16cb.diagnostics import gradient_report, plot_gradient_range
-    from fp16cb.experiments import make_learner
+    from fp16cb.demos.experiments import make_learner
     fig = Figure()
     ax = fig.subplots()
     plot_gradient_range(gradient_report(make_learner('underflow', 'fp32', 0)), ax=ax)

@@ -114,7 +114,7 @@ md("""## A tour
 `import fp16cb` patches `Learner` with `to_fp16`, `to_bf16`, `to_fp32`, `to_native_fp16` and `to_native_fp32`.
 We use the tiny CNN of the main job on the 8x8 digits shipped with scikit-learn (no download)."""),
 code(SETUP),
-det("""from fp16cb.experiments import make_learner
+det("""from fp16cb.demos.experiments import make_learner
 learn = make_learner('digits', 'fp32', seed=0)
 learn.model"""),
 md("""### `to_fp16`
@@ -210,7 +210,7 @@ md("""## Exact weights after a fit
 The masters are made from the exact FP32 originals that `ModelToHalf` kept when it converted the model (FP32 copies, not
 values read back from fp16), so after the fit the model holds the master weights exactly, each param in storage of its
 own and in the memory layout it trained in."""),
-code("""from fp16cb.experiments import make_learner
+code("""from fp16cb.demos.experiments import make_learner
 learn = make_learner('digits', 'to_fp16', seed=0)
 with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
 params = list(learn.model.parameters())
@@ -233,7 +233,7 @@ multiplied by the loss scale. From `MixedPrecision.before_step` on, the step's g
 (the optimizer's params, unscaled): a callback that looks at gradients reads `learn.opt`'s params. The model's 16-bit
 grads are cleared for the next backward, right there while they are in cache, or in `after_step` when a later
 callback has a `before_step` of its own (like this spy: it could cancel the batch to accumulate the grads)."""),
-code("""from fp16cb.experiments import make_learner
+code("""from fp16cb.demos.experiments import make_learner
 class Spy(Callback):
     order = 50
     def before_fit(self):  # what the model's forward receives (ModelToHalf's cast runs first)
@@ -295,7 +295,7 @@ for f in (plot_loss_scale, gradient_report, plot_gradient_range, scale_health): 
 md("""## Loss-scale history
 `MixedPrecision` (and `NativeMixedPrecision`) record, per optimizer step, the scale used (`scales`) and whether the
 step was skipped (`skips`)."""),
-code("""from fp16cb.experiments import make_learner
+code("""from fp16cb.demos.experiments import make_learner
 learn = make_learner('digits', 'fp32', seed=0).to_fp16(loss_scale=2.**24, scale_wait=10)  # start high: overflows to see
 with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
 ax = plot_loss_scale(learn)
@@ -340,8 +340,8 @@ Micikevicius et al. 2018, "Mixed Precision Training", ICLR), each with a run whe
 fixes it; the recipe must stay within 0.5 accuracy points of FP32 (mean of 3 seeds). This notebook runs one seed and few
 epochs of each to show the mechanics; the command prints the full tables."""),
 code(SETUP),
-det("""from fp16cb.experiments import MODES, TASKS, run_mode, make_learner
-from fp16cb.demo import format_table
+det("""from fp16cb.demos.experiments import MODES, TASKS, run_mode, make_learner
+from fp16cb.demos.cli import format_table
 for k, (what, _) in MODES.items(): print(f"{k:18}{what}")"""),
 md("""## The NVCaffe slides' comparison, small
 FP32, mixed (fp16 + FP32 masters + dynamic scale), pure fp16 (the optimizer on the fp16 weights), pure fp16 with a

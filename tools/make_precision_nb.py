@@ -46,7 +46,7 @@ md("""Only the classifier gets casts (one in, one out); the 20 BatchNorm layers 
 
 ### A small transformer, trained
 8x8 digits as 8 tokens of 8 pixels, one pre-norm encoder layer: LayerNorms and the classifier kept FP32."""),
-code("""from fp16cb.experiments import make_learner, train
+code("""from fp16cb.demos.experiments import make_learner, train
 learn = make_learner('transformer', 'fp32', seed=0)
 learn.to_bf16(keep_fp32=['norm', 'classifier'])
 rep = learn.mixed_precision.policy_report(leaves=True)
@@ -105,7 +105,7 @@ about 5e-3. Round-to-nearest stores none of them; stochastic rounding trains (3 
 nearest 5.39%, stochastic 93.11%). The fraction of weights that moved in one epoch:"""),
 code("""moved = {m: train(make_learner('vanishing', m, 0), epochs=1).weights_moved for m in ('fp16_storage_rn', 'fp16_storage')}
 print(moved); assert moved['fp16_storage_rn'] < 0.1 < 0.9 < moved['fp16_storage']"""),
-md("""Memory, in bytes per trainable parameter during a fit (SGD with momentum; `fp16cb.storage.state_bytes`): FP32 masters
+md("""Memory, in bytes per trainable parameter during a fit (SGD with momentum; `fp16cb.diagnostics.state_bytes`): FP32 masters
 hold 2 (16-bit weight) + 2 (16-bit grad) + 4 (master) + 4 (master grad) + 4 (momentum) = 16; 16-bit storage holds
 2 + 2 + 4 (momentum, FP32) = 8. (No GPU was available for this run: on CUDA the same accounting applies.)"""),
 code("""from fp16cb.diagnostics import state_bytes

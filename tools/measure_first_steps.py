@@ -1,10 +1,11 @@
-"""Skipped steps at the start of a fit and final accuracy, fp32 vs `to_fp16()` (issue 12 item 1): the digits CNN, or timm's
-resnet10t (random init, no download) on the digits upscaled to 32x32. Usage:
+"""Skipped steps at the start of a fit and final accuracy, fp32 vs `to_fp16()` (its first scale calibrated from the
+first step's gradients): the digits CNN, or timm's resnet10t (random init, no download) on the digits upscaled to
+32x32. Usage:
 `python tools/measure_first_steps.py digits|resnet10t BS EPOCHS LR SEEDS [KWARGS for to_fp16]`."""
 import sys, time, warnings, torch, torch.nn.functional as F
 warnings.filterwarnings('ignore')
 import fp16cb
-from fp16cb.experiments import digits_data, digits_cnn
+from fp16cb.demos.experiments import digits_data, digits_cnn
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse, math, sys, textwrap, time, warnings
 import torch
 
-from .dtypes import has_fast_half_math
-from .dtypes import resolve_device
+from ..dtypes import has_fast_half_math
+from ..dtypes import resolve_device
 from .experiments import MODES, DEFAULT_MODES, TASKS, TOLERANCE, run_many, run_experiments, mean_acc
 
 __all__ = ['parse_args', 'format_table', 'format_experiments', 'main']
@@ -160,7 +160,7 @@ def _acc_curves(ax, rows, title):
 def _figure_default(rows):
     "The figure of `python -m fp16cb --plot`: accuracy per epoch per mode, and the loss scale of the scaled modes."
     from matplotlib.figure import Figure
-    from .diagnostics import plot_loss_scale
+    from ..diagnostics import plot_loss_scale
     scaled = [(label, runs[0]) for label, runs in rows if runs[0].scales and runs[0].loss_scale not in (None, 1.)]
     fig = Figure(figsize=(5 * (1 + len(scaled)), 3.5), layout='tight')
     axs = fig.subplots(1, 1 + len(scaled), squeeze=False)
@@ -195,11 +195,11 @@ def _comparison_chart(ax, rows):
 def _figure_experiments(res, device='cpu'):
     "The figure of `python -m fp16cb --experiments --plot`: one chart per experiment of `run_experiments`' result."
     from matplotlib.figure import Figure
-    from .diagnostics import plot_loss_scale, plot_gradient_range, gradient_report
+    from ..diagnostics import plot_loss_scale, plot_gradient_range, gradient_report
     from .experiments import make_learner
     fig = Figure(figsize=(13, 8), layout='tight')
     axs = fig.subplots(2, 2)
-    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res[:4]  # the rest: `experiments_precision`'s rows
+    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res[:4]  # the rest: the precision-policy and FP16-storage rows
     _comparison_chart(axs[0, 0], table)
     axs[0, 0].set_title("precision comparison of NVIDIA's NVCaffe slides: digits, tiny CNN", fontsize='medium')
     _acc_curves(axs[0, 1], [(label, runs) for label, _, runs in van], '1: vanishing updates without FP32 masters')

@@ -1,7 +1,9 @@
 """Small, download-free experiments on scikit-learn's digits: the precision modes compared in NVIDIA's NVCaffe slides
 "Training with Mixed Precision" (Ginsburg, Nikolaev and Micikevicius, 2017: FP32, mixed, FP16, FP16 with loss scale
 1000), and the three problems of pure fp16 named in fastai's mixed-precision docs (after Micikevicius et al., 2018,
-"Mixed Precision Training", ICLR), each in a run where it breaks and a run where the recipe fixes it."""
+"Mixed Precision Training", ICLR), each in a run where it breaks and a run where the recipe fixes it; then the per-layer
+precision policy (`keep_fp32=`) and FP16 master-weight storage (`half_storage=True`) against their failures.
+`MODES`, `TASKS` and `EXPERIMENTS` are the one table of `python -m fp16cb --experiments`."""
 from __future__ import annotations
 import time, warnings
 from dataclasses import dataclass, field
@@ -13,17 +15,18 @@ from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
-from fastai.optimizer import SGD, Adam
+from fastai.optimizer import SGD, Adam, Optimizer
 from fastai.torch_core import set_seed
 import fastai.callback.schedule  # noqa: F401 (Learner.fit_one_cycle)
 
-from .callbacks import ModelToHalf
-from .scaling import OverflowCheck
-from .scaling import check_positive
-from . import learner as _learner  # noqa: F401 (Learner.to_fp16 & co.)
+from ..callbacks import ModelToHalf
+from ..scaling import OverflowCheck
+from ..scaling import check_positive
+from .. import learner as _learner  # noqa: F401 (Learner.to_fp16 & co.)
 
-__all__ = ['HalfLossScale', 'MODES', 'DEFAULT_MODES', 'TASKS', 'Task', 'Run', 'digits_data', 'digits_cnn',
-           'digits_linear', 'set_mode', 'make_learner', 'train', 'run_mode']
+__all__ = ['HalfLossScale', 'classic_momentum', 'ClassicSGD', 'MODES', 'DEFAULT_MODES', 'TASKS', 'Task', 'Run',
+           'digits_data', 'digits_cnn', 'digits_linear', 'digits_transformer', 'offset_cnn', 'set_mode', 'make_learner',
+           'train', 'run_mode', 'run_many', 'mean_acc', 'TOLERANCE', 'EXPERIMENTS', 'run_experiments']
 
 class HalfLossScale(Callback):
     "Loss scaling for a model trained in 16-bit *without* FP32 masters: the 16-bit grads are unscaled in place."
@@ -47,6 +50,23 @@ class HalfLossScale(Callback):
         self.scales.append(self.scale); self.skips.append(found and self.check)
         if found and self.check: raise CancelStepException()
 
+def classic_momentum(p, lr, mom, mom_buf=None, **kwargs):
+    """The 'vanilla' momentum of the slides, in the weights' own dtype: H = m*H - lr*dW, W = W + H. In 16-bit the product
+    lr*dW underflows and W + H rounds small updates away: the vanishing updates that FP32 masters, or the modified rule, avoid."""
+    if mom_buf is None: mom_buf = torch.zeros_like(p.data)
+    mom_buf.mul_(mom).sub_(p.grad.data * torch.tensor(lr, dtype=p.dtype))  # lr*dW computed in the param's dtype
+    p.data.add_(mom_buf)
+    return {'mom_buf': mom_buf}
+
+def ClassicSGD(params, lr, mom=0.9, wd=0.):
+    "SGD with the classic momentum rule `classic_momentum` (for the 'plain update' experiment of FP16 storage)."
+    return Optimizer(params, [classic_momentum], lr=lr, mom=mom, wd=wd)
+
+def _plain_storage(learn):
+    "16-bit storage with the plain update: the classic momentum rule in fp16, grads unscaled in fp16 (no masters)."
+    learn.opt_func = partial(ClassicSGD, mom=0.9)
+    return learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(1000.)])
+
 # name -> (what it is, how to set up a learner); `python -m fp16cb --help` lists these descriptions
 MODES = {
     'fp32':        ("plain FP32 training (`learn.to_fp32()`)", lambda learn: learn.to_fp32()),
@@ -68,6 +88,17 @@ MODES = {
                        lambda learn: learn.to_fp16(loss_scale=2.**24, scale_wait=20)),
     'fp16_unchecked': ("pure fp16, static loss scale 2^24, no overflow check: the infs reach the weights",
                        lambda learn: learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(2.**24, check=False)])),
+    # the per-layer precision policy
+    'bf16_norm': ("to_bf16, LayerNorm/GroupNorm kept FP32", lambda learn: learn.to_bf16(keep_fp32='norm')),
+    'bf16_classifier': ("to_bf16, final classifier kept FP32", lambda learn: learn.to_bf16(keep_fp32='classifier')),
+    'bf16_norm_classifier': ("to_bf16, norms and classifier FP32", lambda learn: learn.to_bf16(keep_fp32=['norm', 'classifier'])),
+    'fp16_norm': ("to_fp16, norms kept FP32", lambda learn: learn.to_fp16(keep_fp32='norm')),
+    'fp16_classifier': ("to_fp16, final classifier kept FP32", lambda learn: learn.to_fp16(keep_fp32='classifier')),
+    # FP16 master-weight storage
+    'fp16_storage_plain': ("fp16 storage, classic momentum in fp16, no masters", _plain_storage),
+    'fp16_storage_rn': ("fp16 storage, modified rule, round to nearest",
+                        lambda learn: learn.to_fp16(half_storage=True, stochastic_rounding=False)),
+    'fp16_storage': ("fp16 storage, modified rule, stochastic rounding", lambda learn: learn.to_fp16(half_storage=True)),
 }
 DEFAULT_MODES = ('fp32', 'to_fp16', 'to_bf16', 'native')
 
@@ -102,6 +133,24 @@ def digits_linear(offset:float=0.) -> nn.Module:
     with torch.no_grad(): lin.weight.normal_(0, 0.01).add_(offset); lin.bias.zero_()
     return lin
 
+class DigitsTransformer(nn.Module):
+    "An 8x8 image as 8 tokens of 8 pixels: linear embedding + position, one pre-norm encoder layer, mean, LayerNorm, head."
+    def __init__(self, d:int=32, heads:int=4):
+        super().__init__()
+        self.embed, self.pos = nn.Linear(8, d), nn.Parameter(torch.zeros(8, d))
+        self.encoder = nn.TransformerEncoderLayer(d, heads, 2*d, dropout=0., batch_first=True, norm_first=True)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 10)
+    def forward(self, x): return self.head(self.norm(self.encoder(self.embed(x.flatten(1, 2)) + self.pos).mean(1)))
+
+def digits_transformer() -> nn.Module: return DigitsTransformer()
+
+def offset_cnn(offset:float=4096.) -> nn.Module:
+    """The digits CNN whose classifier adds `offset` to every logit (its bias): the softmax ignores a common shift, but
+    16-bit logits near 4096 are spaced by 4 (fp16) or 32 (bf16), so a 16-bit classifier rounds class differences away."""
+    m = digits_cnn()
+    with torch.no_grad(): m[-1].bias.add_(offset)
+    return m
+
 class ScaledLoss:
     "Cross-entropy times `factor`: a loss (term) whose gradients live far below 1."
     def __init__(self, factor:float): self.factor, self.ce = factor, CrossEntropyLossFlat()
@@ -134,6 +183,15 @@ TASKS = {
     # (2) a loss weighted by 2^-20: its gradients are below fp16's smallest subnormal (2^-24); SGD's lr makes up for it
     'underflow': Task('underflow', digits_cnn, lr=0.1 * 2**20, opt_func=partial(SGD, mom=0.9),
                       loss_func=ScaledLoss(2.**-20), note="tiny CNN, loss x 2^-20, SGD lr 0.1 x 2^20"),
+    # the precision policy on a small transformer, and a classifier that 16-bit rounds
+    'transformer': Task('transformer', digits_transformer, epochs=6, lr=1e-2,
+                        note="8 tokens of 8 pixels, 1 pre-norm encoder layer (d=32), Adam, one-cycle"),
+    'logit_offset': Task('logit_offset', offset_cnn, epochs=6,
+                         note="tiny CNN whose logits all carry +4096 (16-bit spacing 4 in fp16, 32 in bf16), Adam, one-cycle"),
+    # FP16 storage: the loss x 2^-22 puts raw gradients below fp16's subnormals once unscaled; SGD's lr x 2^22 (< 65504)
+    # makes up for it
+    'storage': Task('storage', digits_cnn, epochs=4, lr=0.015 * 2**22, opt_func=partial(SGD, mom=0.9), one_cycle=False,
+                    loss_func=ScaledLoss(2.**-22), note="tiny CNN, loss x 2^-22, SGD momentum 0.9, lr 0.015 x 2^22"),
 }
 
 def make_learner(task='digits', mode='fp32', seed:int=0, device='cpu') -> Learner:
@@ -224,6 +282,19 @@ EXPERIMENTS = [
     ("Failure 3: overflow, handled by dynamic scaling", 'digits',
      [('FP32', 'fp32', 'fp32'), ('FP16, scale 2^24, unchecked', 'fp16_unchecked', 'breaks'),
       ('mixed, dynamic, scale_wait=20', 'to_fp16_wait20', 'recipe')]),
+    ("Precision policy: opt-ins on a small transformer (speed and accuracy)", 'transformer',
+     [('FP32', 'fp32', 'fp32'), ('to_bf16 (BatchNorm only)', 'to_bf16', 'recipe'), ('+ norms FP32', 'bf16_norm', 'recipe'),
+      ('+ classifier FP32', 'bf16_classifier', 'recipe'), ('+ norms + classifier', 'bf16_norm_classifier', 'recipe')]),
+    ("Precision policy: keeping the classifier FP32 is what makes fp16 match FP32", 'logit_offset',
+     [('FP32', 'fp32', 'fp32'), ('to_fp16', 'to_fp16', 'breaks'), ('to_fp16, classifier FP32', 'fp16_classifier', 'recipe'),
+      ('to_bf16', 'to_bf16', 'breaks'), ('to_bf16, classifier FP32', 'bf16_classifier', 'recipe')]),
+    ("FP16 master-weight storage (NVIDIA's NVCaffe slides): plain vs modified update", 'storage',
+     [('FP32 masters (to_fp16)', 'to_fp16', 'fp32'), ('fp16 storage, plain update', 'fp16_storage_plain', 'breaks'),
+      ('fp16 storage, modified, nearest', 'fp16_storage_rn', 'recipe'),
+      ('fp16 storage, modified, stochastic', 'fp16_storage', 'recipe')]),
+    ("FP16 storage: updates under half an fp16 spacing need stochastic rounding", 'vanishing',
+     [('FP32 masters (to_fp16)', 'to_fp16', 'fp32'), ('fp16 storage, nearest', 'fp16_storage_rn', 'breaks'),
+      ('fp16 storage, stochastic', 'fp16_storage', 'recipe')]),
 ]
 
 def run_experiments(seeds=(0, 1, 2), device='cpu', epochs:int=None, log=print) -> list:
@@ -241,6 +312,3 @@ def run_experiments(seeds=(0, 1, 2), device='cpu', epochs:int=None, log=print) -
         res.append((title, task, out))
         if log: log(f"  ... {title}: done")
     return res
-
-from . import experiments_precision as _precision  # the precision-policy and FP16-storage experiments (issue 13)
-_precision.register(MODES, TASKS, EXPERIMENTS)

@@ -2,11 +2,11 @@
 `DistributedDataParallel`, in FP32 and in each precision mode, and report what the all-reduce moved per step, the
 buckets' dtypes, the final loss scale, and whether the ranks ended bit-identical.
 
-    python -m fp16cb.ddp_demo                              # launches 2 local processes itself (gloo)
-    torchrun --nproc_per_node=2 -m fp16cb.ddp_demo         # the same under torchrun (nccl when CUDA is there)
+    python -m fp16cb.demos.ddp                             # launches 2 local processes itself (gloo)
+    torchrun --nproc_per_node=2 -m fp16cb.demos.ddp        # the same under torchrun (nccl when CUDA is there)
 
-`launch` (local processes with the environment `torchrun` sets), `init`, `shard` and `DDPWrap` are also what the
-tests of `tests/test_distributed.py` are built from."""
+`launch` (local processes with the environment `torchrun` sets), `init`, `shard`, `DDPWrap` and `ByteCounter` are also
+what the tests of `tests/test_distributed.py` are built from."""
 from __future__ import annotations
 import argparse, hashlib, math, os, socket, subprocess, sys
 from datetime import timedelta
@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from fastai.callback.core import Callback
 
-__all__ = ['free_port', 'launch', 'init', 'shard', 'DDPWrap', 'fingerprint', 'demo_learner', 'main']
+__all__ = ['free_port', 'launch', 'init', 'shard', 'ByteCounter', 'count_allreduce', 'DDPWrap', 'fingerprint',
+           'demo_learner', 'main']
 
 def free_port() -> int:
     "A TCP port free on 127.0.0.1 now (for `MASTER_PORT`)."
@@ -25,7 +26,7 @@ def free_port() -> int:
         s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def launch(
-    cmd:list, # the command each process runs, e.g. `[sys.executable, '-m', 'fp16cb.ddp_demo']`
+    cmd:list, # the command each process runs, e.g. `[sys.executable, '-m', 'fp16cb.demos.ddp']`
     nprocs:int=2, # number of processes (ranks)
     timeout:float=60., # seconds before every process is killed and a `TimeoutError` raised
     env:dict|None=None, # more environment variables
@@ -59,12 +60,25 @@ def shard(items:list, bs:int, rank:int, world:int) -> list:
     B = bs * world
     return [x for i in range(0, len(items), B) for x in items[i + rank*bs: i + (rank+1)*bs]]
 
+class ByteCounter:
+    """Counts what DDP's all-reduces move (bytes per rank, all buckets): `counter.register(ddp_model)` before the first
+    backward; it then all-reduces as DDP does by default. `bytes`, `calls` and the buckets' `dtypes` so far."""
+    def __init__(self): self.bytes, self.calls, self.dtypes = 0, 0, set()
+    def register(self, ddp:DDP): ddp.register_comm_hook(self, count_allreduce)
+
+def count_allreduce(state:ByteCounter, bucket):
+    "A DDP comm hook: count the bucket into `state` (a `ByteCounter`), then DDP's default all-reduce (the average)."
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    buf = bucket.buffer()
+    state.bytes += buf.numel() * buf.element_size(); state.calls += 1; state.dtypes.add(str(buf.dtype))
+    return allreduce_hook(None, bucket)
+
 class DDPWrap(Callback):
     """Wraps the model in torch's DDP in `before_fit`, after the precision callbacks (order 11, as fastai's
     `DistributedTrainer`, which does the same through Accelerate), and unwraps it in `after_fit`."""
     order = 11
     def __init__(self,
-        counter=None, # a `fp16cb.distributed.ByteCounter` to count the all-reduced bytes with
+        counter=None, # a `ByteCounter` to count the all-reduced bytes with
     ): self.counter = counter
     def before_fit(self):
         self.learn.model = DDP(self.learn.model)
@@ -112,7 +126,6 @@ def _pow2(x:float) -> str:
 def _worker(epochs:int):
     import warnings; warnings.filterwarnings('ignore')
     import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
-    from fp16cb.distributed import ByteCounter
     from fastai.callback.progress import ProgressCallback
     rank, world = init(), int(os.environ['WORLD_SIZE'])
     rows = []
@@ -141,7 +154,7 @@ def main(argv=None):
     p.add_argument('--epochs', type=int, default=1)
     args = p.parse_args(argv)
     if 'RANK' in os.environ: return _worker(args.epochs)
-    outs = launch([sys.executable, '-m', 'fp16cb.ddp_demo', '--epochs', str(args.epochs)], args.nproc, timeout=300)
+    outs = launch([sys.executable, '-m', 'fp16cb.demos.ddp', '--epochs', str(args.epochs)], args.nproc, timeout=300)
     print(outs[0], end='')
 
 if __name__ == '__main__': main()
