@@ -13,7 +13,7 @@ hand or by fastai's `to_distributed`/`distrib_ctx`): what the precision callback
   process group's backend is gloo, so the same code runs on CPUs (`distrib_ctx(cpu=True, sync_bn=False)`).
 Nothing here does anything in a single process (torch.distributed not initialized, or a world of 1)."""
 from __future__ import annotations
-import sys
+import functools, inspect, sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -29,10 +29,25 @@ def broadcast_(tensors:list, src:int=0):
     for t in tensors:
         if t.numel(): dist.broadcast(t, src)
 
+def _record_ddp_arguments():
+    """Let every `DistributedDataParallel` keep the arguments it was made with (`_fp16cb_args`), so that a re-wrap
+    gives the new one exactly the user's (`broadcast_buffers=False` included). Installed once, on import."""
+    init = DDP.__init__
+    if getattr(init, '_fp16cb', False): return
+    sig = inspect.signature(init)
+    @functools.wraps(init)
+    def __init__(self, module, *args, **kwargs):
+        init(self, module, *args, **kwargs)
+        bound = sig.bind(self, module, *args, **kwargs).arguments
+        self.__dict__['_fp16cb_args'] = {k: v for k, v in bound.items() if k not in ('self', 'module')}
+    __init__._fp16cb = True
+    DDP.__init__ = __init__
+
 def _ddp_kwargs(ddp:DDP) -> dict:
-    "The constructor arguments of `ddp` that can be read back from it (torch keeps them as attributes)."
-    kw = {k: getattr(ddp, k) for k in ('device_ids', 'output_device', 'dim', 'process_group', 'find_unused_parameters',
-                                       'gradient_as_bucket_view') if hasattr(ddp, k)}
+    "The arguments `ddp` was made with (recorded), or, for one made before fp16cb was imported, those it keeps as attributes."
+    if '_fp16cb_args' in ddp.__dict__: return dict(ddp.__dict__['_fp16cb_args'])
+    names = [k for k in inspect.signature(DDP.__init__).parameters if k not in ('self', 'module')]
+    kw = {k: ddp.__dict__[k] for k in names if k in ddp.__dict__}
     if getattr(ddp, 'bucket_bytes_cap', None): kw['bucket_cap_mb'] = ddp.bucket_bytes_cap / 2**20
     return kw
 
@@ -65,3 +80,4 @@ def sync_masters(model, masters:list) -> bool:
     return True
 
 patch_fastai()
+_record_ddp_arguments()
