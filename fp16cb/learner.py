@@ -67,7 +67,9 @@ def to_fp16(self:Learner, **kwargs):
     check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
-    return self._set_precision([ModelToHalf(dtype, keep_fp32=keep_fp32), MixedPrecision(dtype=dtype, **kwargs)])
+    half = ModelToHalf(dtype, keep_fp32=keep_fp32)
+    if getattr(self, 'model', None) is not None: half.policy.check(self.model)  # a typo in keep_fp32 fails here, not in fit
+    return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch
 @delegates(MixedPrecision)
