@@ -60,7 +60,10 @@ _FP16_FOREIGN = {k: _TO_NATIVE for k in AMP_ARGS}
 
 _HALF_ARGS = ('keep_fp32',)  # `ModelToHalf`'s: which modules stay FP32
 
-def _shows(also=None, **defaults):
+def _shows(
+    also=None, # a callback whose `_HALF_ARGS` the method passes on (`ModelToHalf`: `keep_fp32`), shown last
+    **defaults, # the method's own defaults, shown instead of the delegated callback's
+):
     """Decorator, after fastcore's `delegates`: the signature shows `defaults` (this method's own), then the arguments of
     `also` (a callback) that it passes on (`keep_fp32`), so that `help(learn.to_bf16)` shows what a call does."""
     def _f(f):
@@ -72,7 +75,11 @@ def _shows(also=None, **defaults):
         return f
     return _f
 
-def _no_dtype(name:str, other:str, kwargs:dict):
+def _no_dtype(
+    name:str, # the method given `dtype`: 'to_bf16'
+    other:str, # the method that takes it: 'to_fp16'
+    kwargs:dict, # the call's keyword arguments
+):
     "A `TypeError` for `dtype` given to a method whose name says its dtype (`to_bf16`), naming the one that takes it."
     if 'dtype' in kwargs: raise TypeError(f"`learn.{name}()` trains in bfloat16 and takes no `dtype`: for another dtype, "
                                           f"call `learn.{other}(dtype=...)`")
