@@ -58,19 +58,48 @@ _FP16_FOREIGN = {k: _TO_NATIVE for k in AMP_ARGS}
 
 _HALF_ARGS = ('keep_fp32',)  # `ModelToHalf`'s: which modules stay FP32
 
+def _shows(
+    also=None, # a callback whose `_HALF_ARGS` the method passes on (`ModelToHalf`: `keep_fp32`), shown last
+    **defaults, # the method's own defaults, shown instead of the delegated callback's
+):
+    """Decorator, after fastcore's `delegates`: the signature shows `defaults` (this method's own), then the arguments of
+    `also` (a callback) that it passes on (`keep_fp32`), so that `help(learn.to_bf16)` shows what a call does."""
+    def _f(f):
+        sig = inspect.signature(f)
+        ps = [p.replace(default=defaults[p.name]) if p.name in defaults else p for p in sig.parameters.values()]
+        if also is not None: ps += [p.replace(kind=p.KEYWORD_ONLY) for n, p in inspect.signature(also).parameters.items()
+                                    if n in _HALF_ARGS]
+        f.__signature__ = sig.replace(parameters=ps)
+        return f
+    return _f
+
+def _no_dtype(
+    name:str, # the method given `dtype`: 'to_bf16'
+    other:str, # the method that takes it: 'to_fp16'
+    kwargs:dict, # the call's keyword arguments
+):
+    "A `TypeError` for `dtype` given to a method whose name says its dtype (`to_bf16`), naming the one that takes it."
+    if 'dtype' in kwargs: raise TypeError(f"`learn.{name}()` trains in bfloat16 and takes no `dtype`: for another dtype, "
+                                          f"call `learn.{other}(dtype=...)`")
+
 @patch
+@_shows(ModelToHalf)
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
     "Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling."
     check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
-    return self._set_precision([ModelToHalf(dtype, keep_fp32=keep_fp32), MixedPrecision(dtype=dtype, **kwargs)])
+    half = ModelToHalf(dtype, keep_fp32=keep_fp32)
+    if getattr(self, 'model', None) is not None: half.policy.check(self.model)  # a typo in keep_fp32 fails here, not in fit
+    return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch
-@delegates(MixedPrecision)
+@_shows(ModelToHalf, dynamic=False, loss_scale=1.)
+@delegates(MixedPrecision, but=['dtype'])
 def to_bf16(self:Learner, **kwargs):
     "Train in mixed precision with bfloat16: FP32 master weights; no loss scaling unless asked (bf16 has FP32's range)."
+    _no_dtype('to_bf16', 'to_fp16', kwargs)
     check_kwargs('to_bf16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
     kwargs = {'dynamic': False, **kwargs}
     if not kwargs['dynamic']: kwargs.setdefault('loss_scale', 1.)  # dynamic: calibrated from the first step, as fp16
@@ -93,9 +122,10 @@ def to_native_fp16(self:Learner, **kwargs):
     return self._set_precision([NativeMixedPrecision(**kwargs)])
 
 @patch
-@delegates(NativeMixedPrecision)
+@delegates(NativeMixedPrecision, but=['dtype'])
 def to_native_bf16(self:Learner, **kwargs):
     "Train with PyTorch's autocast in bfloat16 (no loss scaling)."
+    _no_dtype('to_native_bf16', 'to_native_fp16', kwargs)
     check_kwargs('to_native_bf16', kwargs, NativeMixedPrecision, _NATIVE_FOREIGN)
     return self.to_native_fp16(dtype=torch.bfloat16, **kwargs)
 

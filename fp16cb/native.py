@@ -1,7 +1,9 @@
 """torch.amp (autocast + GradScaler) as a fastai callback, on whatever device the model is."""
 from __future__ import annotations
 import torch
+from collections import defaultdict
 from torch.amp import GradScaler
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, warn_slow_half, model_device
@@ -62,10 +64,23 @@ class NativeMixedPrecision(SessionCallback):
         self.record.setup(self.learn.model); self.skipped_in_a_row = 0
 
     def teardown(self):
-        "Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`)."
+        """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
+        came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step."""
         self._exit_autocast()
+        if not self._pausing(): self._forget_step()
         self.record.teardown()
         if not self.session.suspending: warn_all_skipped(self.record.this_fit, self.skip_label)
+
+    def _pausing(self) -> bool:
+        "Torn down for a pause mid-fit (`learn.save`...): a step under way goes on after it, its `update` still to come."
+        learn = self.__dict__.get('learn')
+        return learn is not None and self.session.suspending
+
+    def _forget_step(self):
+        "Drop the per-optimizer state of a `GradScaler.step` never followed by `update` (the learned scale is kept)."
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # what `update` leaves
+        self._stepped = False
 
     def before_batch(self):
         if self.training: self.record.snapshot()

@@ -5,21 +5,26 @@ NVCaffe lets a layer choose its math (NVIDIA's "Training with mixed precision" s
 own choice (`module.fp16cb_dtype = torch.float32`). Casts go only where a kept subtree (an *island*) meets the 16-bit
 rest: its floating inputs cast up once, its outputs back once; nothing is cast inside an island."""
 from __future__ import annotations
-import fnmatch, re
+import difflib, fnmatch, re, warnings
+from functools import partial
 from typing import NamedTuple
 import torch
 from torch import nn
 
-from .dtypes import cast_floats
+from .dtypes import cast_floats, user_stacklevel
 
-__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Resolved', 'IslandHooks', 'policy_report']
+__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'IslandHooks', 'policy_report']
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
 if hasattr(nn, 'RMSNorm'): _NORMS += (nn.RMSNorm,)
 _SOFTMAX = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
 
-def _is_classifier(name:str, module:nn.Module, model:nn.Module) -> bool:
-    return name == _last_layer_name(model)
+# the tests of the categories, `(name, module, model) -> bool`: module-level functions, so that a policy pickles
+def _is_batchnorm(name:str, m:nn.Module, model:nn.Module) -> bool: return isinstance(m, nn.modules.batchnorm._BatchNorm)
+def _is_norm(name:str, m:nn.Module, model:nn.Module) -> bool: return isinstance(m, _NORMS)
+def _is_embedding(name:str, m:nn.Module, model:nn.Module) -> bool: return isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+def _is_softmax(name:str, m:nn.Module, model:nn.Module) -> bool: return isinstance(m, _SOFTMAX)
+def _is_classifier(name:str, m:nn.Module, model:nn.Module) -> bool: return name == _last_layer_name(model)
 
 def _last_layer_name(model:nn.Module):
     "The name of the last (in registration order) Linear or Conv layer: the model's final classifier."
@@ -30,41 +35,93 @@ def _last_layer_name(model:nn.Module):
 
 # the named op categories `keep_fp32` takes: name -> (what it is, a test of (name, module, model))
 CATEGORIES = {
-    'batchnorm': ("BatchNorm layers (the default)", lambda n, m, model: isinstance(m, nn.modules.batchnorm._BatchNorm)),
-    'norm': ("LayerNorm, GroupNorm, InstanceNorm, LocalResponseNorm, RMSNorm", lambda n, m, model: isinstance(m, _NORMS)),
-    'embedding': ("nn.Embedding and nn.EmbeddingBag", lambda n, m, model: isinstance(m, (nn.Embedding, nn.EmbeddingBag))),
+    'batchnorm': ("BatchNorm layers (the default)", _is_batchnorm),
+    'norm': ("LayerNorm, GroupNorm, InstanceNorm, LocalResponseNorm, RMSNorm", _is_norm),
+    'embedding': ("nn.Embedding and nn.EmbeddingBag", _is_embedding),
     'classifier': ("the final classifier: the last Linear or Conv layer", _is_classifier),
-    'softmax': ("Softmax, LogSoftmax, Softmin modules", lambda n, m, model: isinstance(m, _SOFTMAX)),
+    'softmax': ("Softmax, LogSoftmax, Softmin modules", _is_softmax),
 }
 _NATIVE_MIXED = (nn.modules.batchnorm._BatchNorm,)  # torch's kernels take 16-bit inputs with FP32 params: no casts
 _ATTR = 'fp16cb_dtype'  # the per-module override
 
-def _matcher(spec):
-    "A test `(name, module, model) -> bool` and a label for one item of `keep_fp32`."
-    if isinstance(spec, type) and issubclass(spec, nn.Module):
-        return (lambda n, m, model: isinstance(m, spec)), spec.__name__
+class _IsType:
+    "Test: the module is a `cls`."
+    def __init__(self, cls:type): self.cls = cls
+    def __call__(self, name:str, m:nn.Module, model:nn.Module) -> bool: return isinstance(m, self.cls)
+
+class _NameIs:
+    "Test: the module's qualified name fully matches `rx` (a regex, or a glob translated to one)."
+    def __init__(self, rx:re.Pattern): self.rx = rx
+    def __call__(self, name:str, m:nn.Module, model:nn.Module) -> bool: return self.rx.fullmatch(name) is not None
+
+class _Predicate:
+    "Test: the user's `fn(name, module)`."
+    def __init__(self, fn): self.fn = fn
+    def __call__(self, name:str, m:nn.Module, model:nn.Module) -> bool: return bool(self.fn(name, m))
+
+class _Matcher(NamedTuple):
+    "One item of `keep_fp32`: its test, how reports name it, and whether it names modules (a glob, a regex, a word)."
+    test: object  # (name, module, model) -> bool
+    label: str
+    spec: object  # as the user gave it
+    by_name: bool = False
+
+def _is_word(spec) -> bool:
+    "A plain identifier ('norms', 'encoder'): a category or one top-level module, never a pattern."
+    return isinstance(spec, str) and spec.isidentifier()
+
+def _regex(spec, pattern:str) -> re.Pattern:
+    try: return re.compile(pattern)
+    except re.error as e: raise ValueError(f"keep_fp32: {spec!r} is not a valid regex ({e}): fix it, or use a glob") from None
+
+def _matcher(spec) -> _Matcher:
+    "The test and the label of one item of `keep_fp32`."
+    if isinstance(spec, type) and issubclass(spec, nn.Module): return _Matcher(_IsType(spec), spec.__name__, spec)
     if isinstance(spec, str):
-        if spec in CATEGORIES: return CATEGORIES[spec][1], spec
-        if spec.startswith('re:'):
-            rx = re.compile(spec[3:])
-            return (lambda n, m, model: rx.fullmatch(n) is not None), spec
-        return (lambda n, m, model: fnmatch.fnmatchcase(n, spec)), f"name {spec!r}"
-    if isinstance(spec, re.Pattern): return (lambda n, m, model: spec.fullmatch(n) is not None), f"re {spec.pattern!r}"
-    if callable(spec): return (lambda n, m, model: bool(spec(n, m))), getattr(spec, '__name__', 'predicate')
+        if spec in CATEGORIES: return _Matcher(CATEGORIES[spec][1], spec, spec)
+        if spec.startswith('re:'): return _Matcher(_NameIs(_regex(spec, spec[3:])), spec, spec, True)
+        return _Matcher(_NameIs(re.compile(fnmatch.translate(spec))), f"name {spec!r}", spec, True)
+    if isinstance(spec, re.Pattern): return _Matcher(_NameIs(spec), f"re {spec.pattern!r}", spec, True)
+    if callable(spec): return _Matcher(_Predicate(spec), getattr(spec, '__name__', 'predicate'), spec)
     raise TypeError(f"keep_fp32: cannot use {spec!r}: expected a module type, a category ({', '.join(CATEGORIES)}), "
                     "a name glob ('encoder.*'), 're:<regex>', a compiled regex or a predicate `(name, module) -> bool`")
 
+def _keep_parents(model:nn.Module, hits:dict, label:str):
+    """Add to `hits` the modules whose children (two or more) a name spec all keeps: `'layer4.*'` keeps `layer4` too,
+    so that its blocks are one FP32 island (their activations stay FP32 between them), not one island each."""
+    def covered(m) -> bool:
+        kids = [covered(c) for c in m.children()]  # all of them, first: nested parents are kept too
+        if id(m) in hits: return True
+        if len(kids) >= 2 and all(kids): hits[id(m)] = f"{label} (all its children)"
+        return id(m) in hits
+    covered(model)
+
+def _closest(word:str, names:list, n:int=3) -> list:
+    "The names closest to `word` (difflib), and the glob `*.word` if nested modules are named `word`."
+    nested = [f"*.{word}"] if any(o.endswith(f".{word}") for o in names) else []
+    return nested + [o for o in difflib.get_close_matches(word, names, n=n, cutoff=.6) if o not in nested]
+
+def _categories() -> str: return '; '.join(f"{k!r}: {doc}" for k, (doc, _) in CATEGORIES.items())
+
+class Island(NamedTuple):
+    "A subtree that computes in another dtype than its parent: its floating inputs cast on entry, its outputs back."
+    name: str
+    module: nn.Module
+    fp32: bool = True  # an FP32 island in the 16-bit model (False: a 16-bit module inside a kept subtree)
+
 class Resolved(NamedTuple):
-    "What a policy gives on one model: the modules kept FP32 and why, and the roots of the FP32 islands."
+    "What a policy gives on one model: the modules kept FP32 and why, and the islands (with casts at their edges)."
     kept: dict  # id(module) -> reason
-    islands: list  # (name, module) of the kept modules whose parent is 16-bit, which get the boundary casts
+    islands: list  # `Island`s: the kept modules whose parent is 16-bit, and the 16-bit ones whose parent is kept
     names: dict  # id(module) -> qualified name
 
 class PrecisionPolicy:
     """What stays FP32 in a 16-bit model: BatchNorm (unless `batchnorm=False`) and whatever `specs` match, each with its
     whole subtree. A spec is a module type, a category name of `CATEGORIES`, a glob on the module's qualified name
-    ('encoder.*.norm1'), 're:<regex>', a compiled regex, or a predicate `(name, module) -> bool`. A module's own
-    `fp16cb_dtype` attribute wins over the specs: `torch.float32` keeps it, a 16-bit dtype converts it."""
+    ('encoder.*.norm1'; a glob that matches every child of a module keeps that module too), 're:<regex>', a compiled
+    regex, or a predicate `(name, module) -> bool`. A plain word that is neither a category nor a module's name is an
+    error (a typo: 'norms'); a name that matches no module warns. A module's own `fp16cb_dtype` attribute wins over
+    the specs, inside a kept subtree too: `torch.float32` keeps it, a 16-bit dtype converts it (and its subtree)."""
     def __init__(self, *specs,
         batchnorm:bool=True, # keep BatchNorm layers FP32 (as fastai and Micikevicius et al. 2018 do)
     ):
@@ -81,21 +138,53 @@ class PrecisionPolicy:
 
     def __repr__(self): return f"PrecisionPolicy(keep_fp32={list(self.specs)})"
 
-    def _own_reason(self, name:str, m:nn.Module, model:nn.Module):
-        "Why `m` itself is kept FP32 (None: it is not), from its override or the specs."
-        if hasattr(m, _ATTR):
-            dt = getattr(m, _ATTR)
-            if dt not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError(f"{name or 'the model'}.{_ATTR} = {dt!r}: expected torch.float32, torch.float16 or torch.bfloat16")
-            return f"{_ATTR}=float32" if dt == torch.float32 else None
-        return next((label for test, label in self.matchers if test(name, m, model)), None)
+    def check(self, model:nn.Module):
+        "`ValueError` for a plain word of `keep_fp32` that is neither a category nor a module of `model` (a typo)."
+        names = [n for n, _ in model.named_modules() if n]
+        for mt in self.matchers:
+            if not (mt.by_name and _is_word(mt.spec)) or mt.spec in names: continue
+            close = _closest(mt.spec, list(CATEGORIES) + names)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ''
+            raise ValueError(f"keep_fp32: {mt.spec!r} is neither a category nor the name of a module of the model{hint}. "
+                             f"The categories: {_categories()}. A module is named by its qualified name "
+                             "('encoder.0.norm1'), a glob ('encoder.*.norm1') or 're:<regex>'.")
+
+    def _warn_unmatched(self, spec, names:list):
+        text = spec.pattern if isinstance(spec, re.Pattern) else spec[3:] if spec.startswith('re:') else spec
+        close = _closest(text, names)
+        top = [n for n in names if '.' not in n]
+        seen = f"closest module names: {', '.join(map(repr, close))}" if close else \
+               f"the model's top-level modules: {', '.join(map(repr, top[:10]))}{' ...' if len(top) > 10 else ''}"
+        warnings.warn(f"keep_fp32: {spec!r} matches no module of the model, so it keeps nothing FP32 ({seen}); "
+                      "fix the name, or see `policy_report()` for the names", UserWarning, stacklevel=user_stacklevel())
+
+    def _spec_reasons(self, model:nn.Module) -> dict:
+        "`{id(module): label}` of the modules a spec keeps by itself (the first that does), warning of unmatched names."
+        named, res = list(model.named_modules()), {}
+        for mt in self.matchers:
+            hits = {id(m): mt.label for n, m in named if mt.test(n, m, model)}
+            if mt.by_name and not hits: self._warn_unmatched(mt.spec, [n for n, _ in named if n])
+            if mt.by_name: _keep_parents(model, hits, mt.label)
+            for k, v in hits.items(): res.setdefault(k, v)
+        return res
+
+    @staticmethod
+    def _override(name:str, m:nn.Module):
+        "The module's own `fp16cb_dtype` (None: it has none)."
+        dt = getattr(m, _ATTR, None)
+        if dt is not None and dt not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"{name or 'the model'}.{_ATTR} = {dt!r}: expected torch.float32, torch.float16 or torch.bfloat16")
+        return dt
 
     def resolve(self, model:nn.Module) -> Resolved:
-        "The modules of `model` kept FP32 (whole subtrees; and any module holding a tensor tied to a kept one)."
+        """The modules of `model` kept FP32 (whole subtrees, less those that carry a 16-bit `fp16cb_dtype`; and any
+        module holding a tensor tied to a kept one)."""
+        self.check(model)
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        kept = {}
+        by_spec, kept = self._spec_reasons(model), {}
         def visit(name, m, inherited):
-            reason = inherited or self._own_reason(name, m, model)
+            dt = self._override(name, m)
+            reason = (inherited or by_spec.get(id(m))) if dt is None else (f"{_ATTR}=float32" if dt == torch.float32 else None)
             if reason is not None: kept[id(m)] = reason
             for cn, c in m.named_children():
                 visit(f"{name}.{cn}" if name else cn, c, f"inside {name or 'the model'}" if reason else None)
@@ -121,26 +210,33 @@ class PrecisionPolicy:
                         changed = True
 
     def _islands(self, model, kept:dict) -> list:
-        "Kept modules whose parent is 16-bit (the root if the whole model is kept), except native mixed kernels."
+        """Kept modules whose parent is 16-bit (the root if the whole model is kept), except native mixed kernels; and
+        16-bit modules whose parent is kept."""
         res = []
         def visit(name, m, parent_kept):
-            if id(m) in kept and not parent_kept:
-                if not (isinstance(m, _NATIVE_MIXED) and not any(True for _ in m.children())): res.append((name, m))
-            for cn, c in m.named_children(): visit(f"{name}.{cn}" if name else cn, c, id(m) in kept)
+            fp32 = id(m) in kept
+            if fp32 != parent_kept and not (fp32 and _native_leaf(m)): res.append(Island(name, m, fp32))
+            for cn, c in m.named_children(): visit(f"{name}.{cn}" if name else cn, c, fp32)
         visit('', model, False)
         return res
 
+def _native_leaf(m:nn.Module) -> bool:
+    "A kept module that takes 16-bit inputs as they are (BatchNorm: torch's kernels mix them with FP32 params)."
+    return isinstance(m, _NATIVE_MIXED) and not any(True for _ in m.children())
+
 class IslandHooks:
-    """The boundary casts of the FP32 islands of a 16-bit model: each island's floating inputs to FP32 as it is entered,
-    its floating outputs back to `dtype` as it returns; an island output that is also the model's output is given
-    back in FP32 (the loss and softmax see the FP32 values, not their 16-bit rounding). `n_casts` counts the casts."""
+    """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
+    its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
+    an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
+    not their 16-bit rounding). `n_casts` counts the casts."""
     def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
         self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
         self._fp32_of = {}  # id(16-bit island output) -> its FP32 value, for the current forward
-        for name, m in islands:
+        for name, m, fp32 in islands:
             if m is model: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
-            self.handles.append(m.register_forward_pre_hook(self._cast_in, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._cast_out))
+            inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
+            self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
         if self.handles: self.handles.append(model.register_forward_hook(self._model_out))
 
     def _count(self, b) -> int:
@@ -149,18 +245,18 @@ class IslandHooks:
         if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
         return 0
 
-    def _cast_in(self, module, args, kwargs):
+    def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
         self.n_casts += self._count(args) + self._count(kwargs)
-        return cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
-    def _cast_out(self, module, args, out):
-        if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != self.dtype:
+    def _cast_out(self, module, args, out, dtype:torch.dtype):
+        if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
             self.n_casts += 1
-            res = out.to(self.dtype)
-            self._fp32_of[id(res)] = (res, out)
+            res = out.to(dtype)
+            if out.dtype == torch.float32: self._fp32_of[id(res)] = (res, out)
             return res
         self.n_casts += self._count(out)
-        return cast_floats(out, self.dtype)
+        return cast_floats(out, dtype)
 
     def _model_out(self, module, args, out):
         "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
@@ -186,16 +282,23 @@ def policy_report(model:nn.Module, policy:PrecisionPolicy, dtype:torch.dtype, le
     params, during a fit), compute dtype, the casts inserted at its edges and why it is FP32: a pandas DataFrame."""
     import pandas as pd
     res = policy.resolve(model)
-    roots = {id(m) for _, m in res.islands}
-    rows = []
-    for name, m in model.named_modules():
-        kept, island = id(m) in res.kept, id(m) in roots
-        if leaves and any(True for _ in m.children()) and not island: continue
-        native = kept and not island and isinstance(m, _NATIVE_MIXED) and not _inside(res.kept[id(m)])
-        compute = (f"float32 (16-bit in/out)" if native else 'float32') if kept else _dtype_name(dtype)
-        casts = f"in: -> float32, out: -> {_dtype_name(dtype)}" if island and m is not model else '-'
-        rows.append(dict(module=name or '(model)', type=type(m).__name__, storage=_storage(m, dtype, kept),
-                         compute=compute, casts=casts, fp32_because=res.kept.get(id(m), '-')))
+    islands, rows, seen = {id(i.module): i for i in res.islands}, [], set()
+    def visit(name, m, parent_kept):
+        if id(m) in seen: return
+        seen.add(id(m))
+        kept, island = id(m) in res.kept, islands.get(id(m))
+        if not (leaves and any(True for _ in m.children()) and island is None):
+            native = kept and not parent_kept and island is None  # a BatchNorm leaf of a 16-bit parent: no cast
+            compute = (f"float32 (16-bit in/out)" if native else 'float32') if kept else _dtype_name(dtype)
+            rows.append(dict(module=name or '(model)', type=type(m).__name__, storage=_storage(m, dtype, kept),
+                             compute=compute, casts=_casts(island, dtype) if m is not model else '-',
+                             fp32_because=res.kept.get(id(m), '-')))
+        for cn, c in m.named_children(): visit(f"{name}.{cn}" if name else cn, c, kept)
+    visit('', model, False)
     return pd.DataFrame(rows, columns=['module', 'type', 'storage', 'compute', 'casts', 'fp32_because'])
 
-def _inside(reason:str) -> bool: return reason.startswith('inside ')
+def _casts(island:Island|None, dtype:torch.dtype) -> str:
+    "The casts at the edges of `island` ('-': none)."
+    if island is None: return '-'
+    inside, outside = ('float32', _dtype_name(dtype)) if island.fp32 else (_dtype_name(dtype), 'float32')
+    return f"in: -> {inside}, out: -> {outside}"

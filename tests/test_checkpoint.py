@@ -295,3 +295,52 @@ def test_exported_learner_loads_with_fastai_alone(setup, tmp_path):
     learn.model.eval()
     assert torch.equal(torch.load(tmp_path/'y.pt'), learn.model(x).detach())  # the FP32 model's predictions, exactly
     quiet_fit(learn, 1, lr=1e-2)  # and the exporting learner trains on in its precision
+
+# ---- saving onto a symlink writes through it, as stock fastai does ----------------------------------------------------
+def _links(tmp_path, kind):
+    "A link `kind` in tmp_path/models/best.pth to a file in tmp_path/data (old content if it exists); (link, target)."
+    import os
+    (tmp_path/'models').mkdir(); (tmp_path/'data').mkdir()
+    link, target = tmp_path/'models'/'best.pth', tmp_path/'data'/'best.pth'
+    if kind != 'dangling': target.write_bytes(b'old checkpoint')
+    if kind == 'chain':  # best.pth -> mid.pth -> (relative) ../data/best.pth
+        mid = tmp_path/'models'/'mid.pth'
+        os.symlink(os.path.join('..', 'data', 'best.pth'), mid); os.symlink(mid, link)
+    elif kind == 'relative': os.symlink(os.path.join('..', 'data', 'best.pth'), link)
+    else: os.symlink(target, link)
+    return link, target
+
+@pytest.mark.parametrize('kind', ['absolute', 'relative', 'chain', 'dangling'])
+def test_atomic_write_replaces_the_target_of_a_symlink(tmp_path, kind):
+    from fp16cb.atomic import atomic_write
+    link, target = _links(tmp_path, kind)
+    with atomic_write(link) as f: f.write(b'new checkpoint')
+    assert link.is_symlink() and target.read_bytes() == b'new checkpoint' and link.read_bytes() == b'new checkpoint'
+    assert sorted(p.name for p in (tmp_path/'data').iterdir()) == ['best.pth']  # no temporary file left behind
+    assert not any(p.name.endswith('.tmp') for p in (tmp_path/'models').iterdir())
+
+def test_atomic_write_through_a_symlink_keeps_the_old_target_on_failure(tmp_path):
+    from fp16cb.atomic import atomic_write
+    link, target = _links(tmp_path, 'absolute')
+    with pytest.raises(RuntimeError, match='disk full'):
+        with atomic_write(link) as f: f.write(b'half'); raise RuntimeError('disk full')
+    assert link.is_symlink() and target.read_bytes() == b'old checkpoint'
+    assert sorted(p.name for p in (tmp_path/'data').iterdir()) == ['best.pth']
+
+def test_atomic_write_names_a_symlink_loop(tmp_path):
+    import os
+    from fp16cb.atomic import atomic_write
+    os.symlink(tmp_path/'b.pth', tmp_path/'a.pth'); os.symlink(tmp_path/'a.pth', tmp_path/'b.pth')
+    with pytest.raises(OSError, match=r"a\.pth.*form a loop"):
+        with atomic_write(tmp_path/'a.pth') as f: f.write(b'x')
+    assert (tmp_path/'a.pth').is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ['a.pth', 'b.pth']
+
+def test_learn_save_writes_through_a_symlink(tmp_path):
+    from conftest import make_learner as tiny_learner
+    learn = tiny_learner(path=tmp_path).to_fp16()
+    fit(learn, 1)
+    link, target = _links(tmp_path, 'absolute')
+    learn.save('best')
+    assert link.is_symlink()
+    sd = torch.load(target, weights_only=False)
+    for k, v in learn.model.state_dict().items(): assert torch.equal(sd['model'][k], v), k

@@ -160,3 +160,19 @@ def test_to_channelslast_keeps_our_precision():
     learn = make_learner().to_native_fp16()
     learn.to_channelslast()
     assert [type(cb).__name__ for cb in learn.precision_callbacks()] == ['NativeMixedPrecision']
+
+def test_signatures_show_each_methods_own_defaults_and_keep_fp32():
+    "help(learn.to_bf16) shows bf16's defaults, not fp16's; both show keep_fp32; the calls behave as before."
+    import inspect
+    fp16, bf16 = (inspect.signature(getattr(Learner, n)).parameters for n in ('to_fp16', 'to_bf16'))
+    assert fp16['dynamic'].default is True and fp16['loss_scale'].default == 512 and fp16['dtype'].default == torch.float16
+    assert bf16['dynamic'].default is False and bf16['loss_scale'].default == 1. and 'dtype' not in bf16
+    assert 'keep_fp32' in fp16 and 'keep_fp32' in bf16 and fp16['keep_fp32'].default is None
+    assert all(p.kind == p.KEYWORD_ONLY for n, p in list(fp16.items()) + list(bf16.items()) if n != 'self')
+    assert 'dtype' not in inspect.signature(Learner.to_native_bf16).parameters
+    learn = make_learner().to_bf16(keep_fp32='classifier')
+    mp = learn.mixed_precision
+    assert mp.loss_scale == 1. and mp.dtype == torch.bfloat16 and learn.model_to_half.policy.specs == ('batchnorm', 'classifier')
+    learn.to_bf16(dynamic=True)  # dynamic bf16: calibrated from the first step, as fp16 (no loss_scale forced to 1)
+    assert not learn.mixed_precision.scaler.calibrated and learn.mixed_precision.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"to_bf16.*dtype.*to_fp16\(dtype="): learn.to_bf16(dtype=torch.float16)

@@ -112,3 +112,35 @@ def test_native_host_reads_per_step(monkeypatch, dtype):
     assert mp.skips == [False, True, False, False]
     assert len(calls) == (2 if dtype == torch.float16 else 1) * 4, calls
     assert mp.scales == ([2.**8, 2.**8, 2.**7, 2.**7] if dtype == torch.float16 else [1.] * 4)
+
+class RaiseAt(Callback):
+    "Raise `exc` in the event `event` of the optimizer step number `step` (after NativeMixedPrecision's own: order 20)."
+    order = 20
+    def __init__(self, event, step, exc=RuntimeError('boom')):
+        self.step, self.exc, self.n = step, exc, 0
+        setattr(self, event, self._maybe_raise)
+    def _maybe_raise(self):
+        self.n += 1
+        if self.n == self.step + 1: raise self.exc
+
+@pytest.mark.parametrize('exc', [RuntimeError('boom'), KeyboardInterrupt()])
+def test_native_fit_after_an_exception_between_step_and_update(exc):
+    """An exception after GradScaler.step (our before_step) and before its update (our after_step) must not leave
+    the scaler half-stepped: the next fit works, and goes on from the learned scale."""
+    learn = make_learner().to_native_fp16(init_scale=2.**4, growth_factor=4., growth_interval=2)
+    rec = Record(after_step=lambda l: l.native_mixed_precision.loss_scale)
+    with pytest.raises(type(exc)): quiet_fit(learn, 1, lr=1e-3, cbs=[rec, RaiseAt('before_step', 3, exc)])
+    assert rec.log['after_step'] == [2.**4, 2.**6, 2.**6]  # the 4th step raised before its update
+    assert learn.native_mixed_precision.loss_scale == 2.**6 and not torch.is_autocast_enabled(DEVICE.type)
+    rec = Record(before_step=lambda l: l.native_mixed_precision.loss_scale)
+    quiet_fit(learn, 1, lr=1e-3, cbs=rec)  # "step() has already been called since the last update()" before the fix
+    assert rec.log['before_step'][0] == 2.**6  # the learned scale, not init_scale
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+def test_native_save_between_step_and_update_keeps_the_step(tmp_path):
+    "A pause mid-step (`learn.save` from a later callback's before_step) is not an interruption: the update still comes."
+    learn = make_learner(path=tmp_path).to_native_fp16(init_scale=2.**4, growth_factor=4., growth_interval=2)
+    save = Record(before_step=lambda l: l.save('mid'))
+    rec = Record(after_step=lambda l: l.native_mixed_precision.loss_scale)
+    quiet_fit(learn, 1, lr=1e-3, cbs=[save, rec])
+    assert rec.log['after_step'] == [2.**4, 2.**6, 2.**6, 2.**8]  # as without the saves (test_native_growth)

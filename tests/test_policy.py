@@ -1,5 +1,6 @@
 "Per-layer precision policy (`keep_fp32=`): what stays FP32, the casts at the edges of FP32 islands, tied params, the report."
-import re
+import re, warnings
+from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
@@ -129,3 +130,103 @@ def test_keep_fp32_through_to_fp16_trains_and_restores_exactly():
     assert learn.model_to_half.policy.specs == ('batchnorm', 'classifier')
     quiet_fit(learn, 1)
     assert learn.recorder.values and all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+def _named(**mods) -> nn.Sequential: return nn.Sequential(OrderedDict(mods))
+
+def _kept_names(policy, model) -> dict:
+    res = policy.resolve(model)
+    return {res.names[k]: why for k, why in res.kept.items()}
+
+# ---- a to_fp16 / to_bf16 learner pickles (no lambdas in the policy) ---------------------------------------------------
+@pytest.mark.parametrize('dump', ['pickle', 'torch.save'])
+def test_learner_with_a_policy_pickles(dump):
+    import io, pickle
+    from fastai.torch_core import trainable_params
+    model = _named(layer1=nn.Linear(4, 8), norm=nn.LayerNorm(8), x=nn.ReLU(), ln=nn.LayerNorm(8), head=nn.Linear(8, 1))
+    learn = make_learner(model=model, splitter=trainable_params)
+    learn.to_fp16(keep_fp32=['norm', 'classifier', 'layer*', 're:x', nn.LayerNorm])
+    if dump == 'pickle': new = pickle.loads(pickle.dumps(learn))
+    else:
+        buf = io.BytesIO(); torch.save(learn, buf); buf.seek(0)
+        new = torch.load(buf, weights_only=False)
+    kept = _kept_names(learn.model_to_half.policy, learn.model)
+    assert kept == _kept_names(new.model_to_half.policy, new.model)
+    assert {n for n in kept if n} == {'layer1', 'norm', 'x', 'ln', 'head'}
+    assert new.model_to_half.policy.specs == learn.model_to_half.policy.specs
+    quiet_fit(new, 1)  # and the copy trains
+    assert pickle.loads(pickle.dumps(make_learner(splitter=trainable_params).to_bf16())).mixed_precision.dtype == torch.bfloat16
+
+# ---- keep_fp32 typos and specs that match nothing ---------------------------------------------------------------------
+def _encoder_model():
+    "encoder (norm1, ff, norm2) -> head: names to match, and to be close to."
+    return _named(encoder=_named(norm1=nn.LayerNorm(4), ff=nn.Linear(4, 4), norm2=nn.LayerNorm(4)), head=nn.Linear(4, 1))
+
+@pytest.mark.parametrize('typo,close', [('norms', 'norm'), ('embeddings', 'embedding'), ('Classifier', 'classifier'),
+                                        ('encoders', 'encoder'), ('batchnorms', 'batchnorm')])
+def test_keep_fp32_unknown_word_is_an_error_listing_the_categories(typo, close):
+    with pytest.raises(ValueError, match=rf"keep_fp32: {typo!r}.*did you mean {close!r}") as e:
+        PrecisionPolicy(typo).resolve(_encoder_model())
+    assert all(c in str(e.value) for c in CATEGORIES)
+    learn = make_learner(model=_encoder_model(), splitter=lambda m: [list(m.parameters())]).to_bf16()
+    cbs = learn.precision_callbacks()
+    with pytest.raises(ValueError, match=rf"did you mean {close!r}"): learn.to_fp16(keep_fp32=['norm', typo])
+    assert all(a is b for a, b in zip(learn.precision_callbacks(), cbs))  # at the call, the learner as it was
+
+def test_keep_fp32_plain_word_naming_a_module_or_a_nested_one():
+    "A plain word that is a module's name is that module; the name of nested modules hints at the glob that finds them."
+    assert set(_kept_names(PrecisionPolicy('encoder'), _encoder_model())) >= {'encoder', 'encoder.ff'}
+    with pytest.raises(ValueError, match=r"did you mean '\*\.norm1'"): PrecisionPolicy('norm1').resolve(_encoder_model())
+
+@pytest.mark.parametrize('spec,close', [('encoder.norm', 'encoder.norm1'), ('encoder.norm*3', 'encoder.norm1'),
+                                        ('re:encoder\\.nrm.', 'encoder.norm1'), ('layer4.*', 'encoder')])
+def test_keep_fp32_name_that_matches_nothing_warns_with_the_closest_names(spec, close):
+    with pytest.warns(UserWarning, match=rf"keep_fp32: {re.escape(repr(spec))} matches no module.*{re.escape(repr(close))}"):
+        kept = _kept_names(PrecisionPolicy(spec), _encoder_model())
+    assert set(kept) == set()  # nothing kept (no BatchNorm here)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # a name that matches warns nothing
+        PrecisionPolicy('encoder.norm*', 'norm', nn.LayerNorm).resolve(_encoder_model())
+
+def test_glob_matching_every_child_keeps_the_parent_one_island():
+    "keep_fp32='layer4.*' (the README's example): layer4 is kept too, so its blocks form one island, not one each."
+    seen = []
+    class Keep(nn.Module):
+        def forward(self, x): seen.append(x); return x
+    m = _named(layer3=nn.Linear(4, 8), layer4=nn.Sequential(nn.Linear(8, 8), Keep(), nn.Linear(8, 8)), head=nn.Linear(8, 1))
+    learn, cb = _setup(m, keep_fp32='layer4.*')
+    try:
+        assert [i.name for i in cb.policy.resolve(m).islands] == ['layer4']
+        assert _kept_names(cb.policy, m)['layer4'] == "name 'layer4.*' (all its children)"
+        assert len(cb.islands.handles) == 3  # pre-hook + hook of the one island, + the model's output hook
+        x = torch.randn(5, 4)
+        m(x)
+        h = m.layer3(x.to(torch.bfloat16)).float()
+        assert torch.equal(seen[-1], m.layer4[0](h)) and cb.islands.n_casts == 2  # FP32 between the blocks: not rounded
+    finally: cb.teardown()
+    assert 'layer4' not in _kept_names(PrecisionPolicy('layer4.0'), m)  # not every child: the parent is 16-bit
+
+# ---- a module's own fp16cb_dtype wins inside a kept subtree too ----------------------------------------------------
+def test_module_override_inside_a_kept_subtree():
+    "keep_fp32='encoder' with encoder.proj.fp16cb_dtype = bf16: proj runs in 16-bit, its input cast down, its output up."
+    probe = Probe()
+    enc = _named(pre=nn.Linear(8, 8), proj=nn.Linear(8, 8), after=probe, norm=nn.LayerNorm(8))
+    m = _named(inp=nn.Linear(4, 8), encoder=enc, head=nn.Linear(8, 1))
+    enc.proj.fp16cb_dtype = torch.bfloat16
+    enc.norm.fp16cb_dtype = torch.float32  # an FP32 override inside the kept subtree changes nothing
+    learn, cb = _setup(m, keep_fp32='encoder')
+    try:
+        assert _dtypes(m) == {'inp.weight': torch.bfloat16, 'inp.bias': torch.bfloat16,
+                              'encoder.pre.weight': torch.float32, 'encoder.pre.bias': torch.float32,
+                              'encoder.proj.weight': torch.bfloat16, 'encoder.proj.bias': torch.bfloat16,
+                              'encoder.norm.weight': torch.float32, 'encoder.norm.bias': torch.float32,
+                              'head.weight': torch.bfloat16, 'head.bias': torch.bfloat16}
+        out = m(torch.randn(5, 4))  # an FP32 input to the bf16 proj would fail: the island casts it down
+        assert probe.seen == [torch.float32] and out.dtype == torch.bfloat16
+        assert cb.islands.n_casts == 4  # encoder: in and out; proj: in and out
+        row = cb.policy_report().set_index('module').loc['encoder.proj']
+        assert (row['storage'], row['compute'], row['casts'], row['fp32_because']) == (
+            'bfloat16', 'bfloat16', 'in: -> bfloat16, out: -> float32', '-')
+    finally: cb.teardown()
+    assert all(d == torch.float32 for d in _dtypes(m).values())
+    m.encoder.proj.fp16cb_dtype = torch.float32  # FP32 inside a 16-bit region still keeps it
+    assert set(_kept_names(PrecisionPolicy(), m)) == {'encoder.proj', 'encoder.norm'}
