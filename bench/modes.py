@@ -11,7 +11,8 @@ import fastai.callback.fp16 as ffp16
 
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import model_device
-from fp16cb.dtypes import cast_floats, convert_network
+from fp16cb.dtypes import convert_network
+from fp16cb.callbacks import cast_floats
 
 __all__ = ['AutocastCB', 'FastaiNonNative', 'BareBF16', 'bare_bf16', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key',
            'fused_adamw_ok', 'half_dtype']

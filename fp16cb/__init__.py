@@ -12,10 +12,8 @@ from .scaling import (test_overflow, grad_overflow, LossScaler, StaticScaler, Ba
                       LossScaleError, BNStatsGuard)
 from .callbacks import ModelToHalf, MixedPrecision, cast_floats
 from .native import NativeMixedPrecision
-from . import learner as _learner  # patches Learner.to_fp16 & co.
-from . import names as _names  # fastai's MixedPrecision and ours refuse each other's arguments, naming the right one
-from . import checkpoint as _checkpoint  # patches Learner.save / load: FP32 masters and loss-scaler state
-from . import export as _export  # after checkpoint: Learner.export writes the FP32 learner without our callbacks
+from . import learner as _learner  # patches Learner.to_fp16 & co.; fastai's MixedPrecision and ours refuse each other's arguments
+from . import checkpoint as _checkpoint  # patches Learner.save / load / export: FP32 masters, loss-scaler state, atomic writes
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',

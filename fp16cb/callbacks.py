@@ -2,6 +2,7 @@
 is the first module of a training step: the events. The weight store (`weights`) brings the grads in, clips and steps;
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
+from functools import partial
 import torch
 from torch import nn
 from fastai.callback.core import CancelStepException
@@ -12,10 +13,10 @@ from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_fin
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, FP32_MAX
-from .policy import PrecisionPolicy, IslandHooks, policy_report
+from .policy import PrecisionPolicy, policy_report
 from .distributed import rewrap, patch_fastai
 
-__all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'model_device']
+__all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device']
 
 def cast_floats(b, dtype:torch.dtype):
     "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
@@ -29,6 +30,50 @@ def _cast_inputs(dtype):
     "A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp)."
     def hook(module, args, kwargs): return cast_floats(args, dtype), cast_floats(kwargs, dtype)
     return hook
+
+class IslandHooks:
+    """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
+    its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
+    an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
+    not their 16-bit rounding). `n_casts` counts the casts."""
+    def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
+        self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
+        self._fp32_of = {}  # id(16-bit island output) -> its FP32 value, for the current forward
+        for name, m, fp32 in islands:
+            if m is model: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
+            inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
+            self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
+        if self.handles: self.handles.append(model.register_forward_hook(self._model_out))
+
+    def _count(self, b) -> int:
+        if isinstance(b, torch.Tensor): return int(torch.is_floating_point(b))
+        if isinstance(b, dict): return sum(self._count(v) for v in b.values())
+        if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
+        return 0
+
+    def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
+        self.n_casts += self._count(args) + self._count(kwargs)
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+
+    def _cast_out(self, module, args, out, dtype:torch.dtype):
+        if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
+            self.n_casts += 1
+            res = out.to(dtype)
+            if out.dtype == torch.float32: self._fp32_of[id(res)] = (res, out)
+            return res
+        self.n_casts += self._count(out)
+        return cast_floats(out, dtype)
+
+    def _model_out(self, module, args, out):
+        "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
+        fp32, self._fp32_of = self._fp32_of, {}
+        rec = fp32.get(id(out)) if isinstance(out, torch.Tensor) else None
+        return rec[1] if rec is not None and rec[0] is out else None
+
+    def remove(self):
+        for h in self.handles: h.remove()
+        self.handles, self._fp32_of = [], {}
 
 def _reject_gradient_clip(learn):
     "fastai's `GradientClip` would clip the model's 16-bit grads, not the FP32 masters the optimizer steps: refuse it."

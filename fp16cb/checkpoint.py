@@ -5,25 +5,64 @@ so the file also loads into a plain FP32 learner; with the optimizer state it ke
 and its storages as they are. `learn.load` restores all of it, before, during or after a fit. `learn.save` (hence
 `SaveModelCallback`) writes atomically: a write that fails part-way keeps the previous file (`export`: see `export`)."""
 from __future__ import annotations
-import warnings
+import os, uuid, warnings
 from contextlib import contextmanager
 from pathlib import Path
+import cloudpickle
 from fastai.learner import Learner, load_model
 from fastai.torch_core import rank_distrib, get_model, distrib_barrier
 from fastcore.basics import patch
+from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastcore.xtras import join_path_file
 import torch
 
 from .callbacks import ModelToHalf, MixedPrecision
-from .session import session_of, is_ours
+from .session import session_of, is_ours, _KEY
 from .weights import with_layout_of
-from .atomic import atomic_write
+from .monitor import PrecisionValue
 
-__all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'fp32_model_state', 'save_atomic']
+__all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'fp32_model_state', 'save_atomic',
+           'atomic_write', 'without_precision']
 
 PRECISION_KEY = 'fp16cb'  # where the precision callbacks' state goes, inside the optimizer's state dict
 
+# ---- atomic writes: a checkpoint or export that fails part-way leaves the previous file intact
+def _fsync_dir(folder:Path):
+    "Make the rename itself durable (POSIX); a platform that cannot open a folder (Windows) has nothing to do here."
+    try: fd = os.open(folder, os.O_RDONLY)
+    except OSError: return
+    try: os.fsync(fd)
+    except OSError: pass
+    finally: os.close(fd)
+
+def _target(path:Path) -> Path:
+    "The file a write to `path` must replace: `path`, or the end of its chain of symlinks (which need not exist yet)."
+    res = Path(os.path.realpath(path))
+    if res.is_symlink(): raise OSError(f"atomic_write: cannot write {str(path)!r}: its symlinks form a loop ({str(res)!r}); "
+                                       "point the link at a file, or remove it")
+    return res
+
+@contextmanager
+def atomic_write(
+    path, # the file to (over)write: it changes only once the whole new content is on disk (a symlink: the file it points to)
+):
+    "Yield a binary file opened on a temporary file next to `path`; on success it is flushed, fsynced and renamed over `path`."
+    path = _target(Path(path))  # a symlink is kept: the temporary file goes next to its target, and replaces that
+    tmp = path.with_name(f'.{path.name}.{uuid.uuid4().hex[:12]}.tmp')  # same folder: `os.replace` is a rename
+    try:
+        with open(tmp, 'xb') as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try: os.unlink(tmp)
+        except FileNotFoundError: pass
+        raise
+    _fsync_dir(path.parent)
+
+# ---- checkpoints
 def _stateful_cbs(learn): return [cb for cb in learn.cbs if is_ours(cb) and cb.checkpoint_key]
 
 def precision_state(learn) -> dict:
@@ -115,3 +154,44 @@ def load(self:Learner, file, device=None, **kwargs):
     with fp32_view(self): load_model(file, self.model, opt, device=device, **kwargs)
     if kwargs.get('with_opt', True): load_precision_state(self, opt.precision)
     return self
+
+# ---- export
+# `learn.export()` writes the plain FP32 learner, without fp16cb's callbacks (`to_fp16`, `to_bf16`, `to_native_fp16`
+# alike), so that `load_learner` needs fastai alone and predicts with the FP32 model: to train in mixed precision after
+# `load_learner`, call `learn.to_fp16()` (or `to_bf16()` ...) again. Mid-fit, the learner is exported as between fits
+# (the exact FP32 master weights). The file is written atomically: an export that fails part-way keeps the previous one.
+
+@contextmanager
+def without_precision(learn):
+    "Within: `learn` without fp16cb's callbacks, their attributes, Recorder columns and session (put back on exit)."
+    cbs, mets = learn.cbs, learn.metrics
+    ours = [cb for cb in cbs if is_ours(cb)]
+    attrs = {n: learn.__dict__.pop(n) for n in [cb.name for cb in ours] + [_KEY] if n in learn.__dict__}
+    learn.cbs = L(cb for cb in cbs if not any(cb is o for o in ours))
+    learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
+    try: yield learn
+    finally:
+        learn.cbs, learn.metrics = cbs, mets
+        learn.__dict__.update(attrs)
+
+@patch
+def export(self:Learner,
+    fname='export.pkl', # file name in `self.path`
+    pickle_module=cloudpickle,
+    pickle_protocol:int=2,
+):
+    """Export the FP32 learner for inference, without fp16cb's callbacks (`load_learner` needs fastai alone; call
+    `learn.to_fp16()` again to train in mixed precision), atomically; mid-fit, as between fits"""
+    with session_of(self).suspended(), without_precision(self):  # every rank (mid-fit DDP: a collective re-wrap)
+        if rank_distrib(): return  # rank 0 alone writes
+        self._end_cleanup()
+        old_dls, state = self.dls, (self.opt.state_dict() if self.opt is not None else None)
+        self.dls, self.opt = self.dls.new_empty(), None
+        try:
+            with warnings.catch_warnings():  # torch's warning that the model's source is not checked
+                warnings.simplefilter('ignore')
+                save_atomic(self, self.path/fname, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+        finally:  # even when the write fails: the learner keeps its data and optimizer
+            self.create_opt()
+            if state is not None: self.opt.load_state_dict(state)
+            self.dls = old_dls

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cast_floats',
+__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping',
            'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -60,14 +60,6 @@ def convert_network(model:nn.Module, dtype:torch.dtype) -> nn.Module:
     (float64 and complex tensors keep their dtype). Returns `model`."""
     convert_network_keeping(model, dtype)
     return model
-
-def cast_floats(b, dtype:torch.dtype):
-    "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
-    if isinstance(b, torch.Tensor): return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype else b
-    if isinstance(b, dict): return {k: cast_floats(v, dtype) for k, v in b.items()}
-    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype) for o in b))
-    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
-    return b
 
 _ONEDNN_PROBES = {torch.bfloat16: '_is_mkldnn_bf16_supported', torch.float16: '_is_mkldnn_fp16_supported'}
 

@@ -1,6 +1,7 @@
 """`Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32`, replacing fastai's own patches."""
 from __future__ import annotations
-import difflib, inspect
+import difflib, functools, inspect
+from torch.amp import GradScaler
 import torch
 from fastai.learner import Learner
 import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
@@ -12,7 +13,7 @@ from .native import NativeMixedPrecision
 
 from .session import session_of
 
-__all__ = ['precision_callbacks', 'AMP_ARGS', 'check_kwargs']
+__all__ = ['precision_callbacks', 'AMP_ARGS', 'check_kwargs', 'refuse_arguments']
 
 from .session import FOREIGN, is_ours, family_of
 
@@ -149,3 +150,45 @@ def to_channelslast(self:Learner, use_amp:bool=True, **kwargs):
     return _fastai_to_channelslast(self, use_amp=use_amp, **kwargs)
 to_channelslast._fastai = _fastai_to_channelslast
 Learner.to_channelslast = to_channelslast
+
+# ---- fastai and fp16cb both have a `MixedPrecision`: arguments given to the wrong class name the right one
+
+_OURS = [n for n in inspect.signature(MixedPrecision).parameters if n != 'self']
+_SCALER = [n for n in inspect.signature(GradScaler).parameters if n != 'device']  # what fastai's AMP callback passes on
+
+def refuse_arguments(cls, check):
+    "Wrap `cls.__init__` so that `check(kwargs)` may raise before it runs (once: a reload does not wrap twice)."
+    init = getattr(cls.__init__, '_fp16cb_wrapped', cls.__init__)
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        check(kwargs)
+        init(self, *args, **kwargs)
+    __init__._fp16cb_wrapped = init
+    cls.__init__ = __init__
+
+def _check_fastai_amp(kwargs):
+    ours = [k for k in kwargs if k in _OURS and k not in _SCALER]
+    if ours:
+        raise TypeError(f"{', '.join(map(repr, ours))}: arguments of fp16cb's `MixedPrecision`, given to fastai's "
+                        f"(`fastai.callback.fp16.MixedPrecision`, PyTorch AMP, which `from fastai.vision.all import *` "
+                        f"exports). Import ours after fastai's star import: `from fp16cb import MixedPrecision, "
+                        f"ModelToHalf`, or call `learn.to_fp16({ours[0]}=...)`.")
+    bad = [k for k in kwargs if k not in _SCALER and k != 'amp_mode']
+    if bad:
+        raise TypeError(f"fastai's `MixedPrecision` (PyTorch AMP) got {bad[0]!r}; it takes `amp_mode` and GradScaler's "
+                        f"arguments: {', '.join(_SCALER)}")
+
+def _check_ours(cls_name, other):
+    def check(kwargs):
+        amp = [k for k in kwargs if k in AMP_ARGS]
+        if amp:
+            raise TypeError(f"{', '.join(map(repr, amp))}: arguments of fastai's AMP `MixedPrecision` "
+                            f"(`fastai.callback.fp16`), not of fp16cb's `{cls_name}`. {other}")
+    return check
+
+refuse_arguments(_fastai_fp16.MixedPrecision, _check_fastai_amp)
+refuse_arguments(MixedPrecision, _check_ours('MixedPrecision', "fp16cb's autocast + GradScaler is "
+                 "`NativeMixedPrecision(init_scale=...)` (`learn.to_native_fp16(...)`); fastai's is "
+                 "`fastai.callback.fp16.MixedPrecision`."))
+refuse_arguments(NativeMixedPrecision, lambda kw: 'amp_mode' in kw and _check_ours('NativeMixedPrecision',
+                 "Use `dtype=torch.bfloat16` (or `learn.to_native_bf16()`) for bf16.")(kw))

@@ -6,14 +6,13 @@ own choice (`module.fp16cb_dtype = torch.float32`). Casts go only where a kept s
 rest: its floating inputs cast up once, its outputs back once; nothing is cast inside an island."""
 from __future__ import annotations
 import difflib, fnmatch, re, warnings
-from functools import partial
 from typing import NamedTuple
 import torch
 from torch import nn
 
-from .dtypes import cast_floats, user_stacklevel
+from .dtypes import user_stacklevel
 
-__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'IslandHooks', 'policy_report']
+__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'policy_report']
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
 if hasattr(nn, 'RMSNorm'): _NORMS += (nn.RMSNorm,)
@@ -223,50 +222,6 @@ class PrecisionPolicy:
 def _native_leaf(m:nn.Module) -> bool:
     "A kept module that takes 16-bit inputs as they are (BatchNorm: torch's kernels mix them with FP32 params)."
     return isinstance(m, _NATIVE_MIXED) and not any(True for _ in m.children())
-
-class IslandHooks:
-    """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
-    its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
-    an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
-    not their 16-bit rounding). `n_casts` counts the casts."""
-    def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
-        self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
-        self._fp32_of = {}  # id(16-bit island output) -> its FP32 value, for the current forward
-        for name, m, fp32 in islands:
-            if m is model: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
-            inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
-            self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
-        if self.handles: self.handles.append(model.register_forward_hook(self._model_out))
-
-    def _count(self, b) -> int:
-        if isinstance(b, torch.Tensor): return int(torch.is_floating_point(b))
-        if isinstance(b, dict): return sum(self._count(v) for v in b.values())
-        if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
-        return 0
-
-    def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
-        self.n_casts += self._count(args) + self._count(kwargs)
-        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
-
-    def _cast_out(self, module, args, out, dtype:torch.dtype):
-        if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
-            self.n_casts += 1
-            res = out.to(dtype)
-            if out.dtype == torch.float32: self._fp32_of[id(res)] = (res, out)
-            return res
-        self.n_casts += self._count(out)
-        return cast_floats(out, dtype)
-
-    def _model_out(self, module, args, out):
-        "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
-        fp32, self._fp32_of = self._fp32_of, {}
-        rec = fp32.get(id(out)) if isinstance(out, torch.Tensor) else None
-        return rec[1] if rec is not None and rec[0] is out else None
-
-    def remove(self):
-        for h in self.handles: h.remove()
-        self.handles, self._fp32_of = [], {}
 
 def _dtype_name(dt) -> str: return str(dt).replace('torch.', '')
 

@@ -245,7 +245,7 @@ def test_failed_export_keeps_the_previous_export(tmp_path, monkeypatch):
     for a, b in zip(weights(new), w): assert torch.equal(a, b)
 
 def test_atomic_write_replaces_only_on_success(tmp_path):
-    from fp16cb.atomic import atomic_write
+    from fp16cb.checkpoint import atomic_write
     fname = tmp_path/'f.bin'
     with atomic_write(fname) as f: f.write(b'old')
     with pytest.raises(KeyboardInterrupt):
@@ -312,7 +312,7 @@ def _links(tmp_path, kind):
 
 @pytest.mark.parametrize('kind', ['absolute', 'relative', 'chain', 'dangling'])
 def test_atomic_write_replaces_the_target_of_a_symlink(tmp_path, kind):
-    from fp16cb.atomic import atomic_write
+    from fp16cb.checkpoint import atomic_write
     link, target = _links(tmp_path, kind)
     with atomic_write(link) as f: f.write(b'new checkpoint')
     assert link.is_symlink() and target.read_bytes() == b'new checkpoint' and link.read_bytes() == b'new checkpoint'
@@ -320,7 +320,7 @@ def test_atomic_write_replaces_the_target_of_a_symlink(tmp_path, kind):
     assert not any(p.name.endswith('.tmp') for p in (tmp_path/'models').iterdir())
 
 def test_atomic_write_through_a_symlink_keeps_the_old_target_on_failure(tmp_path):
-    from fp16cb.atomic import atomic_write
+    from fp16cb.checkpoint import atomic_write
     link, target = _links(tmp_path, 'absolute')
     with pytest.raises(RuntimeError, match='disk full'):
         with atomic_write(link) as f: f.write(b'half'); raise RuntimeError('disk full')
@@ -329,7 +329,7 @@ def test_atomic_write_through_a_symlink_keeps_the_old_target_on_failure(tmp_path
 
 def test_atomic_write_names_a_symlink_loop(tmp_path):
     import os
-    from fp16cb.atomic import atomic_write
+    from fp16cb.checkpoint import atomic_write
     os.symlink(tmp_path/'b.pth', tmp_path/'a.pth'); os.symlink(tmp_path/'a.pth', tmp_path/'b.pth')
     with pytest.raises(OSError, match=r"a\.pth.*form a loop"):
         with atomic_write(tmp_path/'a.pth') as f: f.write(b'x')
