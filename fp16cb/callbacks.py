@@ -114,7 +114,7 @@ class ModelToHalf(SessionCallback):
         self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
-        self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
+        self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
 
     def teardown(self):
@@ -124,11 +124,20 @@ class ModelToHalf(SessionCallback):
         self._hook = self.islands = None
         was_converted = self.converted
         self._restore_model()
-        if was_converted: self._rewrap_ddp()
+        if was_converted and getattr(self, 'rewrapped', False) and is_ddp(self.learn.model):
+            if not self.session.failing: self._rewrap_ddp()
+            else:  # a re-wrap is a collective, which the ranks that did not fail would never join: unwrap instead
+                self.learn.model = self.learn.model.module
+                self.session.notes.append("fp16cb: this rank's fit failed, so its model was not wrapped in a new "
+                    "DistributedDataParallel (a collective the other ranks would never join): `learn.model` is the plain "
+                    "FP32 module now; wrap it again before training on.")
+        self.rewrapped = False
 
-    def _rewrap_ddp(self):
+    def _rewrap_ddp(self) -> bool:
         "A model that is already a `DistributedDataParallel` changed dtype under it: wrap it again (every rank does)."
-        if is_ddp(self.learn.model): self.learn.model = rewrap(self.learn.model)
+        if not is_ddp(self.learn.model): return False
+        self.learn.model = rewrap(self.learn.model)
+        return True
 
     def policy_report(self,
         model:nn.Module=None, # the model to report on (default: the learner's)

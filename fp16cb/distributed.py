@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .scaling import world_size, is_multiprocess, is_ddp, syncs, reduce_max_
 
-__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'sync_masters', 'rewrap',
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'rewrap',
            'patch_fastai']
 
 def broadcast_(tensors:list, src:int=0):
@@ -72,12 +72,6 @@ def patch_fastai():
     mod = sys.modules.get('fastai.distributed')
     dl = getattr(mod, 'DistributedDL', None)
     if dl is not None and dl._broadcast is not _broadcast_idxs: dl._broadcast = _broadcast_idxs
-
-def sync_masters(model, masters:list) -> bool:
-    "Before the first step of a fit (every rank): when `syncs(model)`, give every rank rank 0's FP32 `masters`."
-    if not syncs(model): return False
-    broadcast_(masters)
-    return True
 
 patch_fastai()
 _record_ddp_arguments()

@@ -42,6 +42,8 @@ class PrecisionSession:
         self.depth = 0  # open before_fit/after_fit pairs of the set-up callbacks (1 + nested validate/get_preds)
         self.fitting = 0  # `Learner.fit` calls under way (nested fits count too)
         self.suspending = False  # within `suspended()`: the teardowns are a pause, not the end of the fit
+        self.failing = False  # the fit raised: teardowns do nothing collective (the other ranks are not there)
+        self.notes = []  # what the teardown of a failed fit did that the user should know, added to their exception
 
     def __reduce__(self):
         "A copied or pickled learner gets an empty session: a fit's state belongs to that fit, not to a copy."
@@ -112,11 +114,21 @@ class PrecisionSession:
         if outer: self.teardown_all()  # whatever a fit that ended without `after_fit` (and without us) left behind
         self.fitting += 1
         try: yield
-        except BaseException:
-            if outer: self.teardown_all()
+        except BaseException as e:
+            if outer: self._teardown_failed(e)
             else: self.depth = depth  # the nested fit's open before_fit pairs are closed: the outer fit goes on
             raise
         finally: self.fitting -= 1
+
+    def _teardown_failed(self, e:BaseException):
+        "Tear down after the fit raised `e`, with nothing collective; what it changed is noted on `e` (the user's error stays on top)."
+        self.failing, self.notes = True, []
+        try: self.teardown_all()
+        finally:
+            self.failing = False
+            for n in self.notes:
+                if hasattr(e, 'add_note'): e.add_note(n)
+            self.notes = []
 
 def session_of(learn) -> PrecisionSession:
     "The learner's `PrecisionSession` (made on first use; a copied learner gets its own)."

@@ -10,7 +10,7 @@ from fastai.callback.progress import ProgressCallback
 
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.demos.ddp import launch, demo_learner, shard
-from fp16cb.distributed import reduce_max_, sync_masters, is_multiprocess
+from fp16cb.distributed import reduce_max_, syncs, is_multiprocess
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
@@ -104,7 +104,7 @@ def test_single_process_does_nothing():
     "No process group: nothing is all-reduced or broadcast, and nothing needs to be."
     t = torch.tensor([1., 2.])
     assert not is_multiprocess() and reduce_max_(t, torch.nn.Linear(1, 1)) is t and t.tolist() == [1., 2.]
-    assert sync_masters(torch.nn.Linear(1, 1), [t]) is False
+    assert not syncs(torch.nn.Linear(1, 1))
 
 def test_shard_concatenates_to_the_global_batches():
     items = list(range(10))
