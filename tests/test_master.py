@@ -350,12 +350,15 @@ class WithComplex(nn.Module):
         self.lin, self.c = nn.Linear(4, 1), nn.Parameter(torch.tensor([1+2j, 3-4j]))
     def forward(self, x): return self.lin(x) + (x[:, :2] * self.c).abs().sum(1, keepdim=True) * .1
 
-def complex_run(mode, flat=False):
-    seed_all(); model = WithComplex()
+def own_dtype_run(model_cls, attr:str, mode, flat=False):
+    "Train `model_cls()` in `mode`: the final value of its param `attr`, and that param's dtype at each batch."
+    seed_all(); model = model_cls()
     learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **flat_kw(mode, flat))
-    dtypes = Record(before_batch=lambda l: l.model.c.dtype)
+    dtypes = Record(before_batch=lambda l: getattr(l.model, attr).dtype)
     quiet_fit(learn, 1, lr=1e-1, cbs=dtypes)
-    return learn.model.c.detach().clone(), dtypes.log['before_batch']
+    return getattr(learn.model, attr).detach().clone(), dtypes.log['before_batch']
+
+def complex_run(mode, flat=False): return own_dtype_run(WithComplex, 'c', mode, flat)
 
 @pytest.mark.parametrize('flat', [False, True])
 @pytest.mark.parametrize('mode', ['fp16', 'bf16'])
@@ -377,12 +380,7 @@ class WithDouble(nn.Module):
         self.lin, self.d = nn.Linear(4, 1), nn.Parameter(torch.tensor([.5], dtype=torch.float64))
     def forward(self, x): return self.lin(x) + self.d.float()
 
-def double_run(mode, flat=False):
-    seed_all(); model = WithDouble()
-    learn = to_mode(make_learner(model=model, splitter=trainable_params), mode, **flat_kw(mode, flat))
-    dtypes = Record(before_batch=lambda l: l.model.d.dtype)
-    quiet_fit(learn, 1, lr=1e-1, cbs=dtypes)
-    return learn.model.d.detach().clone(), dtypes.log['before_batch']
+def double_run(mode, flat=False): return own_dtype_run(WithDouble, 'd', mode, flat)
 
 @pytest.mark.parametrize('flat', [False, True])
 @pytest.mark.parametrize('mode', ['fp16', 'bf16'])
