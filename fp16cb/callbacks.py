@@ -278,7 +278,7 @@ class MixedPrecision(SessionCallback):
         self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
         self.store.restore()
         self.store = None
-        if fit_ends: warn_all_skipped(self.record.this_fit, self.skip_label)
+        if fit_ends and not self.session.failing: warn_all_skipped(self.record.this_fit, self.skip_label)  # an error says more
 
     def resume(self):
         "Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought in again."

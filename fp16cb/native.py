@@ -69,7 +69,7 @@ class NativeMixedPrecision(SessionCallback):
         self._exit_autocast()
         if not self._pausing(): self._forget_step()
         self.record.teardown()
-        if not self.session.suspending: warn_all_skipped(self.record.this_fit, self.skip_label)
+        if not (self.session.suspending or self.session.failing): warn_all_skipped(self.record.this_fit, self.skip_label)
 
     def _pausing(self) -> bool:
         "Torn down for a pause mid-fit (`learn.save`...): a step under way goes on after it, its `update` still to come."

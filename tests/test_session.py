@@ -258,3 +258,13 @@ def test_to_bf16_during_a_fit_is_clean():
         assert re.search(r'\bfit\b', str(e)), str(e)
     else: assert not torch.equal(learn.model[0].weight, w0[0])  # or it takes effect: the fit trained
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
+
+def test_a_fit_that_raises_warns_nothing_more_in_its_teardown():
+    "A fit stopped by `LossScaleError` says why in the error: its teardown adds no all-steps-skipped warning."
+    import warnings
+    from fp16cb import LossScaleError
+    learn = make_learner(loss_func=lambda p, t: ((p - t) ** 2).mean() * float('nan')).to_fp16(max_skipped=3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with pytest.raises(LossScaleError): quiet_fit(learn, 1)
+    assert not [o for o in w if 'optimizer steps of this fit were skipped' in str(o.message)]
