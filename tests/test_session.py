@@ -263,7 +263,8 @@ def test_a_fit_that_raises_warns_nothing_more_in_its_teardown():
     "A fit stopped by `LossScaleError` says why in the error: its teardown adds no all-steps-skipped warning."
     import warnings
     from fp16cb import LossScaleError
-    learn = make_learner(loss_func=lambda p, t: ((p - t) ** 2).mean() * float('nan')).to_fp16(max_skipped=3)
+    learn = make_learner().to_fp16(max_skipped=3)
+    learn.loss_func = lambda p, t: ((p - t) ** 2).mean() * float('nan')
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         with pytest.raises(LossScaleError): quiet_fit(learn, 1)
