@@ -450,7 +450,7 @@ class WeightStore:
         if not self.cleared: self.zero_model_grads()
         self.stage, self.cleared = Stage.READY, False
 
-    def check_linked(self, model=None):
+    def check_linked(self):
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 
     def broadcast_from(self, src:int=0):
@@ -543,7 +543,7 @@ class FP32Masters(WeightStore):
             for r in self.runs: r.reattach_grads()
         if self.runs: torch._foreach_zero_(self._grads)
 
-    def check_linked(self, model=None):
+    def check_linked(self):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
         for r in self.runs:
             if r.linked(): continue
@@ -755,7 +755,7 @@ class HalfStorage(WeightStore):
         gs = self.grads()
         if gs: torch._foreach_zero_(gs)
 
-    def check_linked(self, model=None):
+    def check_linked(self):
         "The optimizer steps the model's own params: only a change of their dtype (`.float()`) would go unnoticed."
         for p in self.params[:1] + self.params[-1:]:
             if p.dtype != self._dtypes[id(p)]:
