@@ -9,13 +9,12 @@ from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
-from .scaling import LossScaleError, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
+from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, FP32_MAX
 from .policy import PrecisionPolicy, policy_report
 from .distributed import rewrap, patch_fastai
-from .diagnostics import collapse_advice
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device']
 
@@ -317,9 +316,7 @@ class MixedPrecision(SessionCallback):
             return
         self.record.record(scale, True, self.store.named_grads())  # BatchNorm's statistics back; which params overflowed
         self.store.skip()
-        with lr_find_stops_on(self.learn):
-            try: self.scaler.update(True, self.max_grad)
-            except LossScaleError as e: raise LossScaleError(str(e) + collapse_advice(self.learn, self.dtype)) from None
+        with lr_find_stops_on(self.learn): self.scaler.update(True, self.max_grad)
         raise CancelStepException()
 
     def after_step(self):

@@ -1,13 +1,13 @@
 """Diagnostics: the loss-scale history of a fit, where the gradients live relative to fp16's range, and warnings."""
 from __future__ import annotations
-import contextlib, math
+import math
 from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from .dtypes import FP16_MAX
 from .monitor import scale_health
 
-__all__ = ['state_bytes', 'overflow_origin', 'collapse_advice', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
+__all__ = ['state_bytes', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
            'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
 
 FP16_MIN_NORMAL = 2.**-14  # smallest normal fp16 (full 11-bit precision above it)
@@ -208,60 +208,3 @@ def state_bytes(learn) -> dict:
     st = getattr(learn.opt, 'state', {})
     res['optimizer state'] = size(v for s in st.values() for v in s.values())
     return {k: v / n for k, v in res.items()} | {'total': sum(res.values()) / n}
-
-# ---- where an overflow starts (on a failing step only)
-def _finite(o) -> bool:
-    "Whether every floating tensor in `o` (tensors, lists, tuples, dicts) is finite."
-    if isinstance(o, Tensor): return not torch.is_floating_point(o) or bool(torch.isfinite(o).all())
-    if isinstance(o, dict): return all(_finite(v) for v in o.values())
-    if isinstance(o, (list, tuple)): return all(_finite(v) for v in o)
-    return True
-
-def overflow_origin(learn, autocast=None) -> tuple:
-    """`(where, names)`: the module(s) where the current batch's overflow starts, re-running it once. `where` is
-    'forward' for the first module, in forward order, whose output is inf/NaN from finite inputs; 'backward' for the
-    last module in forward order (the first the backward reaches) whose own params' grads are inf/NaN; None if neither
-    (the data or the loss). `autocast`: the dtype the forward runs in under torch's autocast (`NativeMixedPrecision`).
-    The model, its BatchNorm statistics, its grads and the RNG are left as they were."""
-    model = learn.model
-    names = {id(m): n for n, m in model.named_modules() if n}
-    bufs = [(b, b.detach().clone()) for b in model.buffers()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    order, first = [], []
-    def hook(m, args, out):
-        order.append(id(m))
-        if not first and not _finite(out) and _finite(args): first.append(names[id(m)])
-    handles = [m.register_forward_hook(hook) for m in model.modules() if id(m) in names]
-    device = next(model.parameters()).device.type
-    cast = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else contextlib.nullcontext
-    try:
-        with torch.no_grad(), cast(): model(*learn.xb)
-        if first: return 'forward', first
-        for p in model.parameters(): p.grad = None
-        with cast(): pred = model(*learn.xb)
-        loss = learn.loss_func(pred.float() if isinstance(pred, Tensor) else pred, *learn.yb)
-        if not _finite(loss): return None, []  # a finite forward, a non-finite loss: the targets or the loss function
-        (loss * _current_scale(learn)).backward()
-        bad = [mid for mid in order if any(q.grad is not None and not _finite(q.grad)
-                                           for q in dict(model.named_modules())[names[mid]].parameters(recurse=False))]
-        return ('backward', [names[bad[-1]]]) if bad else (None, [])
-    finally:
-        for h in handles: h.remove()
-        for p, g in grads: p.grad = g
-        for b, v in bufs: b.copy_(v)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None: torch.cuda.set_rng_state_all(cuda_rng)
-
-def collapse_advice(learn, dtype, autocast:bool=False) -> str:
-    "What to say when the loss scale collapses: where the overflow starts, and the exact remedy."
-    from .dtypes import has_fast_half_math, model_device
-    try: where, names = overflow_origin(learn, dtype if autocast else None)
-    except Exception as e: return f" (The overflow's origin could not be traced: {e}.)"
-    bf16 = (" or `learn.to_bf16()` (FP32's range; native on this device)"
-            if dtype == torch.float16 and has_fast_half_math(torch.bfloat16, model_device(learn.model)) else "")
-    if not names: return (" Re-running the batch, no module overflows: the inf/NaN comes from the data or the loss; check "
-                          "them, and the learning rate.")
-    return (f" Re-running the batch, the overflow starts in the {where} pass at {', '.join(map(repr, names))}: keep it "
-            f"in FP32 with `learn.to_fp16(keep_fp32={names!r})`{bf16}.")

@@ -9,8 +9,7 @@ from fastai.callback.core import CancelStepException
 from .dtypes import resolve_dtype, warn_slow_half, model_device
 from .callbacks import cast_floats
 from .session import SessionCallback
-from .scaling import LossScaleError, GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_, warn_all_skipped
-from .diagnostics import collapse_advice
+from .scaling import GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_, warn_all_skipped
 from .monitor import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
 
@@ -116,9 +115,8 @@ class NativeMixedPrecision(SessionCallback):
         named = [(n, p.grad) for n, p in self.learn.model.named_parameters() if p.grad is not None] if self.skipped else None
         self.record.record(scale, self.skipped, named)  # a skipped batch leaves no trace in BatchNorm's statistics
         with lr_find_stops_on(self.learn):
-            try: self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
-                                                    f"{self.dtype} autocast, loss scale {scale:g}")
-            except LossScaleError as e: raise LossScaleError(str(e) + collapse_advice(self.learn, self.dtype, autocast=True)) from None
+            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
+                                               f"{self.dtype} autocast, loss scale {scale:g}")
         if self.skipped: raise CancelStepException()
 
     def _grads_finite(self) -> bool:
