@@ -239,7 +239,6 @@ class MixedPrecision(SessionCallback):
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1], doc="Whether the last step was skipped.")
-    overflows = property(lambda self: self.record.overflows, doc="Per skipped step (the last 100): `step`, `scale`, the `params` whose grads held inf/NaN.")
     master = property(lambda self: self.store, doc="The weight store of the current fit (None between fits).")
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs, doc="The params the store steps, per group.")
     master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs, doc="Their FP32 masters, per group.")
@@ -314,8 +313,8 @@ class MixedPrecision(SessionCallback):
         if not found:
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             return
-        self.record.record(scale, True, self.store.named_grads())  # BatchNorm's statistics back; which params overflowed
         self.store.skip()
+        self.record.record(scale, True)  # BatchNorm's statistics back to the snapshot
         with lr_find_stops_on(self.learn): self.scaler.update(True, self.max_grad)
         raise CancelStepException()
 

@@ -92,7 +92,6 @@ class NativeMixedPrecision(SessionCallback):
     def after_batch(self): self._exit_autocast()
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
-    overflows = property(lambda self: self.record.overflows, doc="Per skipped step (the last 100): `step`, `scale`, the `params` whose grads held inf/NaN.")
     @property
     def skip_label(self) -> str: return f'{self.dtype} autocast'.replace('torch.', '')
     def after_epoch(self):
@@ -112,8 +111,7 @@ class NativeMixedPrecision(SessionCallback):
         # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
         # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
         scale = self.loss_scale
-        named = [(n, p.grad) for n, p in self.learn.model.named_parameters() if p.grad is not None] if self.skipped else None
-        self.record.record(scale, self.skipped, named)  # a skipped batch leaves no trace in BatchNorm's statistics
+        self.record.record(scale, self.skipped)  # a skipped batch leaves no trace in BatchNorm's statistics
         with lr_find_stops_on(self.learn):
             self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
                                                f"{self.dtype} autocast, loss scale {scale:g}")

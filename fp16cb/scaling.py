@@ -3,7 +3,6 @@ that pick the loss scale step after step, the fused inf/NaN check (one host sync
 across ranks), the accounting of skipped steps, and what a skip must undo (BatchNorm's running statistics)."""
 from __future__ import annotations
 import math, operator, warnings
-from collections import deque
 from contextlib import contextmanager
 from statistics import NormalDist
 import torch
@@ -16,8 +15,7 @@ from .validation import check_positive, check_real, check_int, check_bool
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
            'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'test_overflow', 'grad_overflow', 'OverflowCheck',
            'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
-           'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord',
-           'nonfinite_flags']
+           'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord']
 
 # ---- scalers
 class LossScaleError(FloatingPointError):
@@ -477,39 +475,18 @@ def read_stats(stats:Tensor, model=None, loss:Tensor|None=None) -> tuple:
     if mx == 0 and loss is not None and s[2] != 0: mx = math.nan
     return s[0] > 0, mx
 
-def nonfinite_flags(named_grads:list) -> tuple:
-    "`(names, flags)`: which of the `(name, grad)` pairs hold an inf or NaN, as a bool tensor on the device (no host sync)."
-    named = [(n, torch.view_as_real(g) if g.is_complex() else g) for n, g in named_grads if g is not None and g.numel()]
-    if not named: return [], None
-    norms = torch._foreach_norm([g for _, g in named], float('inf'))
-    return [n for n, _ in named], torch.stack([x.to(norms[0].device) for x in norms]).isfinite().logical_not()
-
 class StepRecord:
     """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all
-    its fits; `fit_start` is where the current fit's steps begin), the BatchNorm statistics a skipped step must not
-    change (snapshot at each step's first micro-batch, restored on a skip), and which params overflowed on each
-    skipped step (`overflows`: the last `keep` of them, `n_overflows` in all)."""
-    keep = 100
-    def __init__(self):
-        self.scales, self.skips, self.fit_start, self.bn = [], [], 0, None
-        self._overflows, self.n_overflows = deque(maxlen=self.keep), 0
-
-    @property
-    def overflows(self) -> list:
-        "Per skipped step (the last `keep`): `step`, `scale`, and the `params` whose grads held an inf or NaN."
-        return [{'step': i, 'scale': sc, 'params': [n for n, b in zip(names, flags.tolist()) if b] if names else []}
-                for i, sc, names, flags in self._overflows]
+    its fits; `fit_start` is where the current fit's steps begin), and the BatchNorm statistics a skipped step must
+    not change (snapshot at each step's first micro-batch, restored on a skip)."""
+    def __init__(self): self.scales, self.skips, self.fit_start, self.bn = [], [], 0, None
     def new_fit(self): self.fit_start = len(self.skips)
     def setup(self, model): self.bn = BNStatsGuard(model)
     def teardown(self): self.bn = None
     def snapshot(self):
         if self.bn is not None: self.bn.snapshot()
-    def record(self, scale:float, skipped:bool, named_grads:list|None=None):
-        """One optimizer step done (or skipped: BatchNorm's statistics go back to the snapshot, and `named_grads`, the
-        step's `(param name, grad)`, say which params overflowed); the next one re-arms."""
-        if skipped and named_grads is not None:  # the flags stay on the device: read when `overflows` is (no sync here)
-            self._overflows.append((len(self.skips), scale, *nonfinite_flags(named_grads)))
-            self.n_overflows += 1
+    def record(self, scale:float, skipped:bool):
+        "One optimizer step done (or skipped: BatchNorm's statistics go back to the snapshot); the next one re-arms."
         self.scales.append(scale); self.skips.append(skipped)
         if self.bn is not None:
             if skipped: self.bn.restore()

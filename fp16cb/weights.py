@@ -458,10 +458,6 @@ class WeightStore:
         broadcast_(self._shared())
         self._after_broadcast()
 
-    def named_grads(self) -> list:
-        "`(param name, the grad the store holds for it)` for every param it steps (after `prepare_grads`; for attribution)."
-        return [(self.names.get(id(p), f'param {i}'), g) for i, (p, g) in enumerate(self._grads_by_param())]
-
     def own_grads(self) -> list:
         "The grads of the params that train in their own dtype (loss-scaled like the others)."
         return [p.grad for p in self.own_params if p.grad is not None]
@@ -482,7 +478,6 @@ class WeightStore:
 
     # -- what each kind does its own way
     def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
-    def _grads_by_param(self) -> list: return [(p, p.grad) for pg in self.model_pgs + self.own_pgs for p in pg]
     def _after_broadcast(self): pass
     def _prepare(self, scale, with_max, clear): raise NotImplementedError
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
@@ -558,9 +553,6 @@ class FP32Masters(WeightStore):
 
     def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
     def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
-    def _grads_by_param(self) -> list:
-        "The FP32 master grads (the 16-bit ones may be cleared already), then the own-dtype params' grads."
-        return list(zip(self.models, self._master_grad_list())) + [(p, p.grad) for p in self.own_params]
     def _after_broadcast(self): self.master_to_model()
 
     @contextmanager
@@ -616,7 +608,6 @@ class FlatMasters(FP32Masters):
             if m.grad is not g: m.grad = g
 
     def master_grads(self): return self.flat_grads
-    def _master_grad_list(self) -> list: return self.grad_views
 
 class ParamMasters(FP32Masters):
     "One FP32 master per param (per-param optimizer state and steps), their data and grads in one buffer per device."
@@ -647,7 +638,6 @@ class ParamMasters(FP32Masters):
             m.grad = None if id(p) in drop else v
 
     def master_grads(self): return self._grad_bufs
-    def _master_grad_list(self) -> list: return self._master_grad_views
 
 def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
     "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`)."

@@ -296,31 +296,3 @@ def test_overflow_later_in_the_run_still_backs_off_and_grows():
     sc, sk = learn.mixed_precision.scales, learn.mixed_precision.skips
     assert sk == [False]*4 + [True] + [False]*5 and sc[0] == 1.
     assert sc[5] == sc[4] / 2 and sc[8] == sc[4]  # halved on the overflow, grown back after 3 clean steps
-
-# ---- which params overflowed: recorded on skipped steps only ---------------------------------------------------
-
-@pytest.mark.parametrize('meth,kw', [('to_fp16', {}), ('to_fp16', {'flat_master': True}), ('to_fp16', {'half_storage': True}),
-                                     ('to_bf16', {}), ('to_native_fp16', {'init_scale': 2.**8}), ('to_native_bf16', {})])
-def test_a_skipped_step_names_the_params_that_overflowed(meth, kw):
-    "An inf in the head's weight grad at step 1: `overflows` names exactly that param, with the step and its scale."
-    learn = getattr(make_learner(), meth)(**kw)
-    quiet_fit(learn, 1, lr=1e-2, cbs=[Inject([1], INF)])
-    cb = learn.mixed_precision if hasattr(learn, 'mixed_precision') else learn.native_mixed_precision
-    assert cb.skips == [False, True, False, False]
-    assert cb.overflows == [{'step': 1, 'scale': cb.scales[1], 'params': ['3.weight']}]
-
-def test_overflow_records_cost_nothing_on_clean_steps(monkeypatch):
-    "Clean steps keep their one host read: the attribution pass runs on skipped steps only."
-    from fp16cb import MixedPrecision
-    calls = count_host_reads(monkeypatch, MixedPrecision)
-    learn = make_learner().to_fp16(loss_scale=2.**8)
-    quiet_fit(learn, 1, lr=1e-2)
-    monkeypatch.undo()
-    assert len(calls) == len(learn.mixed_precision.skips) == 4 and learn.mixed_precision.overflows == []
-
-def test_overflow_records_are_bounded():
-    "A long run keeps the last 100 overflows (and counts them all)."
-    from fp16cb.scaling import StepRecord
-    r = StepRecord()
-    for i in range(250): r.record(1., True, [('w', torch.tensor([float('nan')]))])
-    assert len(r.overflows) == 100 and r.n_overflows == 250 and r.overflows[0]['step'] == 150
