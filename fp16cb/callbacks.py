@@ -12,11 +12,11 @@ from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
 from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
-from .validation import check_bool, check_real, check_int, FP32_MAX
+from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
 from .policy import PrecisionPolicy, policy_report
 from .distributed import rewrap, patch_fastai
 
-__all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device']
+__all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device', 'to_half']
 
 def cast_floats(b, dtype:torch.dtype):
     "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
@@ -74,6 +74,15 @@ class IslandHooks:
     def remove(self):
         for h in self.handles: h.remove()
         self.handles, self._fp32_of = [], {}
+
+def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
+    """Convert `model` in place, for good, as `ModelToHalf` does for a fit (a copy's: nothing to tear down): `policy`'s
+    FP32 islands with their casts, the floating inputs cast to `dtype`. Returns the `Resolved` policy."""
+    res = policy.resolve(model)
+    convert_network_keeping(model, dtype, keep=set(res.kept))
+    IslandHooks(model, res.islands, dtype)
+    model.register_forward_pre_hook(_cast_inputs(torch.float32 if id(model) in res.kept else dtype), with_kwargs=True, prepend=True)
+    return res
 
 def _reject_gradient_clip(learn):
     "fastai's `GradientClip` would clip the model's 16-bit grads, not the FP32 masters the optimizer steps: refuse it."
@@ -150,6 +159,12 @@ class ModelToHalf(SessionCallback):
     def after_pred(self):
         if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
 
+    def keep_too(self, names:list):
+        "Keep the modules `names` FP32 too, now: in a fit, the session pauses and sets up again with the new policy."
+        self.policy = self.policy.adding(names)
+        if self.converted:
+            with self.session.suspended(): pass
+
     def fp32_of(self, p) -> torch.Tensor:
         "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
         rec = self.originals.get(id(p)) if self.converted else None
@@ -216,10 +231,12 @@ class MixedPrecision(SessionCallback):
         clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
         half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`HalfStorage`)
         stochastic_rounding:bool=True, # with `half_storage`: round the updated weights stochastically (False: to nearest)
+        on_collapse:str='raise', # when the loss scale cannot go lower: 'raise' (naming the module where the overflow starts and the remedy) or 'keep_fp32' (keep it FP32 and go on)
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
         self.half_storage = check_bool('half_storage', half_storage)
         self.stochastic_rounding = check_bool('stochastic_rounding', stochastic_rounding)
+        self.on_collapse = check_choice('on_collapse', on_collapse, ('raise', 'keep_fp32'))
         self.flat_master, self.clip = check_bool('flat_master', flat_master), check_positive('clip', clip, allow_none=True)
         dynamic = check_bool('dynamic', dynamic)
         # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
@@ -243,6 +260,8 @@ class MixedPrecision(SessionCallback):
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs, doc="The params the store steps, per group.")
     master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs, doc="Their FP32 masters, per group.")
     skip_label = property(lambda self: type(self).__name__, doc="How the all-steps-skipped warning names this setup.")
+    overflows = property(lambda self: self.record.overflows.read(), doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held inf/NaN).")
+    n_overflows = property(lambda self: self.record.overflows.count, doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
 
     def _model_to_half(self):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
@@ -313,9 +332,8 @@ class MixedPrecision(SessionCallback):
         if not found:
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             return
-        self.store.skip()
-        self.record.record(scale, True)  # BatchNorm's statistics back to the snapshot
-        with lr_find_stops_on(self.learn): self.scaler.update(True, self.max_grad)
+        self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
+        with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(True, self.max_grad)
         raise CancelStepException()
 
     def after_step(self):
@@ -328,6 +346,20 @@ class MixedPrecision(SessionCallback):
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         self.store.finish()
+
+    def _collapse(self, err:Exception):
+        """The scale cannot go lower (the failing step only): the error naming where the overflow starts and the remedy,
+        found on copies of the model; or, with `on_collapse='keep_fp32'`, those modules kept FP32 from now on (None)."""
+        from .overflow import Precision, diagnose_collapse
+        mth = self._model_to_half()
+        half = mth is not None and mth.converted
+        prec = Precision(self.dtype, mth.policy if half else None)
+        diag = diagnose_collapse(self.learn, prec, self.record.scales[-1], err, self.record.overflows,
+                                 fp32_of=self.store.fp32_views(), fixable=self.on_collapse == 'keep_fp32' and half)
+        if not diag.applicable: return diag.error
+        mth.keep_too(diag.keep)  # the model set up again, those modules FP32 (the masters stay exact)
+        self.scaler.skipped_in_a_row = 0
+        diag.warn()
 
     def _may_clear_early(self) -> bool:
         """Whether no callback after this one has a `before_step`: one could raise `CancelBatchException` there, and

@@ -9,7 +9,8 @@ from fastai.callback.core import CancelStepException
 from .dtypes import resolve_dtype, warn_slow_half, model_device
 from .callbacks import cast_floats
 from .session import SessionCallback
-from .scaling import GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_, warn_all_skipped
+from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_,
+                      warn_all_skipped, nonfinite_flags)
 from .monitor import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
 
@@ -37,7 +38,7 @@ class NativeMixedPrecision(SessionCallback):
         self.backoff_factor = check_real('backoff_factor', backoff_factor, 0., 1., lo_open=True, hi_open=True)
         self.growth_interval = check_int('growth_interval', growth_interval, 1, INT32_MAX)
         self.enabled, self.max_skipped = check_bool('enabled', enabled), check_int('max_skipped', max_skipped, 1)
-        self.record, self.skipped_in_a_row, self._check = StepRecord(), 0, OverflowCheck()
+        self.record, self.skipped_in_a_row, self._check, self._names = StepRecord(), 0, OverflowCheck(), {}
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
 
     @property
@@ -62,6 +63,7 @@ class NativeMixedPrecision(SessionCallback):
             self.scaler, self.device_type = self._make_scaler(device_type), device_type
         if not self.session.suspending: self.record.new_fit()
         self.record.setup(self.learn.model); self.skipped_in_a_row = 0
+        self._names = {id(p): n for n, p in self.learn.model.named_parameters()}
 
     def teardown(self):
         """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
@@ -92,6 +94,8 @@ class NativeMixedPrecision(SessionCallback):
     def after_batch(self): self._exit_autocast()
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    overflows = property(lambda self: self.record.overflows.read(), doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held inf/NaN).")
+    n_overflows = property(lambda self: self.record.overflows.count, doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
     @property
     def skip_label(self) -> str: return f'{self.dtype} autocast'.replace('torch.', '')
     def after_epoch(self):
@@ -111,11 +115,23 @@ class NativeMixedPrecision(SessionCallback):
         # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
         # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
         scale = self.loss_scale
-        self.record.record(scale, self.skipped)  # a skipped batch leaves no trace in BatchNorm's statistics
-        with lr_find_stops_on(self.learn):
+        self.record.record(scale, self.skipped, self._overflowing() if self.skipped else None)  # BatchNorm's statistics back
+        with lr_find_stops_on(self.learn, self._collapse):
             self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
                                                f"{self.dtype} autocast, loss scale {scale:g}")
         if self.skipped: raise CancelStepException()
+
+    def _overflowing(self) -> tuple:
+        "A skipped step: which params' FP32 grads (unscaled by GradScaler) hold inf/NaN, `(flags on the device, names)`."
+        rank = {k: i for i, k in enumerate(self._names)}  # as `model.named_parameters()` orders them
+        params = sorted((p for pg in self.learn.opt.param_lists for p in pg), key=lambda p: rank.get(id(p), len(rank)))
+        return nonfinite_flags([getattr(p, 'grad', None) for p in params]), [self._names.get(id(p), '?') for p in params]
+
+    def _collapse(self, err:Exception):
+        "Training stops (the failing step only): the error naming where the overflow starts and the remedy."
+        from .overflow import Precision, diagnose_collapse
+        return diagnose_collapse(self.learn, Precision(self.dtype, autocast=True), self.record.scales[-1], err,
+                                 self.record.overflows).error
 
     def _grads_finite(self) -> bool:
         "Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the weights."

@@ -137,6 +137,17 @@ class PrecisionPolicy:
 
     def __repr__(self): return f"PrecisionPolicy(keep_fp32={list(self.specs)})"
 
+    def adding(self, names) -> PrecisionPolicy:
+        "This policy keeping the modules `names` (qualified names, matched exactly) FP32 too: a new policy."
+        new = [n if _is_word(n) or re.fullmatch(r'[\w.]+', n) else 're:' + re.escape(n) for n in names]
+        new = [n for n in new if n not in self.specs]
+        if not new: return self
+        return type(self)(*[s for s in self.specs if s != 'batchnorm'], *new, batchnorm='batchnorm' in self.specs)
+
+    def user_specs(self) -> list:
+        "The specs given besides the default BatchNorm one."
+        return [s for s in self.specs if s != 'batchnorm']
+
     def check(self, model:nn.Module):
         "`ValueError` for a plain word of `keep_fp32` that is neither a category nor a module of `model` (a typo)."
         names = [n for n, _ in model.named_modules() if n]

@@ -3,6 +3,7 @@ that pick the loss scale step after step, the fused inf/NaN check (one host sync
 across ranks), the accounting of skipped steps, and what a skip must undo (BatchNorm's running statistics)."""
 from __future__ import annotations
 import math, operator, warnings
+from collections import deque
 from contextlib import contextmanager
 from statistics import NormalDist
 import torch
@@ -15,7 +16,8 @@ from .validation import check_positive, check_real, check_int, check_bool
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
            'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'test_overflow', 'grad_overflow', 'OverflowCheck',
            'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
-           'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord']
+           'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord',
+           'nonfinite_flags', 'OverflowLog']
 
 # ---- scalers
 class LossScaleError(FloatingPointError):
@@ -448,14 +450,20 @@ def count_skip(n_in_a_row:int, skipped:bool, max_skipped:int, what:str) -> int:
     return n
 
 @contextmanager
-def lr_find_stops_on(learn):
-    "In `lr_find`, steps that keep overflowing mean the growing lr diverged: end the search (as `stop_div` does), not raise."
+def lr_find_stops_on(learn,
+    on_collapse=None, # `LossScaleError -> exception or None`: where the overflow starts and the remedy (None: applied)
+):
+    """In `lr_find`, steps that keep overflowing mean the growing lr diverged: end the search (as `stop_div` does), not
+    raise. Elsewhere `on_collapse` (the failing step only) gives the error to raise instead, one that says where the
+    overflow starts and what to do, or None when it removed the cause: training goes on."""
     from fastai.callback.core import CancelFitException
     from fastai.callback.schedule import LRFinder
     try: yield
-    except LossScaleError:
+    except LossScaleError as e:
         if any(isinstance(cb, LRFinder) for cb in learn.cbs): raise CancelFitException()
-        raise
+        err = e if on_collapse is None else on_collapse(e)
+        if err is e: raise
+        if err is not None: raise err from None
 
 def warn_all_skipped(skips:list, what:str):
     "At the end of a fit: warn when every optimizer step of it was skipped for inf/NaN gradients (the weights never moved)."
@@ -475,18 +483,47 @@ def read_stats(stats:Tensor, model=None, loss:Tensor|None=None) -> tuple:
     if mx == 0 and loss is not None and s[2] != 0: mx = math.nan
     return s[0] > 0, mx
 
+def nonfinite_flags(grads:list) -> Tensor|None:
+    """Whether each of `grads` (None: no grad) holds an inf/NaN, as a bool tensor on the first one's device: one
+    reduction per tensor and no host sync (a skipped step's attribution; read later, by `OverflowLog.read`)."""
+    ts = [g for g in grads if g is not None]
+    if not ts: return None
+    dev = ts[0].device
+    finite = [torch.isfinite(g).all().to(dev) if g is not None else torch.ones((), dtype=torch.bool, device=dev) for g in grads]
+    return torch.stack(finite).logical_not_()
+
+class OverflowLog:
+    """Which parameters had inf/NaN gradients at each skipped step: the last `keep` steps (a long run stays bounded)
+    and their `count`. The per-parameter flags stay on the device until `read` (no host sync in the step)."""
+    def __init__(self, keep:int=100): self.entries, self.count = deque(maxlen=keep), 0
+
+    def add(self, step:int, scale:float, flags=None, names=()):
+        "Step `step` (at `scale`) was skipped; `flags[i]`: param `names[i]` had an inf/NaN gradient."
+        self.entries.append([step, scale, flags, names if flags is not None else []]); self.count += 1
+
+    def read(self) -> list:
+        "`[{'step', 'scale', 'params'}]`, oldest first: `params` are the names of the params whose grads held inf/NaN."
+        for e in self.entries:
+            if e[2] is not None: e[2], e[3] = None, [n for n, bad in zip(e[3], e[2].tolist()) if bad]
+        return [dict(step=e[0], scale=e[1], params=list(e[3])) for e in self.entries]
+
+    def __len__(self): return len(self.entries)
+
 class StepRecord:
     """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all
-    its fits; `fit_start` is where the current fit's steps begin), and the BatchNorm statistics a skipped step must
-    not change (snapshot at each step's first micro-batch, restored on a skip)."""
-    def __init__(self): self.scales, self.skips, self.fit_start, self.bn = [], [], 0, None
+    its fits; `fit_start` is where the current fit's steps begin), which params overflowed at the skipped ones
+    (`overflows`), and the BatchNorm statistics a skipped step must not change (snapshot at each step's first
+    micro-batch, restored on a skip)."""
+    def __init__(self): self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
     def new_fit(self): self.fit_start = len(self.skips)
     def setup(self, model): self.bn = BNStatsGuard(model)
     def teardown(self): self.bn = None
     def snapshot(self):
         if self.bn is not None: self.bn.snapshot()
-    def record(self, scale:float, skipped:bool):
-        "One optimizer step done (or skipped: BatchNorm's statistics go back to the snapshot); the next one re-arms."
+    def record(self, scale:float, skipped:bool, found:tuple|None=None):
+        """One optimizer step done (or skipped: BatchNorm's statistics go back to the snapshot, and `found`, the
+        store's `(flags, names)` of the params whose grads held inf/NaN, is logged); the next one re-arms."""
+        if skipped: self.overflows.add(len(self.skips), scale, *(found or ()))
         self.scales.append(scale); self.skips.append(skipped)
         if self.bn is not None:
             if skipped: self.bn.restore()

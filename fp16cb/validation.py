@@ -4,7 +4,7 @@ from __future__ import annotations
 import math, numbers
 import numpy as np
 
-__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int']
+__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int', 'check_choice']
 
 FP32_MAX = 3.4028234663852886e38  # the largest finite float32 (`torch.finfo(torch.float32).max`)
 INT32_MAX = 2**31 - 1
@@ -68,3 +68,13 @@ def check_int(
         rng = _range(lo, hi, False, False, None)
         raise ValueError(f"`{name}` must be an integer{' ' + rng if rng else ''}, got {v!r}")
     return int(v)
+
+def check_choice(
+    name:str, # the argument's name, for the error
+    v, # the value: one of `choices` (a string is compared as it is: no case folding)
+    choices:tuple, # the values allowed
+):
+    "`v` if it is one of `choices`; a `ValueError` naming `name` and the choices otherwise."
+    if not any(v == c and type(v) is type(c) for c in choices):
+        raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}, got {v!r}")
+    return v

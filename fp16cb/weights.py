@@ -12,7 +12,7 @@ from torch import nn, Tensor
 from fastcore.foundation import L
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
-from .scaling import OverflowCheck
+from .scaling import OverflowCheck, nonfinite_flags
 from .distributed import broadcast_
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights', 'HalfStorage',
@@ -440,10 +440,15 @@ class WeightStore:
         self.stage = Stage.STEPPED
         return out
 
-    def skip(self):
-        "The step overflowed: its grads go, nothing of them reaches the weights."
+    def skip(self) -> tuple:
+        """The step overflowed: its grads go, nothing of them reaches the weights. Returns which params' grads held
+        inf/NaN, looked at before they go: `(flags on the device, their names)` (one pass per param, no host sync)."""
+        params, grads = self._grads_by_param()
+        order, names = self._in_model_order(params)
+        found = nonfinite_flags([grads[i] for i in order]), names
         self.zero_model_grads()
         self.cleared, self.stage = True, Stage.SKIPPED
+        return found
 
     def finish(self):
         "After a step (or a skip): the model's grads cleared for the next backward, unless they were already."
@@ -476,7 +481,18 @@ class WeightStore:
         if self._prev_step is None: self.opt.__dict__.pop('step', None)
         else: self.opt.step = self._prev_step
 
+    def _in_model_order(self, params:list) -> tuple:
+        "`(order, names)`: `params` as `model.named_parameters()` orders and names them (made once per store)."
+        if getattr(self, '_order', None) is None or len(self._order[0]) != len(params):
+            rank = {k: i for i, k in enumerate(self.names)}
+            order = sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(rank)))
+            self._order = order, [self.names.get(id(params[i]), f"<param of shape {tuple(params[i].shape)}>") for i in order]
+        return self._order
+
     # -- what each kind does its own way
+    def _grads_by_param(self) -> tuple:
+        "`(params, their grads as this step brought them in)`: what a skipped step's attribution looks at."
+        raise NotImplementedError
     def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
     def _after_broadcast(self): pass
     def _prepare(self, scale, with_max, clear): raise NotImplementedError
@@ -553,6 +569,13 @@ class FP32Masters(WeightStore):
 
     def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
     def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
+
+    def _grads_by_param(self) -> tuple:
+        "The FP32 master grads (copied from the model's before any clearing), one view per param; own params' grads."
+        if getattr(self, '_master_grad_of', None) is None:
+            self._master_grad_of = [(p, v) for r in self.runs for p, v in zip(r.params, flat_views(r.master_grad, r.params))]
+        pairs = self._master_grad_of + [(p, p.grad) for p in self.own_params]
+        return [p for p, _ in pairs], [g for _, g in pairs]
     def _after_broadcast(self): self.master_to_model()
 
     @contextmanager
@@ -679,6 +702,7 @@ class HalfStorage(WeightStore):
         self._dtypes = {id(p): p.dtype for p in self.params}
 
     def grads(self) -> list: return [p.grad for p in self.params if p.grad is not None]
+    def _grads_by_param(self) -> tuple: return self.params, [p.grad for p in self.params]
 
     def _prepare(self, scale, with_max, clear):
         "The 16-bit grads are checked as they are (unscaling in 16-bit could underflow: the lift unscales in FP32)."

@@ -36,6 +36,8 @@ BAD = [
     ('to_native_fp16', dict(init_scale=10**400), 'init_scale'),
     ('NativeMixedPrecision', dict(growth_interval=10**19), 'growth_interval'),
     ('NativeMixedPrecision', dict(growth_interval=2**31), 'growth_interval'),
+    ('MixedPrecision', dict(on_collapse='promote'), 'on_collapse'), ('to_fp16', dict(on_collapse=True), 'on_collapse'),
+    ('to_bf16', dict(on_collapse=None), 'on_collapse'),
 ]
 
 @pytest.mark.parametrize('how,kwargs,name', BAD)

@@ -154,3 +154,241 @@ def test_fit_with_every_step_skipped_warns(call):
     w0 = weights(learn)
     with pytest.warns(RuntimeWarning, match='skipped'): fit_quietly(learn, 1, lr=1e-2, cbs=NaNLoss())
     for a, b in zip(weights(learn), w0): assert torch.equal(a, b)
+
+# ---- overflow attribution, the collapse's origin and remedy, precision_check ------------------------------------------
+
+import random
+import numpy as np
+from fastai.basics import Adam
+from fp16cb import MixedPrecision, NativeMixedPrecision, LossScaleError
+from fp16cb.scaling import OverflowLog
+from fp16cb.policy import PrecisionPolicy
+from fp16cb.dtypes import has_fast_half_math
+from fp16cb.overflow import Precision, diagnose_collapse
+from conftest import count_host_reads
+
+class Amplify(nn.Module):
+    "Multiplies by `k`: activations beyond fp16's range (an unscaled attention logit, a residual stream that grows)."
+    def __init__(self, k:float): super().__init__(); self.k = k
+    def forward(self, x): return x * self.k
+
+class _Boost(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x): return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g): return g * 1e6
+
+class GradBoost(nn.Module):
+    "The identity forward; its backward multiplies the gradient by 1e6 (beyond fp16's range at any loss scale >= 1)."
+    def forward(self, x): return _Boost.apply(x)
+
+def amplified(k=1e5):
+    "'1.0' overflows fp16 in the forward; '1.1' (LayerNorm) brings it back in range in FP32; '1' holds both."
+    return nn.Sequential(nn.Linear(4, 8), nn.Sequential(Amplify(k), nn.LayerNorm(8)), nn.ReLU(), nn.Linear(8, 1))
+
+def boosted(): return nn.Sequential(nn.Linear(4, 8), GradBoost(), nn.ReLU(), nn.Linear(8, 1))
+
+class WriteInto(Callback):
+    "Before our precision callbacks see the grads (order 5): `value` into the grad of param `name` at the steps `steps`."
+    order = 5
+    def __init__(self, param, steps, value=float('inf')): self.param, self.steps, self.value, self.n = param, set(steps), value, 0
+    def after_backward(self):
+        if self.n in self.steps:
+            g = dict(self.learn.model.named_parameters())[self.param].grad
+            g.view(-1)[0] = self.value
+        self.n += 1
+
+def _precision_cb(learn): return scaling_callback(learn)
+
+ATTRIBUTION = {'masters': ('to_fp16', dict(max_loss_scale=2.**8), float('inf')),
+               'flat': ('to_fp16', dict(max_loss_scale=2.**8, flat_master=True), float('inf')),
+               'half_storage': ('to_fp16', dict(max_loss_scale=2.**8, half_storage=True), float('inf')),
+               'bf16': ('to_bf16', {}, float('nan')), 'bf16_half_storage': ('to_bf16', dict(half_storage=True), float('nan')),
+               'native_fp16': ('to_native_fp16', dict(init_scale=2.**8), float('inf')),
+               'native_bf16': ('to_native_bf16', {}, float('nan'))}
+
+@pytest.mark.parametrize('mode', list(ATTRIBUTION))
+def test_a_skipped_step_names_the_param_whose_grad_overflowed(mode, monkeypatch):
+    "Each skipped step is logged with its step index, its scale and exactly the param we wrote inf/NaN into; no host read more."
+    meth, kw, value = ATTRIBUTION[mode]
+    learn = getattr(make_learner(), meth)(**kw)
+    cb = _precision_cb(learn)
+    calls = count_host_reads(monkeypatch, type(cb))
+    fit_quietly(learn, 1, lr=1e-2, cbs=WriteInto('3.weight', [2], value))
+    monkeypatch.undo()
+    assert cb.skips == [False, False, True, False]
+    assert cb.overflows == [{'step': 2, 'scale': cb.scales[2], 'params': ['3.weight']}] and cb.n_overflows == 1
+    per_step = 2 if mode == 'native_fp16' else 1  # GradScaler's own read, then the scale (test_native_host_reads_per_step)
+    assert len(calls) == 4 * per_step, calls  # the attribution is read later, not in the step
+
+def test_attribution_spans_fits_and_names_several_params():
+    learn = make_learner().to_fp16(max_loss_scale=2.**8)
+    fit_quietly(learn, 1, lr=1e-2, cbs=[WriteInto('0.bias', [1]), WriteInto('1.weight', [1])])
+    fit_quietly(learn, 1, lr=1e-2, cbs=WriteInto('3.bias', [0]))
+    steps = [(o['step'], o['params']) for o in learn.mixed_precision.overflows]
+    assert steps == [(1, ['0.bias', '1.weight']), (4, ['3.bias'])]  # names as `model.named_parameters()`, in its order
+
+def test_the_overflow_log_is_bounded():
+    assert OverflowLog().entries.maxlen == 100
+    learn = make_learner().to_fp16(max_skipped=100)
+    learn.mixed_precision.record.overflows = OverflowLog(keep=3)
+    fit_quietly(learn, 1, lr=1e-2, cbs=NaNLoss())
+    mp = learn.mixed_precision
+    assert [o['step'] for o in mp.overflows] == [1, 2, 3] and mp.n_overflows == 4
+    assert all(o['params'] == ['0.weight', '0.bias', '1.weight', '1.bias', '3.weight', '3.bias'] for o in mp.overflows)
+
+# -- the collapse: where the overflow starts, and the remedy
+
+@pytest.mark.parametrize('meth', ['to_fp16', 'to_native_fp16'])
+def test_the_collapse_names_the_module_whose_output_overflows(meth):
+    "The first module whose output is inf (its input finite), not those after it; the remedy checked on the batch."
+    learn = getattr(make_learner(model=amplified()), meth)(max_skipped=2)
+    with pytest.raises(LossScaleError) as e: fit_quietly(learn, 1, lr=1e-2)
+    msg = str(e.value)
+    assert msg.index("Mixed-precision training stopped: 3 steps in a row") < msg.index('Where it starts')  # the scaler's first
+    assert "the output of '1.0' (Amplify) holds inf/NaN in the forward pass" in msg
+    assert "'1.1'" not in msg and "'2'" not in msg and "'3'" not in msg  # LayerNorm, ReLU, head: they inherit it
+    # '1.0' alone would give its FP32 output back to fp16 (inf again): '1' holds the LayerNorm that brings it in range
+    assert "`learn.to_fp16(keep_fp32=['1'])` (checked on this batch: no inf/NaN left)" in msg
+    assert ("`learn.to_bf16()`" in msg) == has_fast_half_math(torch.bfloat16, DEVICE)
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # torn down as after any failed fit
+
+def test_the_collapse_names_where_the_gradient_overflows():
+    "A finite forward: the module where the gradient turns inf, not the layer before it that inherits it."
+    learn = make_learner(model=boosted()).to_fp16(max_skipped=2)
+    with pytest.raises(LossScaleError) as e: fit_quietly(learn, 1, lr=1e-2)
+    msg = str(e.value)
+    assert "the forward pass is finite; the gradient turns inf/NaN first in '1' (GradBoost)" in msg
+    assert "'0'" not in msg and "'3'" not in msg
+
+def test_the_collapse_from_outside_the_model_says_so_with_the_params():
+    learn = make_learner().to_bf16(max_skipped=2)
+    with pytest.raises(LossScaleError) as e: fit_quietly(learn, 1, lr=1e-2, cbs=WriteInto('3.bias', range(9), float('nan')))
+    msg = str(e.value)
+    assert "came from outside its forward and backward" in msg and "held inf/NaN at the last skipped step: 3.bias" in msg
+
+def test_the_diagnosis_leaves_the_live_model_and_the_rng_untouched():
+    "On copies: the model's weights, BatchNorm statistics, mode, hooks and grads, and the RNG, are as they were."
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(.5), nn.Sequential(Amplify(1e5), nn.LayerNorm(8)),
+                          nn.Linear(8, 1))
+    learn = make_learner(model=model, splitter=lambda m: [list(m.parameters())])
+    learn.xb, learn.yb = (torch.randn(16, 4, device=DEVICE),), (torch.randn(16, 1, device=DEVICE),)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    rng, py, npy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    d = diagnose_collapse(learn, Precision(torch.float16, PrecisionPolicy()), 1., LossScaleError('stopped'))
+    assert "'3.0' (Amplify)" in str(d.error) and d.keep == ['3'] and not d.applicable  # not asked to apply it
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert torch.equal(torch.get_rng_state(), rng) and random.getstate() == py and np.array_equal(np.random.get_state()[1], npy[1])
+
+def test_on_collapse_keep_fp32_promotes_the_module_and_the_fit_finishes():
+    learn = make_learner(model=amplified(), n_train=128).to_fp16(max_skipped=2, on_collapse='keep_fp32')
+    with pytest.warns(RuntimeWarning, match=r"'1\.0' \(Amplify\).*on_collapse='keep_fp32': \['1'\] are kept FP32 from now on"):
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    mp = learn.mixed_precision
+    assert mp.skips == [True] * 3 + [False] * 5 and mp.scaler.skipped_in_a_row == 0
+    assert learn.model_to_half.policy.specs == ('batchnorm', '1') and len(learn.recorder.values) == 1
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
+    fit_quietly(learn, 1, lr=1e-2)  # the next fit starts with '1' FP32: no step skipped
+    assert not any(mp.skips[8:]) and len(mp.skips) == 16
+
+def test_on_collapse_is_checked_and_shown():
+    import inspect
+    from fastai.basics import Learner
+    for bad in ('promote', True, None):
+        with pytest.raises(ValueError, match='on_collapse'): MixedPrecision(on_collapse=bad)
+    with pytest.raises(ValueError, match='on_collapse'): make_learner().to_bf16(on_collapse='Keep_FP32')
+    with pytest.raises(TypeError, match=r"to_fp16\(\)"): make_learner().to_native_fp16(on_collapse='keep_fp32')
+    for meth in ('to_fp16', 'to_bf16'):
+        assert inspect.signature(getattr(Learner, meth)).parameters['on_collapse'].default == 'raise'
+    assert MixedPrecision(on_collapse='keep_fp32').on_collapse == 'keep_fp32'
+
+# -- precision_check
+
+def _state(learn):
+    "Everything precision_check must leave as it is."
+    mp = scaling_callback(learn) if learn.precision_callbacks() else None
+    return dict(sd={k: v.clone() for k, v in learn.model.state_dict().items()},
+                opt={k: (v.clone() if isinstance(v, torch.Tensor) else v) for s in learn.opt.state.values() for k, v in s.items()}
+                    if learn.opt is not None else None,
+                opt_keys=[id(p) for p in learn.opt.state] if learn.opt is not None else None,
+                cbs=[id(cb) for cb in learn.cbs], training=learn.model.training,
+                scaler=dict(mp.loss_scaler.state_dict()) if mp is not None else None,
+                scales=list(mp.scales) if mp is not None else None,
+                policy=repr(learn.model_to_half.policy) if hasattr(learn, 'model_to_half') else None,
+                recorder=[list(v) for v in learn.recorder.values],
+                rng=torch.get_rng_state(), py=random.getstate(), np=np.random.get_state()[1].copy(),
+                dl=learn.dls.train.rng.getstate(), hooks=sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in learn.model.modules()))
+
+def _same(a, b):
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), k
+            for kk in x: assert (torch.equal(x[kk], y[kk]) if isinstance(x[kk], torch.Tensor) else x[kk] == y[kk]), (k, kk)
+        elif isinstance(x, (torch.Tensor, np.ndarray)): assert (x == y).all(), k
+        else: assert x == y, k
+
+def _bn_dropout_learner(shuffle=True):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(.2), nn.ReLU(), nn.Linear(8, 1))
+    learn = make_learner(model=model, opt_func=Adam, splitter=lambda m: [list(m.parameters())])
+    learn.dls.train.shuffle = shuffle
+    return learn
+
+@pytest.mark.parametrize('meth', ['to_fp16', 'to_bf16', 'to_native_fp16', None])
+def test_precision_check_leaves_the_learner_exactly_as_it_was(meth):
+    """Weights, BatchNorm statistics, optimizer state, callbacks and their order, the precision set-up, the RNGs (and
+    the data's shuffling), the recorder, the model's mode: as before; and training on gives bit-identical weights."""
+    learns = [_bn_dropout_learner(), _bn_dropout_learner()]
+    for l in learns:
+        if meth: getattr(l, meth)()
+        torch.manual_seed(1); fit_quietly(l, 1, lr=1e-3)  # the same dropout in both
+        l.model.eval()
+    before = _state(learns[0])
+    df = learns[0].precision_check(n_batches=3, plot=False)
+    assert len(df) and df.attrs['n_batches'] == 3
+    _same(before, _state(learns[0]))
+    for l in learns: torch.manual_seed(2); fit_quietly(l, 1, lr=1e-3)  # the data's own shuffling as it was, too
+    for a, b in zip(learns[0].model.state_dict().values(), learns[1].model.state_dict().values()): assert torch.equal(a, b)
+
+def test_precision_check_flags_the_module_where_the_overflow_starts():
+    learn = make_learner(model=amplified()).to_fp16()
+    df = learn.precision_check(n_batches=4, plot=False)
+    assert {'overflow', 'underflow', 'swallowed', 'rel_diff', 'max_fp32'} <= set(df.columns)
+    assert list(df.index) == ['0', '1.0', '1.1', '3']  # the modules with params, and where the overflow starts
+    assert df['overflow'].to_dict() == {'0': 0, '1.0': 4, '1.1': 0, '3': 0}
+    assert df.loc['1.0', 'max_fp32'] > 65504 and df.loc['1.0', 'rel_diff'] == float('inf')
+    assert df.attrs['advice'].startswith("keep_fp32=['1']: `learn.to_fp16(keep_fp32=['1'])`")
+    assert df.attrs['keep_fp32'] == ['1'] and math.isfinite(df.attrs['loss_fp32']) and math.isnan(df.attrs['loss_16bit'])
+    learn.to_fp16(keep_fp32=['1'])  # the advice followed: nothing overflows
+    ok = learn.precision_check(n_batches=4, plot=False)
+    assert ok['overflow'].sum() == 0 and ok.loc['1.1', 'dtype'] == 'float32' and ok.attrs['advice'].startswith('safe')
+    assert abs(ok.attrs['loss_16bit'] / ok.attrs['loss_fp32'] - 1) < 1e-2
+
+def test_precision_check_on_a_safe_model_and_the_gradient_origin():
+    df = make_learner().precision_check(n_batches=2, plot=False)  # no precision set: fp16cb's default to_fp16()
+    assert df.attrs['advice'].startswith('safe') and df['overflow'].sum() == 0 and (df['underflow'] == 0).all()
+    assert 'default' in df.attrs['mode'] and df.attrs['loss_scale'] > 1 and (df['rel_diff'] < 1e-2).all()
+    g = make_learner(model=boosted()).precision_check(n_batches=2, plot=False)
+    assert g['overflow'].to_dict() == {'0': 0, '1': 2, '3': 0}  # GradBoost, not the Linear before it
+    assert g.attrs['advice'].startswith('use to_bf16')
+
+def test_precision_check_measures_underflow_and_swallowed_updates():
+    tiny = synth_learner(factor=2.**-30).to_fp16(loss_scale=1., dynamic=False)  # gradients under fp16's smallest at scale 1
+    df = tiny.precision_check(n_batches=2, plot=False)
+    assert df.loc['0', 'underflow'] > .5 and df.attrs['advice'].startswith('underflow')
+    slow = synth_learner().to_fp16(half_storage=True)
+    slow.lr = 1e-9  # updates far under half a 16-bit spacing of the weights
+    df = slow.precision_check(n_batches=2, plot=False)
+    assert df.loc['0', 'swallowed'] == 1. and df.loc['1', 'swallowed'] < 1. and df.attrs['advice'].startswith('swallowed')
+
+def test_precision_check_plots():
+    from fp16cb import precision_check, plot_precision_check
+    df = precision_check(make_learner(model=amplified()), n_batches=2)  # plot=True by default, as lr_find
+    axs = plt.gcf().axes
+    assert len(axs) == 4 and [a.get_title() for a in axs][0] == 'overflow (batches)'
+    assert [b.get_width() for b in axs[0].patches] == [0, 0, 2, 0]  # bottom-up: '3', '1.1', '1.0' (2 batches), '0'
+    plt.close('all')
+    assert len(plot_precision_check(df)) == 4; plt.close('all')

@@ -6,7 +6,7 @@
     python tools/make_docs_nbs.py --clean         # strip the outputs of every notebook
 
 Generated from this file: index, conversion_and_masters, callbacks, diagnostics, experiments, examples, which_mode,
-troubleshooting. `loss_scalers` and `workflow` are written by hand: they are executed in place.
+troubleshooting. `loss_scalers`, `workflow` and `overflow_diagnostics` are written by hand: they are executed in place.
 
 Execution (also what tests/test_notebooks.py does): this checkout's fp16cb first on the path, one torch thread,
 matplotlib's inline backend (figures stored as PNG), 72 dpi. Stored: outputs and execution counts; metadata: the
@@ -108,6 +108,7 @@ python -m fp16cb --experiments   # the comparison of NVIDIA's NVCaffe slides and
 | [loss scalers](loss_scalers.ipynb) | static, backoff and log-normal loss scaling |
 | [workflow](workflow.ipynb) | `fit_one_cycle`, `lr_find`, gradient accumulation and clipping, inference, faults |
 | [diagnostics](diagnostics.ipynb) | the loss-scale history, where the gradients sit against fp16's range, warnings |
+| [overflow diagnostics](overflow_diagnostics.ipynb) | which module overflows fp16 and the remedy: `overflows`, the collapse error, `on_collapse`, `learn.precision_check()` |
 | [experiments](experiments.ipynb) | why mixed precision works: each problem of pure fp16, shown and fixed |"""),
 md("""## A tour
 
