@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fastai.callback.core import Callback
 
 __all__ = ['free_port', 'launch', 'init', 'shard', 'ByteCounter', 'count_allreduce', 'DDPWrap', 'fingerprint',
-           'demo_learner', 'main']
+           'demo_learner', 'shutdown', 'main']
 
 def free_port() -> int:
     "A TCP port free on 127.0.0.1 now (for `MASTER_PORT`)."
@@ -141,11 +141,21 @@ def _worker(epochs:int):
         dist.all_gather_object(fps, fingerprint(learn.model))
         rows.append((name, counter.bytes // steps, '+'.join(sorted(d.replace('torch.', '') for d in counter.dtypes)),
                      _pow2(pcb.loss_scale) if pcb is not None else '-', len(set(fps)) == 1))
+        del learn, pcb
     if rank == 0:
         n = sum(p.numel() for p in mlp().parameters())
         print(f"{world} processes ({dist.get_backend()}), MLP of {n} params, {steps} steps per mode, batch {16*world}")
         print(f"{'mode':<15} {'all-reduce bytes/step':>22} {'buckets':>14} {'loss scale':>10}  ranks bit-identical")
         for name, b, dts, scale, same in rows: print(f"{name:<15} {b:>22,} {dts:>14} {scale:>10}  {same}")
+    shutdown()
+
+def shutdown():
+    """Leave the process group in order: the DDP wrappers (which hold it) freed while it is alive, every rank done
+    with its collectives (a barrier), then destroyed here rather than by the interpreter's exit, where gloo's threads
+    could be torn down under a peer that is still using them (`terminate called without an active exception`)."""
+    import gc
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 def main(argv=None):
