@@ -324,7 +324,7 @@ class MixedPrecision(SessionCallback):
 
     def before_step(self):
         scale = self.loss_scale
-        stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad, clear=self._may_clear_early())
+        stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad)
         if stats is None: return
         calibrating = self.scaler.needs_max_grad and self.scaler.is_dynamic
         # the one host sync; DDP: any rank's inf skips all
@@ -360,12 +360,6 @@ class MixedPrecision(SessionCallback):
         mth.keep_too(diag.keep)  # the model set up again, those modules FP32 (the masters stay exact)
         self.scaler.skipped_in_a_row = 0
         diag.warn()
-
-    def _may_clear_early(self) -> bool:
-        """Whether no callback after this one has a `before_step`: one could raise `CancelBatchException` there, and
-        fastai then skips `after_step` and `zero_grad` so that the grads accumulate into the next batch (gradient
-        accumulation ordered after us). They must then still be in the 16-bit grads: clearing waits for `after_step`."""
-        return not any(cb.order > self.order and callable(getattr(cb, 'before_step', None)) for cb in self.learn.cbs)
 
     def _sync_ranks(self):
         "A DDP model in several processes: every rank starts from rank 0's weights (DDP wraps after our `before_fit`)."

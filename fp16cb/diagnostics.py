@@ -191,7 +191,7 @@ def plot_gradient_range(
 
 def state_bytes(learn) -> dict:
     """Bytes per trainable parameter, by role, of what a learner holds during a fit: model weights and grads, FP32
-    masters and their grads, optimizer state (unique storages counted once)."""
+    masters, optimizer state (unique storages counted once; the masters' FP32 grads exist only inside the step)."""
     from .callbacks import MixedPrecision  # diagnostics reads a fit's setup: imported late, the core never imports this
     mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
     params = [p for p in learn.model.parameters() if p.requires_grad]
@@ -208,7 +208,6 @@ def state_bytes(learn) -> dict:
     res = {'weights': size(p.data for p in params), 'grads': size(p.grad for p in params)}
     masters = mp.store.master_params if mp is not None and hasattr(mp.store, 'master_params') else []
     res['masters'] = size(m.data for m in masters) + size(getattr(mp.store, '_masters', []) if mp else [])
-    res['master grads'] = size(getattr(mp.store, '_master_grads', []) if mp else [])
     st = getattr(learn.opt, 'state', {})
     res['optimizer state'] = size(v for s in st.values() for v in s.values())
     return {k: v / n for k, v in res.items()} | {'total': sum(res.values()) / n}

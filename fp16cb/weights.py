@@ -12,7 +12,7 @@ from torch import nn, Tensor
 from fastcore.foundation import L
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
-from .scaling import OverflowCheck, nonfinite_flags
+from .scaling import OverflowCheck, nonfinite_flags, _real
 from .distributed import broadcast_
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights', 'HalfStorage',
@@ -128,14 +128,15 @@ def get_master(
         master_pgs.append(flats)
     return model_pgs, master_pgs
 
-def _pairs(model_pgs, master_pgs, flat_master):
-    "`(model params, master tensors)` matched one to one (views into the flat masters when flat)."
+def _pairs(model_pgs, master_pgs, flat_master, with_grads:bool=True):
+    "`(model params, master tensors, master grads)` matched one to one (views into the flat masters when flat)."
     models, masters, grads = [], [], []
     for pg, mg in zip(model_pgs, master_pgs):
         if flat_master:
             parts = _split_like(pg, mg)
             for part, flat in zip(parts, mg):
                 models += part; masters += flat_views(flat.data, part)
+                if not with_grads: grads += [None]*len(part); continue
                 if flat.grad is None: flat.grad = torch.zeros_like(flat)
                 grads += flat_views(flat.grad, part)
         else:
@@ -262,10 +263,10 @@ class _FlatRun:
     With `keep_none`, a param without grad still gets its view at once (else autograd would allocate a grad of its own
     for the first backward, on top of the buffer: a peak of 2 bytes/param more on each fit's first step); a hook
     notes which of them the backward reaches, and the others lose the view again at the first `reattach_grads`."""
-    def __init__(self, params, master:Tensor, master_grad:Tensor, keep_none:bool=False):
+    def __init__(self, params, master:Tensor, keep_none:bool=False):
         n = sum(p.numel() for p in params)
         p0 = params[0]
-        self.params, self.master, self.master_grad, self.keep_none = params, master, master_grad, keep_none
+        self.params, self.master, self.keep_none = params, master, keep_none
         self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
         self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
         self.views, self.grad_views = flat_views(self.buf, params), flat_views(self.grad, params)
@@ -324,15 +325,16 @@ class _FlatRun:
             if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
                 p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
 
-def _storage_runs(models:list, masters:list) -> tuple:
-    """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data and
-    grads move into one FP32 buffer per device, ordered by the model's dtype: returns `(runs, FP32 grad buffers)`."""
+def _storage_runs(models:list, masters:list) -> list:
+    """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves
+    into one FP32 buffer per device, ordered by the model's dtype: returns the runs. (No FP32 grad buffer: the grads are
+    lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
     by_dev = {}
     for i in sorted(range(len(models)), key=lambda i: str(models[i].dtype)): by_dev.setdefault(models[i].device, []).append(i)
-    runs, grad_bufs = [], []
+    runs = []
     for dev, idx in by_dev.items():
         n = sum(models[i].numel() for i in idx)
-        data, grad = torch.empty(n, device=dev), torch.zeros(n, device=dev)
+        data = torch.empty(n, device=dev)
         o = 0
         for i in idx:
             m, k = masters[i], masters[i].numel()
@@ -346,22 +348,21 @@ def _storage_runs(models:list, masters:list) -> tuple:
             while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
             ps = [models[i] for i in idx[j:k]]
             size = sum(p.numel() for p in ps)
-            runs.append(_FlatRun(ps, data[o:o+size], grad[o:o+size], keep_none=True))
+            runs.append(_FlatRun(ps, data[o:o+size], keep_none=True))
             o, j = o + size, k
-        grad_bufs.append(grad)
-    return runs, grad_bufs
+    return runs
 
 def _flat_runs(model_pgs:list, master_pgs:list) -> list:
     "A `_FlatRun` per run of consecutive params with the same dtype inside each flat master."
     runs = []
     for pg, mg in zip(model_pgs, master_pgs):
         for part, flat in zip(_split_like(pg, mg), mg):
-            data, grad, o, i = flat.detach(), flat.grad, 0, 0
+            data, o, i = flat.detach(), 0, 0
             while i < len(part):
                 j = i
                 while j < len(part) and part[j].dtype == part[i].dtype: j += 1
                 n = sum(p.numel() for p in part[i:j])
-                runs.append(_FlatRun(part[i:j], data[o:o+n], grad[o:o+n]))
+                runs.append(_FlatRun(part[i:j], data[o:o+n]))
                 o, i = o + n, j
     return runs
 
@@ -385,6 +386,17 @@ def _sparse_params(model) -> set:
     "ids of the params whose grads come sparse (`nn.Embedding(sparse=True)` and the like)."
     return {id(p) for m in model.modules() if getattr(m, 'sparse', False) is True for p in m.parameters(recurse=False)} if model is not None else set()
 
+def _fastai_update(core, p, hyper:dict, key=None):
+    "fastai's `Optimizer.step` for one param `p`: its callbacks in order, on the state kept under `key` (default `p`)."
+    key = p if key is None else key
+    state = core.state[key]
+    for cb in core.cbs: state = _update(state, cb(p, **{**state, **hyper}))
+    core.state[key] = state
+
+def _steps_param_by_param(core) -> bool:
+    "Whether `core` is a fastai `Optimizer` whose `step` is fastai's own loop over params (so we may run it ourselves)."
+    return isinstance(core, Optimizer) and getattr(type(core), 'step', None) is Optimizer.step
+
 class WeightStore:
     """What the optimizer steps in a mixed-precision fit, and how a step's gradients get there (after Megatron-LM's
     mixed-precision optimizer: `prepare_grads`, then `step`). The callback asks; the store decides which tensors, when
@@ -395,11 +407,14 @@ class WeightStore:
     - a param in two param groups (or twice in one) is refused, naming it;
     - FP32/fp16/bf16 params are stored by the implementation; any other dtype (float64, complex) trains as it is, in its
       own dtype, its (loss-scaled) grads checked and unscaled with the others (`own_params`);
-    - sparse grads (`nn.Embedding(sparse=True)`) are made dense as they come in.
+    - sparse grads (`nn.Embedding(sparse=True)`) are made dense as they come in;
+    - the grads stay as the backward left them (16-bit, loss-scaled) until the optimizer steps: they are checked there,
+      read-only, and reach FP32 (unscaled, clipped) only as the optimizer consumes them, a bounded part at a time, so a
+      step never holds a full-size FP32 copy of them (`lift_chunk`).
     What must hold during a fit: the model's params are the store's (`check_linked`, every step, O(buffers))."""
     flat = False
     master_pgs = None  # FP32 masters per group (None: this store has none)
-    clears_early = True  # `prepare_grads(clear=True)` clears the model's grads (their values are in the store now)
+    lift_chunk = 2**22  # at most this many elements (16 MiB) of grads are in FP32 at once during a step (or one param, if larger)
     def __init__(self,
         opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
         names:dict=None, # `{id(param): name}`, for error messages
@@ -414,6 +429,7 @@ class WeightStore:
         sparse = _sparse_params(model)
         self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
         self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
+        self.grad_factor, self.coefs = 1., {}  # 1/loss scale; clip coefficients per group (device tensors)
         self._prev_step, self._inner_step = vars(opt).get('step'), opt.step  # the optimizer's own, to call and give back
         opt.step = self._step
 
@@ -421,18 +437,30 @@ class WeightStore:
     def prepare_grads(self,
         scale:float, # the loss scale the grads carry
         with_max:bool=False, # also report the largest |unscaled grad|
-        clear:bool=False, # the model's grads may be cleared now (no callback can cancel the batch to accumulate them)
     ):
-        "Bring the grads in, unscaled, checked for inf/NaN in one fused pass: `[found, (max)]` on the device, or None (no grads)."
+        """Check the step's grads for inf/NaN in one fused, read-only pass, as the backward left them: `[found, (max
+        |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes them."""
         for p in self.sparse:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
-        stats = self._prepare(scale, with_max, clear)
-        if stats is not None: self.stage, self.scale, self.cleared = Stage.UNSCALED, scale, clear and self.clears_early
-        return stats
+        grads = self._grads_to_check()
+        if not grads: return None
+        self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
+        stats = self.check(grads, 1., with_max=with_max)
+        return stats if len(stats) == 1 or scale == 1. else stats * stats.new_tensor([1., 1. / scale])
 
     def clip(self, max_norm:float, global_norm:bool=False):
-        "Clip the unscaled grads the optimizer will use: each param group's norm, or (`global_norm`) all groups' together."
-        raise NotImplementedError
+        """Clip the unscaled grads the optimizer will use: each param group's norm, or (`global_norm`) all groups'
+        together, as `torch.nn.utils.clip_grad_norm_`. The norm is taken in FP32 from the 16-bit grads; the coefficient
+        stays on the device (no host sync) and joins the unscaling factor applied as the grads reach FP32."""
+        groups = [[p.grad for p in a + b if p.grad is not None] for a, b in zip(self.model_pgs, self.own_pgs)]
+        for gis in ([list(range(len(groups)))] if global_norm else [[i] for i in range(len(groups))]):
+            gs = _real([g for i in gis for g in groups[i]])
+            if not gs: continue
+            dev = gs[0].device
+            norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms])) * self.grad_factor
+            coef = (max_norm / (total + 1e-6)).clamp_(max=1.)
+            self.coefs.update(dict.fromkeys(gis, coef))
 
     def _step(self, *args, **kwargs):
         "The optimizer's `step` during a fit: the optimizer steps once (a `Lookahead` counts one step), the model follows."
@@ -481,6 +509,22 @@ class WeightStore:
         if self._prev_step is None: self.opt.__dict__.pop('step', None)
         else: self.opt.step = self._prev_step
 
+    # -- shared by the kinds
+    def _factor(self, gi:int):
+        "What group `gi`'s grads are multiplied by as they reach FP32: 1/scale times its clip coefficient (None: by 1)."
+        c = self.coefs.get(gi)
+        if c is None: return None if self.grad_factor == 1. else self.grad_factor
+        return c if self.grad_factor == 1. else c * self.grad_factor
+
+    def _through_core(self, core_step, *args, **kwargs):
+        """Step the optimizer once, `core_step` (`(step, *args)`) doing the innermost optimizer's part: through a wrapper
+        (fastai's `Lookahead`), the wrapper's `step` runs once and calls the wrapped optimizer's, which is ours then."""
+        if self.opt is self.core: return core_step(self._inner_step, *args, **kwargs)
+        core, inner = self.core, self.core.step
+        core.step = lambda *a, **k: core_step(inner, *a, **k)
+        try: return self._inner_step(*args, **kwargs)
+        finally: core.__dict__.pop('step', None)
+
     def _in_model_order(self, params:list) -> tuple:
         "`(order, names)`: `params` as `model.named_parameters()` orders and names them (made once per store)."
         if getattr(self, '_order', None) is None or len(self._order[0]) != len(params):
@@ -490,12 +534,14 @@ class WeightStore:
         return self._order
 
     # -- what each kind does its own way
+    def _grads_to_check(self) -> list:
+        "The step's grads as the backward left them (after any re-attaching), for the overflow check."
+        raise NotImplementedError
     def _grads_by_param(self) -> tuple:
-        "`(params, their grads as this step brought them in)`: what a skipped step's attribution looks at."
+        "`(params, their grads as the backward left them)`: what a skipped step's attribution looks at."
         raise NotImplementedError
     def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
     def _after_broadcast(self): pass
-    def _prepare(self, scale, with_max, clear): raise NotImplementedError
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
     def zero_model_grads(self): raise NotImplementedError
 
@@ -509,11 +555,27 @@ def _check_same_kind(p, buf, what:str, name:str):
             f"weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
             f"(or before the fit), or order that callback before fp16cb's (order < -50).")
 
+def _lift_chunks(items:list, limit:int) -> list:
+    """`items` (`(param, group, sources)` in the optimizer's order) cut into consecutive chunks of one device whose
+    masters hold at most `limit` elements together (a bigger master is a chunk of its own)."""
+    chunks, cur, n = [], [], 0
+    for it in items:
+        k = it[0].numel() if it[2] is not None else 0
+        if cur and (n + k > limit or it[0].device != cur[0][0].device): chunks.append(cur); cur, n = [], 0
+        cur.append(it); n += k
+    return chunks + ([cur] if cur else [])
+
 class FP32Masters(WeightStore):
     """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
-    into one flat buffer per (device, dtype) run of the masters, so that grad->master, master->model and zeroing are one
-    vectorised op per buffer. Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32
-    master per param, viewing one FP32 buffer per device; the optimizer steps per-param masters)."""
+    into one flat buffer per (device, dtype) run of the masters, so that master->model, the overflow check and zeroing
+    are one vectorised op per buffer. The masters get FP32 grads only while the optimizer steps them, a chunk of at most
+    `lift_chunk` elements at a time: copied from the 16-bit grads, unscaled and clipped there (memory at the step's
+    peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one chunk).
+    Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32 master per param, viewing one
+    FP32 buffer per device; the optimizer steps per-param masters).
+    A fastai `Optimizer` is stepped once, its loop run a chunk at a time; a torch optimizer (`OptimWrapper`) once per
+    chunk, only that chunk's masters having grads (torch skips the others); a fused one that takes `grad_scale` (torch's
+    `fused=True` Adam/AdamW/SGD) unscales inside its kernel, as under torch's `GradScaler`."""
     def __init__(self, opt,
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
         names:dict=None, # `{id(param): name}` for error messages
@@ -522,42 +584,103 @@ class FP32Masters(WeightStore):
         super().__init__(opt, names, model)
         self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of)
         self.master_params = [m for mg in self.master_pgs for m in mg]
+        for m in self.master_params: m.grad = None  # FP32 grads exist only for the chunk being stepped
         self.runs = self._make_runs()
-        self.models, self.masters, self.grad_views = _pairs(self.model_pgs, self.master_pgs, self.flat)
+        self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, self.flat, with_grads=False)
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
-        self._bufs, self._grads = [r.buf for r in self.runs], [r.grad for r in self.runs]
-        self._masters, self._master_grads = [r.master for r in self.runs], [r.master_grad for r in self.runs]
-        self._own_zero_grad = _stock_zero_grad(self.core)
-        if self._own_zero_grad: self.core.zero_grad = self.drop_master_grads
+        self._bufs, self._grads, self._masters = [r.buf for r in self.runs], [r.grad for r in self.runs], [r.master for r in self.runs]
+        own = {id(p) for p in self.own_params}
+        sources = self._sources()
+        self._chunks = _lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
+                                     for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
 
     # -- the interface
-    def _prepare(self, scale, with_max, clear):
-        if not self.runs and not self.own_params: return None
-        self._attach_master_grads([p for r in self.runs for p in r.reattach_grads()])
-        if self.runs: torch._foreach_copy_(self._master_grads, self._grads)
-        if clear and scale == 1. and not with_max and not self.own_params:
-            return self.check(self._grads, 0.)  # check and clear the 16-bit grads in ONE pass ("unscale" by 0: inf -> NaN)
-        # at scale 1 the 16-bit grads are exact copies of the FP32 ones: a read-only pass over fewer bytes
-        stats = self.check((self._grads if scale == 1. else self.master_grads()) + self.own_grads(), 1. / scale, with_max=with_max)
-        if clear: self.zero_model_grads(reattach=False)
-        return stats
-
-    def clip(self, max_norm:float, global_norm:bool=False):
-        pgs = self.opt_pgs
-        for pg in ([[m for pg in pgs for m in pg]] if global_norm else pgs):
-            if pg: nn.utils.clip_grad_norm_(pg, max_norm, foreach=True)
+    def _grads_to_check(self) -> list:
+        if not self.runs and not self.own_params: return []
+        for r in self.runs: r.reattach_grads()
+        return self._grads + self.own_grads()
 
     def _step_impl(self, *args, **kwargs):
-        out = self._inner_step(*args, **kwargs)
+        out = self._through_core(self._step_chunks, *args, **kwargs)
         self.master_to_model()
         return out
+
+    def _step_chunks(self, step, *args, **kwargs):
+        "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
+        if _steps_param_by_param(self.core):  # fastai's loop, run here chunk by chunk (once per param)
+            hypers = self.core.hypers
+            for chunk in self._chunks:
+                for p, gi in self._lift(chunk): _fastai_update(self.core, p, hypers[gi])
+                self._drop(chunk)
+            return None
+        chunks = self._chunks if isinstance(self.core, OptimWrapper) else [[it for c in self._chunks for it in c]]
+        inner = getattr(self.core, 'opt', None)
+        fused = self._fused_scale(inner)
+        own, out = {p: p.grad for p in self.own_params}, None  # torch steps every param with a grad: each in one chunk
+        for p in own: p.grad = None
+        try:
+            for chunk in chunks:
+                self._lift(chunk, own, unscale=fused is None)
+                if fused is not None: inner.grad_scale, inner.found_inf = fused
+                try: out = step(*args, **kwargs)
+                finally:
+                    if fused is not None: del inner.grad_scale, inner.found_inf
+                self._drop(chunk)
+        finally:
+            for p, g in own.items(): p.grad = g
+        return out
+
+    def _fused_scale(self, inner):
+        """`(grad_scale, found_inf)` for a torch optimizer whose kernel unscales (`_step_supports_amp_scaling`: torch's
+        fused Adam/AdamW/SGD), so the grads are only copied to FP32: one pass less. None where one factor cannot serve
+        every group (per-group clipping of several groups), or the optimizer cannot."""
+        if inner is None or not getattr(inner, '_step_supports_amp_scaling', False) or not self._masters: return None
+        coefs = list({id(c): c for c in self.coefs.values()}.values())
+        if len(coefs) > 1 or (coefs and len(self.coefs) < len(self.opt_pgs)): return None
+        dev = self._masters[0].device
+        scale = torch.full((), self.scale, dtype=torch.float32, device=dev)
+        return (scale / coefs[0] if coefs else scale), torch.zeros((), dtype=torch.float32, device=dev)
+
+    def _lift(self, chunk:list, own:dict=None, unscale:bool=True) -> list:
+        """Give the masters of `chunk` FP32 grads: one scratch buffer, the 16-bit grads copied in (one fused copy),
+        unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
+        aside). Returns `[(param, group)]` of those with a grad, in order."""
+        live, dsts, srcs, by_group = [], [], [], {}
+        masters = [it for it in chunk if it[2] is not None and any(o.grad is not None for o, _ in it[2])]
+        if masters:
+            scratch = torch.empty(sum(m.numel() for m, _, _ in masters), dtype=torch.float32, device=masters[0][0].device)
+            for (m, gi, sources), v in zip(masters, flat_views(scratch, [m for m, _, _ in masters])):
+                for o, off in sources:
+                    g = o.grad
+                    dsts.append(v if off == 0 and g.shape == v.shape else v.view(-1)[off:off + g.numel()]); srcs.append(g)
+                m.grad = v
+                by_group.setdefault(gi, []).append(v)
+            torch._foreach_copy_(dsts, srcs)
+        for p, gi, sources in chunk:
+            if sources is not None:
+                if p.grad is not None: live.append((p, gi))
+                continue
+            if own is not None: p.grad = own.get(p)
+            if p.grad is None: continue
+            by_group.setdefault(gi, []).append(p.grad); live.append((p, gi))
+        if unscale:
+            for gi, ts in by_group.items():
+                f = self._factor(gi)
+                if f is not None: torch._foreach_mul_(ts, f)
+        return live
+
+    def _drop(self, chunk:list):
+        "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
+        for p, _, sources in chunk:
+            if sources is not None: p.grad = None
 
     def zero_model_grads(self, reattach:bool=True):
         "Zero the model's 16-bit grads (grads someone replaced go back into the flat buffers first, unless just done)."
         if reattach:
             for r in self.runs: r.reattach_grads()
         if self.runs: torch._foreach_zero_(self._grads)
+        for g in self.own_grads(): g.zero_()
 
     def check_linked(self):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
@@ -571,10 +694,8 @@ class FP32Masters(WeightStore):
     def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
 
     def _grads_by_param(self) -> tuple:
-        "The FP32 master grads (copied from the model's before any clearing), one view per param; own params' grads."
-        if getattr(self, '_master_grad_of', None) is None:
-            self._master_grad_of = [(p, v) for r in self.runs for p, v in zip(r.params, flat_views(r.master_grad, r.params))]
-        pairs = self._master_grad_of + [(p, p.grad) for p in self.own_params]
+        "The model's grads (16-bit, loss-scaled, before any clearing), one per param; own params' grads."
+        pairs = [(p, p.grad) for p in self.models] + [(p, p.grad) for p in self.own_params]
         return [p for p, _ in pairs], [g for _, g in pairs]
     def _after_broadcast(self): self.master_to_model()
 
@@ -591,76 +712,46 @@ class FP32Masters(WeightStore):
 
     def restore(self):
         for r in self.runs: r.release()
-        if self._own_zero_grad: self.core.__dict__.pop('zero_grad', None)
         super().restore()
         self._point_opt(to_model=True)
 
     # -- helpers
-    def drop_master_grads(self):
-        """The optimizer's `zero_grad` during a fit (fastai calls it after every step): the next `prepare_grads`
-        overwrites every master grad, so zeroing them is a wasted pass: drop them (None), as torch's `set_to_none`."""
-        for m in self.master_params: m.grad = None
-        for p in self.own_params: p.grad = None
-
     def master_to_model(self):
         "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
         if self.runs: torch._foreach_copy_(self._bufs, self._masters)
 
     def buffers(self) -> list:
-        "The flat buffers behind the model's 16-bit params and grads and the FP32 masters and grads (memory accounting)."
-        return self._bufs + self._grads + self._masters + self._master_grads
+        "The flat buffers behind the model's 16-bit params and grads and the FP32 masters (memory accounting)."
+        return self._bufs + self._grads + self._masters
 
     @property
     def model_grads(self) -> list: return self._grads
 
-    def master_grads(self) -> list: raise NotImplementedError
     def _make_runs(self) -> list: raise NotImplementedError
-    def _attach_master_grads(self, missing:list): raise NotImplementedError
+    def _sources(self) -> dict:
+        "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
+        raise NotImplementedError
 
 class FlatMasters(FP32Masters):
     "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
     flat = True
-    def _make_runs(self):
-        runs = _flat_runs(self.model_pgs, self.master_pgs)
-        self.flat_grads = [m.grad for m in self.master_params]
-        return runs
-
-    def _attach_master_grads(self, missing:list):
-        "A param without grad gets a zero grad (flat semantics); a flat grad an optimizer dropped is attached again."
-        for m, g in zip(self.master_params, self.flat_grads):
-            if m.grad is not g: m.grad = g
-
-    def master_grads(self): return self.flat_grads
+    def _make_runs(self): return _flat_runs(self.model_pgs, self.master_pgs)
+    def _sources(self) -> dict:
+        "A flat master is fed by the grad buffers of its runs (a param without grad reads as zeros: flat semantics)."
+        res, runs = {}, iter(self.runs)
+        for m in self.master_params:
+            n, src = 0, []
+            while n < m.numel():
+                r = next(runs); src.append((r, n)); n += r.buf.numel()
+            res[id(m)] = src
+        return res
 
 class ParamMasters(FP32Masters):
-    "One FP32 master per param (per-param optimizer state and steps), their data and grads in one buffer per device."
-    def _make_runs(self):
-        runs, self._grad_bufs = _storage_runs([p for pg in self.model_pgs for p in pg], self.master_params)
-        self._master_grad_views = self._master_grads_of_runs(runs)
-        return runs
-
-    def _master_grads_of_runs(self, runs) -> list:
-        "The view into the FP32 grad buffers that each master's grad is, in `master_params` order."
-        views = {}
-        for r in runs:
-            o = r.master_grad.storage_offset()
-            for p in r.params:  # aliases, not autograd views: fastai's `zero_grad` calls `grad.detach_()`
-                views[p] = torch.empty(0, device=p.device).set_(r.master_grad.untyped_storage(), o, p.shape, dense_strides(p))
-                o += p.numel()
-        return [views[p] for p in (p for pg in self.model_pgs for p in pg)]
-
-    def _attach_master_grads(self, missing:list):
-        "Each master's grad is its view into the FP32 grad buffer, or None when its param has no grad."
-        views = self._master_grad_views
-        if not missing:  # the usual case: all attached, or all dropped by `drop_master_grads`
-            if not all(map(operator.is_, map(_grad_of, self.master_params), views)):
-                for m, v in zip(self.master_params, views): m.grad = v
-            return
-        drop = {id(p) for p in missing}
-        for p, m, v in zip(self.models, self.master_params, views):
-            m.grad = None if id(p) in drop else v
-
-    def master_grads(self): return self._grad_bufs
+    "One FP32 master per param (per-param optimizer state and steps), their data in one buffer per device."
+    def _make_runs(self): return _storage_runs([p for pg in self.model_pgs for p in pg], self.master_params)
+    def _sources(self) -> dict:
+        "Each master is fed by its param's grad (a param without grad leaves its master without one, as in FP32)."
+        return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}
 
 def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
     "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`)."
@@ -687,9 +778,9 @@ class HalfStorage(WeightStore):
     the weights and no FP32 masters. Each param is lifted to FP32 as the optimizer reaches it (weights, and grads
     unscaled there, never in 16-bit), stepped by the optimizer's own code with FP32 state, and rounded back (to nearest,
     or stochastically: updates under half a 16-bit spacing then still move the weights on average). A fastai
-    `Optimizer` is stepped once, one param lifted at a time; a torch optimizer (`OptimWrapper`) is stepped once with all
-    params lifted. Params that are not 16-bit (BatchNorm's FP32, float64, complex) are stepped in their own dtype."""
-    clears_early = False  # the step needs the model's grads: they are the only ones
+    `Optimizer` is stepped once, one param lifted at a time; a torch optimizer (`OptimWrapper`) is stepped once per
+    chunk of at most `lift_chunk` elements, that chunk's params lifted (their state moved to the FP32 copies and back).
+    Params that are not 16-bit (BatchNorm's FP32, float64, complex) are stepped in their own dtype."""
     def __init__(self, opt,
         stochastic:bool=True, # round the stored weights stochastically (False: to nearest even)
         generator=None, # a `torch.Generator` of its own for the stochastic rounding (not the global RNG)
@@ -698,38 +789,22 @@ class HalfStorage(WeightStore):
         super().__init__(opt, names, model)
         self.stochastic, self.generator = stochastic, generator
         self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
-        self.grad_factor, self.factors = 1., {}  # 1/loss scale (times a clip coefficient); per param
+        self._group_of = {id(p): gi for gi, (a, b) in enumerate(zip(self.model_pgs, self.own_pgs)) for p in a + b}
         self._dtypes = {id(p): p.dtype for p in self.params}
 
     def grads(self) -> list: return [p.grad for p in self.params if p.grad is not None]
+    def _grads_to_check(self) -> list: return self.grads()
     def _grads_by_param(self) -> tuple: return self.params, [p.grad for p in self.params]
-
-    def _prepare(self, scale, with_max, clear):
-        "The 16-bit grads are checked as they are (unscaling in 16-bit could underflow: the lift unscales in FP32)."
-        grads = self.grads()
-        if not grads: return None
-        self.grad_factor, self.factors = 1. / scale, {}
-        stats = self.check(grads, 1., with_max=with_max)
-        return stats if len(stats) == 1 else stats * torch.tensor([1., 1. / scale], device=stats.device)
-
-    def clip(self, max_norm:float, global_norm:bool=False):
-        "The clip coefficient joins the unscaling factor that the lift applies in FP32."
-        pgs = [[p for p in a + b if p.grad is not None] for a, b in zip(self.model_pgs, self.own_pgs)]
-        for pg in ([[p for pg in pgs for p in pg]] if global_norm else pgs):
-            if not pg: continue
-            norms = torch._foreach_norm([torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad for p in pg], 2, dtype=torch.float32)
-            c = float((max_norm / (torch.linalg.vector_norm(torch.stack(norms)) * self.grad_factor + 1e-6)).clamp(max=1.))
-            self.factors.update({id(p): c for p in pg})
 
     def _lift(self, p):
         """What the optimizer steps for `p`: a 16-bit param's FP32 copy with its grad unscaled in FP32 (the param itself is
         never touched: DDP's hooks, and autograd's, stay on it); another dtype's param itself, its grad unscaled in place."""
-        factor = self.grad_factor * self.factors.get(id(p), 1.)
+        f = self._factor(self._group_of.get(id(p), 0))
         if p.dtype not in (torch.float16, torch.bfloat16):
-            if factor != 1.: p.grad.mul_(factor)
+            if f is not None: p.grad.mul_(f)
             return p
         q = p.detach().float()
-        q.grad = p.grad.float().mul_(factor) if factor != 1. else p.grad.float()
+        q.grad = p.grad.float() if f is None else p.grad.float().mul_(f)
         return q
 
     def _store(self, p, q):
@@ -738,42 +813,50 @@ class HalfStorage(WeightStore):
         with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator))
 
     def _step_impl(self, *args, **kwargs):
-        if isinstance(self.core, Optimizer):
-            if self.opt is self.core: return self._lifted_loop(self.core)
-            return self._with_core_step()
-        return self._step_torch(*args, **kwargs)
+        return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop, *args, **kwargs)
 
-    def _with_core_step(self):
-        "A wrapper (fastai's `Lookahead`): its `step` runs once and calls the wrapped optimizer's, which lifts."
-        core = self.core
-        core.step = lambda *a, **k: self._lifted_loop(core)
-        try: return self._inner_step()
-        finally: core.__dict__.pop('step', None)
-
-    def _lifted_loop(self, core):
+    def _lifted_loop(self, step, *args, **kwargs):
         "fastai's `Optimizer.step` loop, on one lifted param at a time (the state stays keyed by the model's param)."
+        core = self.core
         for p, pg, state, hyper in core.all_params(with_grad=True):
             q = self._lift(p)
-            for cb in core.cbs: state = _update(state, cb(q, **{**state, **hyper}))
-            core.state[p] = state
+            _fastai_update(core, q, hyper, key=p)
             self._store(p, q)
 
-    def _step_torch(self, *args, **kwargs):
-        "A torch optimizer (`OptimWrapper`): stepped once on the lifted params, its state moved to them and back."
+    def _step_torch(self, step, *args, **kwargs):
+        """A torch optimizer (`OptimWrapper`): stepped once per chunk of params, those lifted and their state moved to
+        the lifted copies and back; the other params' grads are set aside meanwhile (torch skips params without one)."""
         groups, state = self.core.opt.param_groups, self.core.opt.state
-        lifted = [[(p, self._lift(p)) if p.grad is not None else (p, p) for p in g['params']] for g in groups]
-        def swap(pairs_of):
-            for g, pairs in zip(groups, lifted):
-                g['params'] = [pairs_of(a, b)[1] for a, b in pairs]
-                for a, b in pairs:
-                    src, dst = pairs_of(a, b)
-                    if src is not dst and src in state: state[dst] = state.pop(src)
-        swap(lambda p, q: (p, q))
-        try: return self._inner_step(*args, **kwargs)
+        with_grad = [(gi, i, p) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
+        grads = {p: p.grad for _, _, p in with_grad}
+        out, chunks, cur, n = None, [], [], 0
+        for it in with_grad:
+            if cur and n + it[2].numel() > self.lift_chunk: chunks.append(cur); cur, n = [], 0
+            cur.append(it); n += it[2].numel()
+        if cur: chunks.append(cur)
+        for _, _, p in with_grad: p.grad = None
+        try:
+            for chunk in chunks:
+                lifted = []
+                for gi, i, p in chunk:
+                    p.grad = grads[p]
+                    q = self._lift(p)
+                    groups[gi]['params'][i] = q
+                    if q is not p:
+                        p.grad = None
+                        if p in state: state[q] = state.pop(p)
+                    lifted.append((gi, i, p, q))
+                try: out = step(*args, **kwargs)
+                finally:
+                    for gi, i, p, q in lifted:
+                        groups[gi]['params'][i] = p
+                        if q is not p:
+                            if q in state: state[p] = state.pop(q)
+                            self._store(p, q)
+                        p.grad = None
         finally:
-            swap(lambda p, q: (q, p))
-            for pairs in lifted:
-                for p, q in pairs: self._store(p, q)
+            for p, g in grads.items(): p.grad = g
+        return out
 
     def zero_model_grads(self):
         gs = self.grads()

@@ -119,6 +119,25 @@ class Record(Callback):
         if self.train_only and not self.training and name in _INNER: return
         self.log[name].append(self.events[name](self.learn))
 
+class StepSpy(Callback):
+    """What the optimizer consumes at each step: a fastai optimizer callback put in front of the learner's (`learn.opt.cbs`,
+    inside a `Lookahead` too) sees every param the step reaches, with the grad it is stepped with (the FP32 master grads
+    exist only then). `steps`: per optimizer step, `[(param, fn(param))]`; default `fn`: a clone of the grad."""
+    order = 20
+    def __init__(self, fn=None): self.fn, self.steps, self._cur = fn or (lambda p: p.grad.detach().clone()), [], None
+    def before_fit(self):
+        opt = self.learn.opt
+        while not hasattr(opt, 'cbs') and hasattr(opt, 'opt'): opt = opt.opt
+        while hasattr(opt, 'opt') and hasattr(opt.opt, 'cbs'): opt = opt.opt  # fastai's Lookahead: the wrapped one
+        if self._spy not in opt.cbs: opt.cbs.insert(0, self._spy)
+    def before_step(self): self._cur = []
+    def _spy(self, p, **kwargs):
+        if self._cur is not None: self._cur.append((p, self.fn(p)))
+    def after_step(self):
+        if self._cur: self.steps.append(self._cur)
+        self._cur = None
+    def grads(self) -> list: return [[g for _, g in step] for step in self.steps]
+
 @pytest.fixture
 def learner(): return make_learner
 

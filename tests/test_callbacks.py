@@ -14,7 +14,7 @@ from fastai.optimizer import Optimizer, sgd_step
 from fastai.layers import BatchNorm
 import fp16cb.dtypes
 from fp16cb import ModelToHalf, MixedPrecision
-from conftest import make_learner, quiet_fit, Record, flat_pgs, seed_all, DEVICE, to_mode, weights
+from conftest import make_learner, quiet_fit, Record, StepSpy, flat_pgs, seed_all, DEVICE, to_mode, weights
 
 NO_OVERFLOW = dict(loss_scale=2.**8, max_loss_scale=2.**8)  # a fixed start that does not overflow
 HALF = [torch.float16, torch.bfloat16]
@@ -37,16 +37,16 @@ def _event_recorder(train_only=True):
         before_backward=lambda l: (l.loss_grad.item(), l.loss.item(), l.mixed_precision.loss_scale),
         after_backward=lambda l: {n: p.grad.dtype for n, p in l.model.named_parameters() if p.grad is not None},
         before_step=lambda l: ([m.dtype for m in flat_pgs(l.mixed_precision.master_pgs)],
-                               [m.grad.dtype for m in flat_pgs(l.mixed_precision.master_pgs)]),
+                               [m.grad for m in flat_pgs(l.mixed_precision.master_pgs)]),
         after_fit=lambda l: _dtypes(l.model))
 
 @pytest.mark.parametrize('dtype', HALF)
 def test_dtypes_at_each_event(dtype):
     learn = _to(make_learner(), dtype)
-    rec, val = _event_recorder(), _event_recorder(train_only=False)
+    rec, val, spy = _event_recorder(), _event_recorder(train_only=False), StepSpy()
     seen = []
     h = learn.model.register_forward_pre_hook(lambda m, args: seen.append([a.dtype for a in args]))
-    quiet_fit(learn, 1, lr=1e-2, cbs=[rec])
+    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
     h.remove()
     log = rec.log
     assert log['before_fit'] == [_expect(dtype)]  # 16-bit model, BatchNorm FP32
@@ -63,8 +63,9 @@ def test_dtypes_at_each_event(dtype):
         assert scale == (2.**8 if dtype == torch.float16 else 1.)
     for grads in log['after_backward']:
         assert grads == _expect(dtype)  # model grads in the model's dtypes
-    for masters, grads in log['before_step']:
-        assert set(masters) == {torch.float32} == set(grads) and len(masters) == 6
+    for masters, grads in log['before_step']:  # the masters get FP32 grads only as the optimizer steps them
+        assert set(masters) == {torch.float32} and len(masters) == 6 and grads == [None] * 6
+    assert [{g.dtype for g in gs} for gs in spy.grads()] == [{torch.float32}] * 4 and len(spy.grads()[0]) == 6
     assert log['after_fit'] == [{n: torch.float32 for n in _expect(dtype)}]
     # the validation batches too: inputs cast, predictions FP32
     learn2 = _to(make_learner(), dtype)
@@ -315,10 +316,9 @@ def _spying_sgd(seen:list):
 @pytest.mark.parametrize('dtype', HALF)
 def test_each_backward_starts_from_zero_model_grads(dtype, flat, late):
     """Every backward starts from zero 16-bit grads: after an ordinary step, a step an earlier callback cancelled and
-    an overflow-skipped step. They are cleared as soon as they are in the masters (in `before_step`, where they are
-    hot), unless a later callback has a `before_step` (`late`): it could raise `CancelBatchException` to accumulate
-    them into the next batch (fastai then skips `after_step`), so clearing waits for `after_step`, and a batch
-    cancelled that way does carry its grads into the next one."""
+    an overflow-skipped step. They are the optimizer's source (lifted to FP32 as it steps), so they are cleared after
+    the step (`after_step`), never before: a later callback's `before_step` (`late`) that raises
+    `CancelBatchException` to accumulate them into the next batch (fastai then skips `after_step`) does carry them."""
     seen = []
     learn_ref, opt_func = _spying_sgd(seen)
     learn = make_learner(opt_func=opt_func); learn_ref.append(learn)
@@ -331,7 +331,7 @@ def test_each_backward_starts_from_zero_model_grads(dtype, flat, late):
     assert rec.log['before_backward'] == ([True, False, True, True] if late == 'cancel' else [True] * 4)
     assert rec.log['after_backward'] == [False] * 4  # each backward did produce grads
     # at each optimizer step (1 and 4; 1 is cancelled when `late == 'cancel'`): were the 16-bit grads cleared already?
-    assert seen == [late is None] * (1 if late == 'cancel' else 2)
+    assert seen == [False] * (1 if late == 'cancel' else 2)
     assert learn.mixed_precision.skips == [False, True, False]
 
 @pytest.mark.parametrize('setup', [lambda l: l, lambda l: l.to_native_fp16(dtype=torch.bfloat16),

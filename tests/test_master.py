@@ -11,7 +11,7 @@ from fastai.basics import SGD, Adam
 from fastai.optimizer import Optimizer, sgd_step
 from fastai.torch_core import trainable_params
 from fp16cb import get_master, to_master_grads, to_model_params, copy_clone, convert_network
-from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, clones, flat_pgs, seed_all, DEVICE, to_mode
+from conftest import make_learner, quiet_fit, tiny_model, two_groups, Record, StepSpy, clones, flat_pgs, seed_all, DEVICE, to_mode
 
 # Loss scale small enough that this tiny regression never overflows in fp16 (|grad| * 2**8 << 65504).
 NO_OVERFLOW = dict(max_loss_scale=2.**8)
@@ -317,19 +317,23 @@ class _CountingSGD(Optimizer):
         super().zero_grad()
 
 @pytest.mark.parametrize('flat', [False, True])
-def test_masters_grads_dropped_not_zeroed_after_each_step(flat):
-    """fastai's `opt.zero_grad()` after each step would zero every master grad that the next `grads_to_master`
-    overwrites: during a fit it drops them instead (None, like torch's `set_to_none`); after the fit the optimizer's
-    own `zero_grad` is back; an optimizer with its own `zero_grad` keeps it."""
+def test_masters_have_fp32_grads_only_while_the_optimizer_steps_them(flat):
+    """No full-size FP32 grad buffer: a master gets its FP32 grad as the optimizer reaches it (lifted from the 16-bit
+    grad, unscaled) and loses it right after, so between steps and in `before_step` there is none; fastai's own
+    `zero_grad` stays (nothing of ours to zero); an optimizer with its own `zero_grad` keeps it."""
     learn = make_learner()
     learn.to_fp16(flat_master=flat, max_loss_scale=2.**8)
     rec = Record(before_batch=lambda l: [p.grad for p, *_ in l.opt.all_params()],
-                 before_step=lambda l: all(p.grad is not None for p, *_ in l.opt.all_params()),
+                 before_step=lambda l: [p.grad for p, *_ in l.opt.all_params()],
                  after_epoch=lambda l: 'zero_grad' in vars(l.opt))
-    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
-    assert all(g is None for gs in rec.log['before_batch'][1:] for g in gs)  # dropped after every step
-    assert rec.log['before_step'] == [True] * 4 and rec.log['after_epoch'] == [True]  # ours during the fit
-    assert 'zero_grad' not in vars(learn.opt)  # fastai's again
+    spy = StepSpy(lambda p: (p.dtype, p.grad.dtype, p.grad.data_ptr()))
+    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
+    assert all(g is None for gs in rec.log['before_batch'] + rec.log['before_step'] for g in gs)
+    assert len(spy.steps) == 4 and all(dt == gdt == torch.float32 for step in spy.steps for _, (dt, gdt, _) in step)
+    n = len(list(learn.model.parameters()))
+    assert all(len({id(p) for p, _ in step}) == len(step) for step in spy.steps)  # each master stepped once per step
+    assert len(spy.steps[0]) == n if not flat else 2 <= len(spy.steps[0]) < n  # all of them (flat: a few per group)
+    assert rec.log['after_epoch'] == [False] and 'zero_grad' not in vars(learn.opt)
     boom = Record(after_step=lambda l: 1 / 0)  # a fit interrupted mid-step gives the optimizer its zero_grad back too
     with pytest.raises(ZeroDivisionError): quiet_fit(learn, 1, lr=1e-2, cbs=boom)
     assert 'zero_grad' not in vars(learn.opt) and learn.model[0].weight.dtype == torch.float32

@@ -7,7 +7,7 @@ import fp16cb.scaling as ov  # `ov.test_overflow`: never bind a `test_*` name th
 from fp16cb import grad_overflow
 from fp16cb.scaling import OverflowCheck
 from fastai.basics import Callback
-from conftest import make_learner, quiet_fit, Record, clones, flat_pgs, count_host_reads, DEVICE
+from conftest import make_learner, quiet_fit, Record, StepSpy, clones, flat_pgs, count_host_reads, DEVICE
 
 INF, NAN = float('inf'), float('nan')
 
@@ -223,11 +223,13 @@ def test_clip_unscaled_master_grads(clip, clip_global):
     learn = make_learner()
     learn.to_fp16(dynamic=False, loss_scale=128., clip=clip, clip_global=clip_global)
     mp = lambda l: l.mixed_precision
-    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs],
-                 before_step=lambda l: [[m.grad.clone() for m in mg] for mg in mp(l).master_pgs])
-    quiet_fit(learn, 1, lr=1e-2, cbs=rec)
-    assert len(rec.log['before_step']) == 4 and len(rec.log['before_step'][0]) == 2  # 4 steps, 2 param groups
-    for g16, gm in zip(rec.log['after_backward'], rec.log['before_step']):
+    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs])
+    spy = StepSpy()  # the master grads as the optimizer steps with them
+    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
+    sizes = [len(pg) for pg in learn.opt.param_lists]
+    stepped = [[gs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))] for gs in spy.grads()]
+    assert len(stepped) == 4 and len(stepped[0]) == 2  # 4 steps, 2 param groups
+    for g16, gm in zip(rec.log['after_backward'], stepped):
         if clip_global: g16, gm = [[g for pg in g16 for g in pg]], [[g for pg in gm for g in pg]]
         for pg16, pgm in zip(g16, gm):
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in pgm]))

@@ -9,7 +9,7 @@ from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError,
 from fp16cb.scaling import make_scaler, FP16_MAX
 from fp16cb.scaling import OverflowCheck
 from fp16cb.demos.experiments import make_learner as digits_learner, train
-from conftest import DEVICE, quiet_fit, count_host_reads
+from conftest import DEVICE, quiet_fit, count_host_reads, StepSpy
 from conftest import make_learner as synth_learner  # conftest's two-group regression (`make_learner` here: a classifier)
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
@@ -184,12 +184,10 @@ def make_learner(n=96, bs=16, seed=0, loss_func=None):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(DEVICE)
     return Learner(dls, model, loss_func=loss_func or BCEWithLogitsLossFlat())
 
-class MaxGrad(Callback):
-    "Records the largest |master grad| after unscaling (MixedPrecision runs before_step at order 10)."
-    order = 20
-    def before_fit(self): self.maxes = []
-    def before_step(self):
-        self.maxes.append(max(p.grad.abs().max().item() for pg in self.learn.opt.param_lists for p in pg if p.grad is not None))
+class MaxGrad(StepSpy):
+    "Records the largest |master grad| the optimizer steps with (unscaled), per step."
+    @property
+    def maxes(self): return [max(g.abs().max().item() for g in gs) for gs in self.grads()]
 
 @pytest.mark.parametrize('scaler', ['backoff', 'lognormal', 'static'])
 def test_training_with_each_strategy(scaler):
