@@ -178,10 +178,19 @@ class ModelToHalf(SessionCallback):
             if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
                 self.originals[k] = rec._replace(original=t)
 
+    def forget_originals(self, params:list):
+        """`params` were trained in 16-bit (16-bit storage, no masters): their FP32 originals are stale and no longer
+        kept (4 bytes/param); their dtype and shape stay (a meta tensor), the model gets their 16-bit values back widened."""
+        for p in params:
+            rec = self.originals.get(id(p)) if self.converted else None
+            if rec is not None and not rec.original.is_meta:
+                self.originals[id(p)] = rec._replace(original=rec.original.to('meta'))
+
     def fp32_value(self, cur:torch.Tensor, rec) -> torch.Tensor:
         "The exact FP32 value of the converted tensor `cur` now: its master, its original if unchanged, else widened."
         master = self.masters.get(id(cur)) if rec.is_param else None
         if master is not None: return master
+        if rec.original.is_meta: return cur.to(rec.original.dtype)  # trained in 16-bit, original forgotten
         if cur.dtype != rec.original.dtype and torch.equal(cur, rec.original.to(cur.dtype)): return rec.original
         return cur.to(rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
 
@@ -282,6 +291,7 @@ class MixedPrecision(SessionCallback):
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending: self.record.new_fit()
+        self._stepped = False
         if self.half_storage: self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), names=names, model=model)
         else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names, model=model)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
@@ -331,6 +341,7 @@ class MixedPrecision(SessionCallback):
         found, self.max_grad = read_stats(stats, self.learn.model, self.learn.loss_grad if calibrating else None)
         if not found:
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
+            if self.half_storage and not self._stepped: self._first_step()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(True, self.max_grad)
@@ -346,6 +357,12 @@ class MixedPrecision(SessionCallback):
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         self.store.finish()
+
+    def _first_step(self):
+        "16-bit storage is about to step the weights: the FP32 originals `ModelToHalf` kept for them go stale, let them go."
+        self._stepped = True
+        mth = self._model_to_half()
+        if mth is not None and mth.converted: mth.forget_originals(self.store.params)
 
     def _collapse(self, err:Exception):
         """The scale cannot go lower (the failing step only): the error naming where the overflow starts and the remedy,

@@ -1,0 +1,111 @@
+"""Training state at the step's peak, in bytes per trainable parameter: `python -m bench.state_memory [--json out.json]`.
+
+Counted as the memory issue defines it: the unique storages of every live tensor (found by the garbage collector, with
+their `.grad`s) right after the optimizer step and before `zero_grad` (fastai's `after_step`), minus what was alive
+before the learner was made (the data) and the batch (inputs, targets, predictions, loss). On a CPU these are exact
+bytes, not an allocator's blocks. Each mode with fastai's `Adam` and with `OptimWrapper(torch.optim.AdamW)`; the model
+is an MLP of about 8.4M parameters (`--width` scales it). The targets (at most 16 bytes/param with FP32 masters, 12
+with `half_storage`) are printed as met or not, never asserted here (tests/test_bench.py checks the accounting)."""
+from __future__ import annotations
+import argparse, gc, json, platform
+from functools import partial
+import torch
+from torch import nn
+from fastai.basics import Learner, DataLoaders, Adam, OptimWrapper, MSELossFlat, Callback
+
+import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
+from fp16cb.dtypes import cpu_has_native
+
+__all__ = ['live_storages', 'StateBytes', 'state_learner', 'MODES', 'OPTIMIZERS', 'measure', 'TARGETS', 'main']
+
+def cpu_capability() -> str:
+    "This CPU's model name, torch's CPU capability and whether bf16 is native here."
+    name = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), platform.processor()) \
+        if platform.system() == 'Linux' else platform.processor()
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}, native bf16: {cpu_has_native(torch.bfloat16)}"
+
+def live_storages() -> dict:
+    "`{storage data_ptr: nbytes}` of every live tensor the garbage collector sees, and of their grads."
+    res = {}
+    def add(t):
+        if isinstance(t, torch.Tensor) and not t.is_meta and t.device.type != 'meta':
+            s = t.untyped_storage()
+            if s.nbytes(): res[s.data_ptr()] = s.nbytes()
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            add(o)
+            if o.grad is not None: add(o.grad)
+    return res
+
+class StateBytes(Callback):
+    "Counts the live storages at `after_step` (after the optimizer step, before `zero_grad`), the batch and `baseline` excluded."
+    order = -100  # before every other after_step: nothing of ours has run yet
+    def __init__(self, baseline:dict): self.baseline, self.counts = baseline, []
+    def after_step(self):
+        if not self.training: return
+        batch = {t.untyped_storage().data_ptr() for t in (*self.learn.xb, *self.learn.yb, self.learn.pred, self.learn.loss,
+                                                          self.learn.loss_grad) if isinstance(t, torch.Tensor)}
+        live = live_storages()
+        self.counts.append(sum(n for k, n in live.items() if k not in self.baseline and k not in batch))
+
+def _mlp(width:int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width // 4, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+MODES = {'fp32': lambda l: l, 'fastai to_fp16': lambda l: l.to_fp16_fastai(), 'to_bf16': lambda l: l.to_bf16(),
+         'to_bf16 flat': lambda l: l.to_bf16(flat_master=True), 'to_fp16': lambda l: l.to_fp16(),
+         'to_bf16 half_storage': lambda l: l.to_bf16(half_storage=True), 'to_native_bf16': lambda l: l.to_native_bf16()}
+OPTIMIZERS = {'fastai Adam': Adam, 'torch AdamW': partial(OptimWrapper, opt=torch.optim.AdamW)}
+TARGETS = {'to_bf16': 16, 'to_bf16 flat': 16, 'to_fp16': 16, 'to_bf16 half_storage': 12}
+
+def _fastai_to_fp16(learn):
+    "fastai's own `to_fp16` (AMP), whatever fp16cb patched in."
+    from fastai.callback.fp16 import MixedPrecision as FastaiMP
+    return learn.add_cb(FastaiMP())
+Learner.to_fp16_fastai = _fastai_to_fp16
+
+def state_learner(mode:str, opt:str, width:int=2048, bs:int=8, n_batches:int=2, seed:int=0) -> tuple:
+    "`(learner, StateBytes, n_params)`: the MLP in `mode` with `opt`; the data made (and counted as baseline) first."
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(bs * n_batches, width // 4, generator=g), torch.randn(bs * n_batches, 10, generator=g)
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x[:bs], y[:bs])), bs=bs, shuffle=False, device='cpu')
+    gc.collect()
+    baseline = live_storages()
+    torch.manual_seed(seed)
+    model = _mlp(width)
+    learn = MODES[mode](Learner(dls, model, loss_func=MSELossFlat(), opt_func=OPTIMIZERS[opt], lr=1e-4))
+    sb = StateBytes(baseline)
+    return learn, sb, sum(p.numel() for p in model.parameters())
+
+def measure(width:int=2048, modes=None, opts=None) -> dict:
+    "`{opt: {mode: bytes/param at the step peak}}` (the largest over a fit's steps)."
+    res = {}
+    for opt in opts or OPTIMIZERS:
+        for mode in modes or MODES:
+            learn, sb, n = state_learner(mode, opt, width)
+            with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=sb)
+            res.setdefault(opt, {})[mode] = max(sb.counts) / n
+            del learn, sb; gc.collect()
+    return res
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--width', type=int, default=2048, help="the MLP's width (2048: about 8.4M parameters)")
+    p.add_argument('--json', help="also write the results here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    res = measure(args.width)
+    n = sum(q.numel() for q in _mlp(args.width).parameters())
+    print(f"Training state at the step peak, bytes/param; MLP of {n/1e6:.1f}M params; CPU: {cpu_capability()}; "
+          f"torch {torch.__version__}")
+    opts = list(res)
+    print(f"{'mode':<22}" + ''.join(f"{o:>14}" for o in opts) + "   target")
+    for mode in MODES:
+        t = TARGETS.get(mode)
+        met = '' if t is None else f"   <= {t}: " + ('met' if all(res[o][mode] <= t + 1e-3 for o in opts) else 'NOT met')
+        print(f"{mode:<22}" + ''.join(f"{res[o][mode]:>14.2f}" for o in opts) + met)
+    if args.json:
+        with open(args.json, 'w') as f: json.dump({'width': args.width, 'n_params': n, 'bytes_per_param': res,
+                                                   'cpu': cpu_capability(), 'torch': torch.__version__}, f, indent=1)
+
+if __name__ == '__main__': main()
