@@ -241,6 +241,7 @@ class MixedPrecision(SessionCallback):
         half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`HalfStorage`)
         stochastic_rounding:bool=True, # with `half_storage`: round the updated weights stochastically (False: to nearest)
         on_collapse:str='raise', # when the loss scale cannot go lower: 'raise' (naming the module where the overflow starts and the remedy) or 'keep_fp32' (keep it FP32 and go on)
+        step_in_backward:bool=False, # step each param in the backward as soon as its grad is ready, and drop the grad (bf16, scale 1, fastai optimizer: less memory)
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
         self.half_storage = check_bool('half_storage', half_storage)
@@ -257,7 +258,20 @@ class MixedPrecision(SessionCallback):
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)
+        self.step_in_backward = check_bool('step_in_backward', step_in_backward)
+        if self.step_in_backward: self._check_in_backward()
         self.store, self.record, self.max_grad, self._rng = None, StepRecord(), None, None
+
+    def _check_in_backward(self):
+        "What stepping in the backward cannot do, refused when the callback is made (the rest when the fit sets up)."
+        why = ("clipping needs every grad's norm before any param is stepped" if self.clip is not None else
+               "flat masters step a whole param group at once" if self.flat_master else
+               f"a loss scale must be known (and an overflow seen) before any param is stepped; this one is "
+               f"{type(self.scaler).__name__}({self.scaler.scale:g})" if not (type(self.scaler).__name__ == 'StaticScaler'
+                                                                            and self.scaler.scale == 1.) else None)
+        if why: raise ValueError(f"step_in_backward=True steps each param as soon as the backward has its grad: {why}. "
+                                 f"It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, "
+                                 f"flat_master=False), `half_storage=True` too.")
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
     loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")
@@ -292,11 +306,21 @@ class MixedPrecision(SessionCallback):
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending: self.record.new_fit()
         self._stepped = False
-        if self.half_storage: self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), names=names, model=model)
-        else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, names=names, model=model)
+        if self.step_in_backward: self._check_fit_in_backward(model)
+        kw = dict(names=names, model=model, in_backward=self.step_in_backward)
+        if self.half_storage: self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), **kw)
+        else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
         self.record.setup(model)
+
+    def _check_fit_in_backward(self, model):
+        "The fit's own obstacles to stepping in the backward: several processes, gradient accumulation."
+        from fastai.callback.training import GradientAccumulation
+        why = ("the ranks' grads are all-reduced after the backward" if syncs(model) or is_ddp(model) else
+               "GradientAccumulation sums several backwards' grads before a step" if any(isinstance(cb, GradientAccumulation)
+                                                                                         for cb in self.learn.cbs) else None)
+        if why: raise ValueError(f"step_in_backward=True cannot be used here: {why}. Train without it.")
 
     def teardown(self):
         "The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off."

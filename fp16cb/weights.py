@@ -263,17 +263,20 @@ class _FlatRun:
     With `keep_none`, a param without grad still gets its view at once (else autograd would allocate a grad of its own
     for the first backward, on top of the buffer: a peak of 2 bytes/param more on each fit's first step); a hook
     notes which of them the backward reaches, and the others lose the view again at the first `reattach_grads`."""
-    def __init__(self, params, master:Tensor, keep_none:bool=False):
+    def __init__(self, params, master:Tensor, keep_none:bool=False,
+                 with_grad:bool=True): # False: no grad buffer (each grad is consumed by a step in the backward)
         n = sum(p.numel() for p in params)
         p0 = params[0]
         self.params, self.master, self.keep_none = params, master, keep_none
         self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
-        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
-        self.views, self.grad_views = flat_views(self.buf, params), flat_views(self.grad, params)
+        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device) if with_grad else None
+        self.views = flat_views(self.buf, params)
+        self.grad_views = flat_views(self.grad, params) if with_grad else [None] * len(params)
         with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
         self.pending, self.reached = [], set()  # params with no grad yet; those a backward reached
         for p, v, g in zip(params, self.views, self.grad_views):
             p.data = v
+            if g is None: p.grad = None; continue
             if p.grad is not None: g.copy_(p.grad)
             elif keep_none: self.pending.append(p)
             p.grad = g
@@ -289,11 +292,12 @@ class _FlatRun:
         self.pending, self.reached, self._hooks = [], set(), []
 
     def _owns(self, t:Tensor, buf:Tensor) -> bool:
-        return t is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        return t is not None and buf is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
     def reattach_grads(self) -> list:
         "Grads that someone replaced go back into the flat grad buffer; returns the params left without grad."
         if self.pending: self._settle_pending()
+        if self.grad is None: return []
         if all(map(operator.is_, map(_grad_of, self.params), self.grad_views)): return []  # the usual case, ~50ns/param
         missing = []
         for p, g in zip(self.params, self.grad_views):
@@ -308,14 +312,15 @@ class _FlatRun:
     def linked(self) -> bool:
         "Whether the first param still views the buffers (a `.to()` replaces every param's tensor, and its grad's)."
         p = self.params[0]
-        return self._owns(p.data, self.buf) and (p.grad is None or self._owns(p.grad, self.grad))
+        return self._owns(p.data, self.buf) and (p.grad is None or self.grad is None or self._owns(p.grad, self.grad))
 
     def relink(self):
         "Point the params (and grads) that someone replaced (same device and dtype) at fresh views into the buffers."
-        self.views, self.grad_views = flat_views(self.buf, self.params), flat_views(self.grad, self.params)
+        self.views = flat_views(self.buf, self.params)
+        if self.grad is not None: self.grad_views = flat_views(self.grad, self.params)
         for p, v, g in zip(self.params, self.views, self.grad_views):
             p.data = v
-            if p.grad is not None: p.grad = g
+            if p.grad is not None and g is not None: p.grad = g
 
     def release(self):
         "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
@@ -325,7 +330,7 @@ class _FlatRun:
             if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
                 p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
 
-def _storage_runs(models:list, masters:list) -> list:
+def _storage_runs(models:list, masters:list, with_grad:bool=True) -> list:
     """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves
     into one FP32 buffer per device, ordered by the model's dtype: returns the runs. (No FP32 grad buffer: the grads are
     lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
@@ -348,7 +353,7 @@ def _storage_runs(models:list, masters:list) -> list:
             while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
             ps = [models[i] for i in idx[j:k]]
             size = sum(p.numel() for p in ps)
-            runs.append(_FlatRun(ps, data[o:o+size], keep_none=True))
+            runs.append(_FlatRun(ps, data[o:o+size], keep_none=True, with_grad=with_grad))
             o, j = o + size, k
     return runs
 
@@ -415,6 +420,7 @@ class WeightStore:
     flat = False
     master_pgs = None  # FP32 masters per group (None: this store has none)
     lift_chunk = 2**22  # at most this many elements (16 MiB) of grads are in FP32 at once during a step (or one param, if larger)
+    in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
     def __init__(self,
         opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
         names:dict=None, # `{id(param): name}`, for error messages
@@ -440,6 +446,7 @@ class WeightStore:
     ):
         """Check the step's grads for inf/NaN in one fused, read-only pass, as the backward left them: `[found, (max
         |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes them."""
+        if self.in_backward: return self._found_in_backward()
         for p in self.sparse:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
         grads = self._grads_to_check()
@@ -464,7 +471,7 @@ class WeightStore:
 
     def _step(self, *args, **kwargs):
         "The optimizer's `step` during a fit: the optimizer steps once (a `Lookahead` counts one step), the model follows."
-        out = self._step_impl(*args, **kwargs)
+        out = None if self.in_backward else self._step_impl(*args, **kwargs)  # in the backward: stepped already
         self.stage = Stage.STEPPED
         return out
 
@@ -506,8 +513,42 @@ class WeightStore:
 
     def restore(self):
         "Give the optimizer its own `step`, params and state back (the end of the fit)."
+        for h in getattr(self, '_grad_hooks', []): h.remove()
         if self._prev_step is None: self.opt.__dict__.pop('step', None)
         else: self.opt.step = self._prev_step
+
+    # -- opt-in: the step in the backward
+    def arm_in_backward(self):
+        """Step each param from a hook as soon as the backward has accumulated its grad, and drop the grad there: no
+        param's grad outlives its own step (a fastai `Optimizer`, a loss scale of 1). A grad holding inf/NaN is zeroed on
+        the device before its param is stepped (no host sync: that param's optimizer takes a step with a zero grad, its
+        momentum and moments decaying, its weight decay applied) and flags the step, which `prepare_grads` reports."""
+        if not _steps_param_by_param(self.core) or self.opt is not self.core:
+            raise ValueError(f"step_in_backward steps each param with fastai's `Optimizer` loop; this learner's optimizer "
+                             f"is {type(self.opt).__name__} (a torch optimizer in `OptimWrapper`, `Lookahead`, or an "
+                             f"`Optimizer` with its own `step`): use a plain fastai optimizer (`Adam`, `SGD`, ...) or "
+                             f"train without step_in_backward.")
+        self.in_backward, self._found = True, {}
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._hooked_params()]
+        return self
+
+    def _on_grad(self, p):
+        "A param's grad is complete: check it (on the device), step the param with it, drop it."
+        g = p.grad
+        bad = torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all().logical_not_()
+        f = self._found.get(g.device)
+        self._found[g.device] = bad if f is None else f.logical_or_(bad)
+        g.masked_fill_(bad, 0)
+        self._step_one(p)
+        p.grad = None
+
+    def _found_in_backward(self):
+        "`[found]`: whether any grad of this backward held inf/NaN (None: the backward reached no param)."
+        found, self._found = list(self._found.values()), {}
+        if not found: return None
+        self.stage, self.scale, self.cleared = Stage.UNSCALED, 1., True
+        dev = found[0].device
+        return torch.stack([f.to(dev) for f in found]).any().float().reshape(1)
 
     # -- shared by the kinds
     def _factor(self, gi:int):
@@ -541,6 +582,8 @@ class WeightStore:
         "`(params, their grads as the backward left them)`: what a skipped step's attribution looks at."
         raise NotImplementedError
     def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
+    def _hooked_params(self) -> list: return [p for pg in self.model_pgs + self.own_pgs for p in pg]
+    def _step_one(self, p): raise NotImplementedError
     def _after_broadcast(self): pass
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
     def zero_model_grads(self): raise NotImplementedError
@@ -580,8 +623,10 @@ class FP32Masters(WeightStore):
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
         names:dict=None, # `{id(param): name}` for error messages
         model=None, # the model (sparse grads)
+        in_backward:bool=False, # step each param in the backward (`arm_in_backward`): no 16-bit grad buffer
     ):
         super().__init__(opt, names, model)
+        self._with_grads = not in_backward
         self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of)
         self.master_params = [m for mg in self.master_pgs for m in mg]
         for m in self.master_params: m.grad = None  # FP32 grads exist only for the chunk being stepped
@@ -589,11 +634,15 @@ class FP32Masters(WeightStore):
         self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, self.flat, with_grads=False)
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
-        self._bufs, self._grads, self._masters = [r.buf for r in self.runs], [r.grad for r in self.runs], [r.master for r in self.runs]
+        self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
+        self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
         own = {id(p) for p in self.own_params}
         sources = self._sources()
         self._chunks = _lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
+        self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
+        self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
+        if in_backward: self.arm_in_backward()
 
     # -- the interface
     def _grads_to_check(self) -> list:
@@ -670,6 +719,15 @@ class FP32Masters(WeightStore):
                 if f is not None: torch._foreach_mul_(ts, f)
         return live
 
+    def _step_one(self, p):
+        "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
+        m, gi = self._master_of[id(p)]
+        if m is not p: m.grad = p.grad.float()
+        _fastai_update(self.core, m, self.core.hypers[gi])
+        if m is not p:
+            m.grad = None
+            p.detach().copy_(m)
+
     def _drop(self, chunk:list):
         "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
         for p, _, sources in chunk:
@@ -679,7 +737,7 @@ class FP32Masters(WeightStore):
         "Zero the model's 16-bit grads (grads someone replaced go back into the flat buffers first, unless just done)."
         if reattach:
             for r in self.runs: r.reattach_grads()
-        if self.runs: torch._foreach_zero_(self._grads)
+        if self._grads: torch._foreach_zero_(self._grads)
         for g in self.own_grads(): g.zero_()
 
     def check_linked(self):
@@ -748,13 +806,16 @@ class FlatMasters(FP32Masters):
 
 class ParamMasters(FP32Masters):
     "One FP32 master per param (per-param optimizer state and steps), their data in one buffer per device."
-    def _make_runs(self): return _storage_runs([p for pg in self.model_pgs for p in pg], self.master_params)
+    def _make_runs(self): return _storage_runs([p for pg in self.model_pgs for p in pg], self.master_params, self._with_grads)
     def _sources(self) -> dict:
         "Each master is fed by its param's grad (a param without grad leaves its master without one, as in FP32)."
         return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}
 
 def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
-    "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`)."
+    "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`, `in_backward`)."
+    if flat and kwargs.get('in_backward'):
+        raise ValueError("step_in_backward steps each param on its own: flat masters step a whole param group at once "
+                         "(use flat_master=False)")
     return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
 
 # ---- 16-bit storage
@@ -785,12 +846,20 @@ class HalfStorage(WeightStore):
         stochastic:bool=True, # round the stored weights stochastically (False: to nearest even)
         generator=None, # a `torch.Generator` of its own for the stochastic rounding (not the global RNG)
         names:dict=None, model=None,
+        in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
     ):
         super().__init__(opt, names, model)
         self.stochastic, self.generator = stochastic, generator
         self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
         self._group_of = {id(p): gi for gi, (a, b) in enumerate(zip(self.model_pgs, self.own_pgs)) for p in a + b}
         self._dtypes = {id(p): p.dtype for p in self.params}
+        if in_backward: self.arm_in_backward()
+
+    def _step_one(self, p):
+        "In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored back."
+        q = self._lift(p)
+        _fastai_update(self.core, q, self.core.hypers[self._group_of[id(p)]], key=p)
+        self._store(p, q)
 
     def grads(self) -> list: return [p.grad for p in self.params if p.grad is not None]
     def _grads_to_check(self) -> list: return self.grads()

@@ -325,8 +325,13 @@ def test_training_state_bytes_per_param():
     no FP32 grads left after the step: never more than FP32; 16-bit storage: 2 + 2 + 8 (the FP32 originals let go of
     once the weights have been stepped). A few KB of fixed buffers on top (the loss scale, the overflow flag)."""
     from bench.state_memory import measure
-    res = measure(width=128, modes=['fp32', 'to_bf16', 'to_bf16 flat', 'to_fp16', 'to_bf16 half_storage'])
+    res = measure(width=128, modes=['fp32', 'to_bf16', 'to_bf16 flat', 'to_fp16', 'to_bf16 half_storage',
+                                    'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward'])
+    assert 'to_bf16 step_in_backward' not in res['torch AdamW']  # fastai's optimizer loop only
     for opt, r in res.items():
         assert r['fp32'] == pytest.approx(16, abs=0.3), (opt, r)
         for m in ('to_bf16', 'to_bf16 flat', 'to_fp16'): assert 15.7 < r[m] <= r['fp32'], (opt, m, r)
         assert 11.7 < r['to_bf16 half_storage'] < 12.3, (opt, r)
+    # stepping in the backward: no param's grad outlives its step (2 + 4 + 8 with masters, 2 + 8 without)
+    r = res['fastai Adam']
+    assert 13.7 < r['to_bf16 step_in_backward'] < 14.3 and 9.7 < r['to_bf16 half_storage step_in_backward'] < 10.3, r

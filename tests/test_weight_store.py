@@ -11,7 +11,7 @@ from fastai.optimizer import Lookahead, ranger, OptimWrapper
 
 from fp16cb.callbacks import MixedPrecision
 from fp16cb.weights import Stage, WeightStore, HalfStorage, FP32Masters
-from conftest import make_learner, quiet_fit, tiny_model, DEVICE
+from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE
 
 MODES = [dict(), dict(flat_master=True), dict(half_storage=True)]
 IDS = ['masters', 'flat', 'half_storage']
@@ -190,3 +190,83 @@ def test_half_storage_keeps_the_model_s_own_tensors_and_fp32_state(opt):
     ps = [p for p in learn.model.parameters()]
     assert all(p in state for p in ps)
     assert all(v.dtype == torch.float32 for p in ps for v in state[p].values() if torch.is_tensor(v) and v.dim())
+
+# ---- torch's fused AdamW: the unscale inside its kernel
+def _adamw_learner(fused:bool, groups:int=1, **kw):
+    split = (lambda m: [list(m.parameters())]) if groups == 1 else None
+    learn = make_learner(opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=fused)),
+                         **({'splitter': split} if split else {}))
+    return learn.to_fp16(dynamic=False, loss_scale=2.**10, **kw)
+
+@pytest.mark.parametrize('kw,groups,in_kernel', [({}, 1, True), ({'clip': .05}, 1, True), ({'clip': .05, 'clip_global': True}, 2, True),
+                                                 ({'clip': .05}, 2, False)], ids=['plain', 'clip', 'clip-global-2groups', 'clip-per-group'])
+def test_fused_adamw_unscales_in_its_kernel(monkeypatch, kw, groups, in_kernel):
+    """With `OptimWrapper(torch.optim.AdamW(fused=True))` the masters' grads are only copied to FP32: the optimizer gets
+    `grad_scale` (the loss scale over the clip coefficient) and `found_inf`, as under torch's `GradScaler`, and unscales
+    inside its kernel (no multiply pass of ours); where one factor cannot serve every group (each of several groups
+    clipped on its own) the grads are unscaled before. Either way the weights are those of the unfused AdamW."""
+    from fp16cb import weights as W
+    muls, seen = [], []
+    orig_mul = torch._foreach_mul_
+    monkeypatch.setattr(torch, '_foreach_mul_', lambda *a, **k: (muls.append(1), orig_mul(*a, **k))[1])
+    fused = _adamw_learner(True, groups, **kw)
+    orig = W.FP32Masters._fused_scale
+    monkeypatch.setattr(W.FP32Masters, '_fused_scale', lambda self, inner: (lambda r: (seen.append(r is not None), r)[1])(orig(self, inner)))
+    quiet_fit(fused, 1, lr=1e-2)
+    assert seen and all(s == in_kernel for s in seen)
+    assert (len(muls) == 0) == in_kernel
+    plain = _adamw_learner(False, groups, **kw)
+    quiet_fit(plain, 1, lr=1e-2)
+    for a, b in zip(fused.model.parameters(), plain.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+# ---- opt-in: each param stepped in the backward
+@pytest.mark.parametrize('half', [False, True], ids=['masters', 'half_storage'])
+def test_step_in_backward_trains_as_the_step_after_it(half):
+    "Stepping each param in the backward (bf16, scale 1) gives bit for bit the weights of the usual step after it."
+    res = []
+    for sib in (False, True):
+        learn = make_learner().to_bf16(half_storage=half, stochastic_rounding=False, step_in_backward=sib)
+        grads_seen = Record(before_step=lambda l: [p.grad for p in l.model.parameters()])
+        quiet_fit(learn, 2, lr=1e-2, cbs=grads_seen if sib else None)
+        res.append([p.detach().clone() for p in learn.model.parameters()])
+        if sib: assert all(g is None for gs in grads_seen.log['before_step'] for g in gs)  # each dropped after its step
+    for a, b in zip(*res): assert torch.equal(a, b)
+    assert learn.model[0].weight.dtype == torch.float32 and not learn.model[0].weight._post_accumulate_grad_hooks
+
+class _NanGradOnce(Callback):
+    "Multiplies the first layer's weight grad by NaN at the second batch (a hook before ours: the backward makes it)."
+    order = 0
+    def before_fit(self):
+        self.n = 0
+        self.h = self.learn.model[0].weight.register_hook(lambda g: g * float('nan') if self.n == 2 else g)
+    def before_batch(self): self.n += 1
+    def after_fit(self): self.h.remove()
+
+def test_step_in_backward_on_a_nan_grad():
+    """A grad holding NaN, in the backward: zeroed on the device before its param steps (no host sync); that param's
+    optimizer steps with a zero grad, the others normally; the step is counted as skipped, BatchNorm's statistics put
+    back; no NaN reaches the weights."""
+    learn = make_learner(opt_func=partial(SGD, mom=0.)).to_bf16(step_in_backward=True)
+    w0 = {}
+    rec = Record(before_batch=lambda l: [p.detach().float().clone() for p in l.model.parameters()])
+    quiet_fit(learn, 1, lr=1e-2, cbs=[_NanGradOnce(), rec])
+    mp = learn.mixed_precision
+    assert mp.skips == [False, True, False, False] and mp.n_skipped == 1
+    before, after = rec.log['before_batch'][1], rec.log['before_batch'][2]
+    assert torch.equal(before[0], after[0])  # SGD without momentum: a zero grad leaves the weight as it was
+    assert not torch.equal(before[2], after[2])  # the other params stepped
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+
+@pytest.mark.parametrize('kw,match', [(dict(dtype=torch.float16), 'loss scale'), (dict(clip=1.), 'clipping'),
+                                      (dict(flat_master=True), 'flat')])
+def test_step_in_backward_refuses_what_it_cannot_keep(kw, match):
+    meth = make_learner().to_fp16 if 'dtype' in kw else make_learner().to_bf16
+    with pytest.raises(ValueError, match=match): meth(step_in_backward=True, **{k: v for k, v in kw.items() if k != 'dtype'})
+
+@pytest.mark.parametrize('opt', ['adamw', 'lookahead'])
+def test_step_in_backward_needs_a_fastai_optimizer(opt):
+    opt_func = partial(OptimWrapper, opt=torch.optim.AdamW) if opt == 'adamw' else ranger
+    learn = make_learner(opt_func=opt_func).to_bf16(step_in_backward=True)
+    w0 = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match="fastai's `Optimizer` loop"): quiet_fit(learn, 1, lr=1e-2)
+    for a, b in zip(w0, learn.model.parameters()): assert torch.equal(a, b) and b.dtype == torch.float32
