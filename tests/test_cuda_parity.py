@@ -45,8 +45,10 @@ def test_bf16_trains_when_the_fused_kernel_refuses_bf16(flat, scaler, monkeypatc
 
 def test_refusal_is_probed_once(refuse_bf16):
     "A refused (device type, dtype) is remembered: later steps go straight to the generic pass."
-    quiet_fit(make_learner().to_bf16(), 2)
-    assert refuse_bf16.count(torch.bfloat16) <= 1 and ('cpu', torch.bfloat16) in overflow._REFUSED
+    check, grads = OverflowCheck(), [torch.ones(3, dtype=torch.bfloat16) for _ in range(12)]  # more than a few: the kernel
+    for _ in range(3): assert check(grads, .5).item() == 0
+    assert refuse_bf16.count(torch.bfloat16) == 1 and ('cpu', torch.bfloat16) in overflow._REFUSED
+    assert all(torch.equal(g, torch.full((3,), .125, dtype=torch.bfloat16)) for g in grads)  # unscaled 3 times all the same
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64])
 @pytest.mark.parametrize('inv_scale', [1., .5, 0.])
