@@ -1,5 +1,5 @@
 """The recipe of Micikevicius et al. as two fastai callbacks: a 16-bit model, and FP32 masters with loss scaling. This
-is the first module of a training step: the events. The weight store (`weights`) brings the grads in, clips and steps;
+is the first module of a training step: the events. The weight store (`weights`) checks the grads, clips and steps;
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
 from functools import partial
@@ -90,8 +90,8 @@ def _reject_gradient_clip(learn):
     clips = [cb for cb in learn.cbs if isinstance(cb, GradientClip)]
     if clips:
         raise ValueError(f"fastai's GradientClip(max_norm={clips[0].max_norm}) cannot be used with `to_fp16`/`to_bf16`: "
-                         f"it would clip the model's 16-bit gradients, which MixedPrecision has already copied (unscaled) "
-                         f"into the FP32 masters that the optimizer steps, and cleared. Use "
+                         f"it would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the "
+                         f"optimizer steps the masters with (they are made as it steps). Use "
                          f"`learn.to_fp16(clip={clips[0].max_norm}, clip_global=True)` instead: the same global L2 norm as "
                          f"GradientClip, of the unscaled FP32 master gradients (without `clip_global`, each param group's "
                          f"norm is clipped, as fastai v2's original `MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.")
@@ -219,8 +219,9 @@ class ModelToHalf(SessionCallback):
 
 class MixedPrecision(SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
-    The weight store owns the step: `before_step` asks it to bring the grads in (unscaled and checked in one fused
-    pass), reads the one host sync, skips or clips; the optimizer's `step` steps the store, which the model follows."""
+    The weight store owns the step: `before_step` asks it to check the grads (one fused, read-only pass), reads the one
+    host sync, skips or clips; the optimizer's `step` steps the store (the grads reach FP32, unscaled and clipped, a
+    bounded chunk at a time as the optimizer consumes them), which the model follows."""
     order = 10
     checkpoint_key = 'MixedPrecision'
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)

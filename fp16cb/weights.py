@@ -377,7 +377,7 @@ class Stage(Enum):
     "Where a store is in the current optimizer step (as torch's `GradScaler` keeps an `OptState` per optimizer)."
     NEW = 0       # set up for a fit: under DDP, the ranks still have to agree on the weights (at the first batch)
     READY = 1     # between steps: the next backward accumulates into the model's grads
-    UNSCALED = 2  # `prepare_grads` brought the grads in, unscaled and checked; the step may still be cancelled
+    UNSCALED = 2  # `prepare_grads` checked the grads (unscaling waits for the step); the step may still be cancelled
     STEPPED = 3   # the optimizer stepped (the model follows it already); the model's grads are owed a clearing
     SKIPPED = 4   # the step overflowed and was skipped; the model's grads are owed a clearing
 
