@@ -598,6 +598,44 @@ def _check_same_kind(p, buf, what:str, name:str):
             f"weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
             f"(or before the fit), or order that callback before fp16cb's (order < -50).")
 
+class _LiftPlan:
+    """How one chunk's masters get their FP32 grads, made once: an FP32 scratch buffer viewed as each master's grad,
+    whose memory is given back between steps (`resize_(0)` of its storage, as FSDP frees its flat buffers: the views
+    stay, the bytes go), and the 16-bit grads copied from. Valid while those are still the params' grads."""
+    def __init__(self, items:list):
+        self.items = [(m, gi) for m, gi, sources in items if sources is not None]
+        self.objs, self.srcs, self.dsts, self.groups = [], [], [], {}
+        scratch = torch.empty(sum(m.numel() for m, _ in self.items), dtype=torch.float32, device=self.items[0][0].device)
+        self.views = flat_views(scratch, [m for m, _ in self.items])
+        for (m, gi, sources), v in zip([it for it in items if it[2] is not None], self.views):
+            for o, off in sources:
+                g = o.grad
+                self.objs.append(o); self.srcs.append(g)
+                self.dsts.append(v if off == 0 and g.shape == v.shape else v.view(-1)[off:off + g.numel()])
+            self.groups.setdefault(gi, []).append(v)
+        self.storage = scratch.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.storage.resize_(0)
+
+    @classmethod
+    def make(cls, items:list):
+        "The plan of `items`, or None when it has no master or one of their sources has no grad now."
+        objs = [o for _, _, sources in items if sources is not None for o, _ in sources]
+        return cls(items) if objs and all(o.grad is not None for o in objs) else None
+
+    def valid(self) -> bool: return all(map(operator.is_, map(_grad_of, self.objs), self.srcs))
+
+    def lift(self) -> dict:
+        "The scratch's memory back, the 16-bit grads copied in (one fused copy), each master's grad its view: `{group: views}`."
+        self.storage.resize_(self.nbytes)
+        torch._foreach_copy_(self.dsts, self.srcs)
+        for (m, _), v in zip(self.items, self.views): m.grad = v
+        return self.groups
+
+    def free(self):
+        for m, _ in self.items: m.grad = None
+        self.storage.resize_(0)
+
 def _lift_chunks(items:list, limit:int) -> list:
     """`items` (`(param, group, sources)` in the optimizer's order) cut into consecutive chunks of one device whose
     masters hold at most `limit` elements together (a bigger master is a chunk of its own)."""
@@ -636,7 +674,7 @@ class FP32Masters(WeightStore):
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
-        own = {id(p) for p in self.own_params}
+        own, self._plans = {id(p) for p in self.own_params}, {}
         sources = self._sources()
         self._chunks = _lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
@@ -696,7 +734,10 @@ class FP32Masters(WeightStore):
         unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
         aside). Returns `[(param, group)]` of those with a grad, in order."""
         live, dsts, srcs, by_group = [], [], [], {}
-        masters = [it for it in chunk if it[2] is not None and any(o.grad is not None for o, _ in it[2])]
+        plan = self._plans.get(id(chunk))
+        if plan is None or not plan.valid(): plan = self._plans[id(chunk)] = _LiftPlan.make(chunk)
+        masters = [] if plan is not None else [it for it in chunk if it[2] is not None and any(o.grad is not None for o, _ in it[2])]
+        if plan is not None: by_group = {gi: list(vs) for gi, vs in plan.lift().items()}
         if masters:
             scratch = torch.empty(sum(m.numel() for m, _, _ in masters), dtype=torch.float32, device=masters[0][0].device)
             for (m, gi, sources), v in zip(masters, flat_views(scratch, [m for m, _, _ in masters])):
@@ -730,6 +771,8 @@ class FP32Masters(WeightStore):
 
     def _drop(self, chunk:list):
         "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
+        plan = self._plans.get(id(chunk))
+        if plan is not None and plan.storage.nbytes(): plan.free()
         for p, _, sources in chunk:
             if sources is not None: p.grad = None
 
