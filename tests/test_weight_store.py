@@ -270,3 +270,34 @@ def test_step_in_backward_needs_a_fastai_optimizer(opt):
     w0 = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(ValueError, match="fastai's `Optimizer` loop"): quiet_fit(learn, 1, lr=1e-2)
     for a, b in zip(w0, learn.model.parameters()): assert torch.equal(a, b) and b.dtype == torch.float32
+
+# ---- the lift: FP32 grads a bounded chunk at a time
+@pytest.mark.parametrize('opt', ['fastai', 'torch'])
+@pytest.mark.parametrize('kind', ['masters', 'flat', 'half_storage'])
+def test_grads_reach_fp32_a_bounded_chunk_at_a_time(monkeypatch, opt, kind):
+    """With a small `lift_chunk`, no more FP32 grad elements are alive at once during the step than a chunk (or the
+    largest param), and the weights are exactly those of one chunk: the optimizer still steps each param once."""
+    opt_func = Adam if opt == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW)
+    kw = {'masters': {}, 'flat': {'flat_master': True}, 'half_storage': {'half_storage': True, 'stochastic_rounding': False}}[kind]
+    res, alive = [], []
+    for chunk in (2**22, 40):
+        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        learn = make_learner(opt_func=opt_func).to_fp16(dynamic=False, loss_scale=2.**8, **kw)
+        def count(learn=learn):
+            fp32 = [t for t in (learn.mixed_precision.store.master_params if kind != 'half_storage' else []) if t.grad is not None]
+            alive.append((chunk, sum(t.numel() for t in fp32)))
+        spy = Record(before_step=lambda l: None)
+        if opt == 'fastai':
+            learn.opt_func = partial(_with_probe, opt_func, count)
+        quiet_fit(learn, 1, lr=1e-2, cbs=spy)
+        res.append([p.detach().clone() for p in learn.model.parameters()])
+    for a, b in zip(*res): assert torch.equal(a, b)
+    if kind != 'half_storage' and opt == 'fastai':
+        largest = max(p.numel() for p in learn.model.parameters())
+        assert max(n for c, n in alive if c == 40) <= max(40, largest) < max(n for c, n in alive if c == 2**22)
+
+def _with_probe(opt_func, probe, params, **kw):
+    "A fastai optimizer whose callbacks start with `probe()` (called as each param is stepped)."
+    opt = opt_func(params, **kw)
+    opt.cbs.insert(0, lambda p, **_: probe())
+    return opt
