@@ -1,4 +1,4 @@
-"""The README's multi-process recipe, run as written: `torchrun --nproc_per_node=2 train.py` with fastai's
+"""The multi-process recipe of the docs (nbs/distributed.ipynb), run as written: `torchrun --nproc_per_node=2 train.py` with fastai's
 `distrib_ctx` (Accelerate wraps the model in DDP after our setup, and moves it). For every precision mode the model
 must LEARN: the loss falls as FP32 DDP's does, the ranks agree, and the weights after the fit match one process
 trained on the concatenated batches (what DDP's averaged gradients amount to). A rank that raises ends the job
@@ -13,15 +13,16 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 or __import__('importlib').util.find_spec('accelerate') is None,
                                 reason="needs torch.distributed with gloo, torchrun and accelerate")
 
-README = Path(__file__).parents[1]/'README.md'
+DOCS = Path(__file__).parents[1]/'nbs'/'distributed.ipynb'
 TIMEOUT = 180  # seconds for one 2-process run (about 15 s on 2 idle cores)
 MODES = {'fp32': '', 'to_bf16': '.to_bf16()', 'to_fp16': '.to_fp16()', 'flat': '.to_bf16(flat_master=True)',
          'half_storage': '.to_bf16(half_storage=True)', 'keep_fp32': ".to_fp16(keep_fp32='classifier')",
          'native': '.to_native_fp16()'}
 
 def readme_script() -> str:
-    "The README's `train.py`, as written."
-    text = README.read_text()
+    "The docs' `train.py` (a markdown cell of nbs/distributed.ipynb), as written."
+    cells = json.loads(DOCS.read_text())['cells']
+    text = '\n'.join(''.join(c['source']) for c in cells if c['cell_type'] == 'markdown')
     return re.search(r"```python\n(# train\.py\n.*?)```", text, re.S).group(1)
 
 def in_mode(script:str, mode:str) -> str:
@@ -50,7 +51,7 @@ def torchrun(script:str, out:Path, timeout:int=TIMEOUT) -> subprocess.CompletedP
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory) -> dict:
-    "`{mode: (rank 0, rank 1)}`, each `(results, weights)`: the README's script run once per mode."
+    "`{mode: (rank 0, rank 1)}`, each `(results, weights)`: the docs' script run once per mode."
     res = {}
     for mode in MODES:
         out = tmp_path_factory.mktemp(mode)

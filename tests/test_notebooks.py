@@ -1,6 +1,6 @@
-"""The notebooks of nbs/ are the docs. Every one runs on CPU against this checkout's fp16cb (so the docs cannot rot),
-stores its outputs (tables, figures) for the reader, and the stored outputs of the cells tagged `deterministic` are
-those of a fresh run. `python tools/make_docs_nbs.py [NAME]` regenerates and re-executes them."""
+"""The notebooks of nbs/ are the docs, and their own source. Every one runs on CPU against this checkout's fp16cb (so
+the docs cannot rot), stores its outputs (tables, figures) for the reader, and the stored outputs of the cells tagged
+`deterministic` are those of a fresh run. `python tools/run_nbs.py [NAME]` re-executes them in place."""
 import base64, importlib.util, re
 from pathlib import Path
 import pytest
@@ -11,24 +11,24 @@ nbclient = pytest.importorskip('nbclient')
 REPO = Path(__file__).resolve().parents[1]
 NBS = sorted((REPO/'nbs').glob('*.ipynb'))
 
-_spec = importlib.util.spec_from_file_location('make_docs_nbs', REPO/'tools'/'make_docs_nbs.py')
-make_docs_nbs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_docs_nbs)
-TAG = make_docs_nbs.DETERMINISTIC
-REGENERATE = "run `python tools/make_docs_nbs.py {}` and commit the notebook"
+_spec = importlib.util.spec_from_file_location('run_nbs', REPO/'tools'/'run_nbs.py')
+run_nbs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_nbs)
+TAG = run_nbs.DETERMINISTIC
+REGENERATE = "run `python tools/run_nbs.py {}` and commit the notebook"
 
 CHECK = f"""import fp16cb, pathlib
 assert pathlib.Path(fp16cb.__file__).resolve().parent == pathlib.Path({str(REPO)!r}).resolve()/'fp16cb', fp16cb.__file__"""
 
 _runs = {}
 def executed(path):
-    "The notebook at `path` run in a fresh kernel as `make_docs_nbs` runs it, after a check of which fp16cb it imports."
+    "The notebook at `path` run in a fresh kernel as `run_nbs` runs it, after a check of which fp16cb it imports."
     if path not in _runs:
         nb = nbformat.read(path, as_version=4)
         check = nbformat.v4.new_code_cell(CHECK)
         check.id = 'test-check-fp16cb'
         nb.cells.insert(0, check)
-        try: _runs[path] = make_docs_nbs.execute(nb, timeout=180)
+        try: _runs[path] = run_nbs.execute(nb, timeout=180)
         except Exception as e: _runs[path] = e
     if isinstance(_runs[path], Exception): raise _runs[path]  # CellExecutionError: the cell and its traceback
     return _runs[path]
@@ -36,8 +36,7 @@ def executed(path):
 def test_there_are_notebooks():
     names = {p.stem for p in NBS}
     assert {'index', 'conversion_and_masters', 'callbacks', 'loss_scalers', 'workflow', 'diagnostics', 'experiments',
-            'examples', 'which_mode', 'troubleshooting'} <= names
-    assert names >= set(make_docs_nbs.GENERATED), "a generated notebook is missing: " + REGENERATE.format('')
+            'examples', 'which_mode', 'troubleshooting', 'overflow_diagnostics', 'precision_policy', 'distributed'} <= names
 
 @pytest.mark.parametrize('path', NBS, ids=[p.stem for p in NBS])
 def test_notebook_runs(path):

@@ -1,0 +1,289 @@
+"""Nothing stale in the docs: README.md, CONTRIBUTING.md, bench/README.md and the notebooks (markdown and code) name only
+things that exist (`fp16cb.…` modules and attributes, `python -m …` commands and their flags, files and tests), the
+README's which-mode figures are the benchmark's (`bench/results_cpu.json`, or a table of `bench/RESULTS.md`), its
+signatures are `inspect.signature`'s, it lists every `Learner` method fp16cb patches, user-facing text carries no
+internal work-item labels, and settings.ini holds only keys that setup.py reads."""
+import ast, importlib, importlib.util, inspect, json, os, re, subprocess, sys
+from pathlib import Path
+import pytest
+import torch
+from fastai.learner import Learner
+
+import fp16cb  # noqa: F401 (patches Learner: the signatures and the patched methods checked below)
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path: sys.path.insert(0, str(REPO))  # `bench` is a top-level package of the checkout
+NBS = sorted((REPO/'nbs').glob('*.ipynb'))
+RESULTS_JSON, RESULTS_MD = REPO/'bench'/'results_cpu.json', REPO/'bench'/'RESULTS.md'
+OUTPUTS = {'bench/results_cuda.json'}  # files the documented commands write (not in the repository until run on a GPU)
+HELP_CLIS = ('fp16cb', 'bench', 'fp16cb.demos.ddp')  # documented commands whose flags `--help` lists
+
+def notebook_text(path:Path, outputs:bool=False) -> str:
+    "The markdown and code of a notebook (and the text of its outputs when `outputs`), one cell after another."
+    parts = []
+    for c in json.loads(path.read_text())['cells']:
+        parts.append(''.join(c['source']))
+        for o in c.get('outputs', []) if outputs else []:
+            parts.append(''.join(o.get('text', '')))
+            parts += [''.join(v) for k, v in o.get('data', {}).items() if k.startswith('text/') and k != 'text/html']
+    return '\n\n'.join(parts)
+
+def docs(outputs:bool=False) -> dict:
+    "`{name: text}` of every document scanned here."
+    res = {n: (REPO/n).read_text() for n in ('README.md', 'CONTRIBUTING.md', 'bench/README.md')}
+    res.update({f'nbs/{p.name}': notebook_text(p, outputs) for p in NBS})
+    return res
+
+def section(text:str, heading:str) -> str:
+    "The body of the markdown section whose `## ` heading starts with `heading`, up to the next `## ` heading."
+    m = re.search(rf'^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)', text, re.M | re.S)
+    assert m, f"no section '## {heading}'"
+    return m.group(1)
+
+README = (REPO/'README.md').read_text()
+
+# ---- names, commands and files that must exist
+
+DOTTED = re.compile(r'(?<![\w./-])fp16cb(?:\.[A-Za-z_]\w*)+')
+
+def resolve(dotted:str):
+    "The module or attribute `dotted` names: the longest importable prefix, then attributes."
+    parts = dotted.split('.')
+    for i in range(len(parts), 0, -1):
+        try: obj = importlib.import_module('.'.join(parts[:i]))
+        except ModuleNotFoundError: continue
+        for a in parts[i:]: obj = getattr(obj, a)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+def test_fp16cb_names_exist():
+    "Every `fp16cb.x.y` the docs name is a module or an attribute of one."
+    bad = {}
+    for name, text in docs().items():
+        for dotted in sorted(set(DOTTED.findall(text))):
+            try: resolve(dotted)
+            except (ImportError, AttributeError) as e: bad.setdefault(name, []).append(f"{dotted}: {e}")
+    assert bad == {}
+
+COMMAND = re.compile(r'python3? -m ([A-Za-z_][\w.]*)([^\n`#|]*)')
+
+def commands() -> list:
+    "`(doc, module, flags)` for every `python -m module ...` the docs name."
+    return [(name, m.group(1).rstrip('.'), re.findall(r'(?<!\S)(--[\w-]+)', m.group(2)))
+            for name, text in docs().items() for m in COMMAND.finditer(text)]
+
+def test_python_m_commands_exist():
+    "`python -m X`: X is a module, or a package with a `__main__`, of this checkout or the environment."
+    missing = set()
+    for name, mod, _ in commands():
+        spec = importlib.util.find_spec(mod)
+        if spec is not None and spec.submodule_search_locations is not None: spec = importlib.util.find_spec(f'{mod}.__main__')
+        if spec is None: missing.add((name, mod))
+    assert commands() and not missing, sorted(missing)
+
+@pytest.fixture(scope='module')
+def helps() -> dict:
+    "`python -m X --help` of the documented command-line tools, run from the checkout root."
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]),
+           'PYTHONWARNINGS': 'ignore', 'OMP_NUM_THREADS': '1'}
+    res = {}
+    for mod in HELP_CLIS:
+        p = subprocess.run([sys.executable, '-m', mod, '--help'], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, f"python -m {mod} --help: {p.stderr[-2000:]}"
+        res[mod] = p.stdout
+    return res
+
+def test_documented_flags_exist(helps):
+    "Every flag given to a documented command line is one its `--help` lists."
+    bad = {(name, mod, f) for name, mod, flags in commands() if mod in helps for f in flags
+           if not re.search(rf'(?<![\w-]){re.escape(f)}(?![\w-])', helps[mod])}
+    assert bad == set()
+
+PATH = re.compile(r'(?<![\w./-])((?:fp16cb|tests|tools|bench|nbs)/[\w./-]*\w)(?:::(\w+))?')
+LINK = re.compile(r'\]\((?!https?:|#|mailto:)([^)\s]+)\)')
+
+def test_files_and_links_exist():
+    "Every file of the checkout the docs name exists (`tests/x.py::name`: and defines `name`), and so does every relative link."
+    bad = []
+    for name, text in docs().items():
+        for m in PATH.finditer(text):
+            path, test = m.group(1), m.group(2)
+            if path in OUTPUTS: continue
+            if not (REPO/path).exists(): bad.append((name, path))
+            elif test and not re.search(rf'^\s*(?:def|class) {test}\b', (REPO/path).read_text(), re.M): bad.append((name, f'{path}::{test}'))
+        for link in LINK.findall(text):
+            if not ((REPO/name).parent/link.split('#')[0]).exists(): bad.append((name, link))
+    assert bad == []
+
+def test_the_notebook_index_lists_every_notebook():
+    text = notebook_text(REPO/'nbs'/'index.ipynb')
+    table = text.split('## The docs', 1)[1]
+    assert [p.name for p in NBS if p.stem != 'index' and f'({p.name})' not in table] == []
+
+# ---- the README's which-mode figures come from the benchmark's results
+
+RESULTS = json.loads(RESULTS_JSON.read_text())
+
+def md_tables(text:str) -> list:
+    "Each markdown table of `text` as a list of `{header: cell}` rows."
+    tables, rows = [], None
+    for line in text.splitlines() + ['']:
+        if line.startswith('|'):
+            cells = [c.strip() for c in line.strip().strip('|').split('|')]
+            if rows is None: rows, header = [], cells
+            elif not set(''.join(cells)) <= set('-: '): rows.append(dict(zip(header, cells)))
+        elif rows is not None: tables.append(rows); rows = None
+    return tables
+
+def benchmark_figure(workload:str, mode:str, decimals:int) -> set:
+    "The speed vs FP32 of `mode` on `workload` as printed: from results_cpu.json, and from RESULTS.md's tables."
+    found = set()
+    run = RESULTS.get(workload, {}).get(mode)
+    if run: found.add(f"{run['speedup']:.{decimals}f}")
+    for table in md_tables(RESULTS_MD.read_text()):
+        for row in table:
+            if row.get('workload') == workload and row.get('mode') == mode and 'vs fp32' in row:
+                found.add(row['vs fp32'].rstrip('x'))
+    return found
+
+FIGURE = re.compile(r'(\d+\.\d+)x\b([^()]*)\(`([\w-]+)`, `([\w-]+)`[^)]*\)')
+
+def which_mode_rows() -> list:
+    table, = md_tables(section(README, 'Which mode'))
+    return table
+
+def test_which_mode_table_has_every_mode():
+    calls = ' '.join(r['call'] for r in which_mode_rows())
+    for needed in ('to_fp16()', 'to_bf16()', 'to_native_fp16()', 'to_native_bf16()', 'half_storage=True', 'keep_fp32='):
+        assert needed in calls, needed
+
+def test_which_mode_figures_are_the_benchmarks():
+    "Each figure is `N.NNx ... (`workload`, `mode`)`, equal to the benchmark's; no number in that column is unsourced."
+    col = [k for k in which_mode_rows()[0] if k.startswith('the figure')][0]
+    n = 0
+    for row in which_mode_rows():
+        cell = row[col]
+        for m in FIGURE.finditer(cell):
+            value, workload, mode = m.group(1), m.group(3), m.group(4)
+            assert value in benchmark_figure(workload, mode, len(value.split('.')[1])), \
+                f"{value}x for ({workload}, {mode}) is not in bench/results_cpu.json or bench/RESULTS.md"
+            n += 1
+        rest = re.sub(r'`[^`]*`', '', FIGURE.sub('', cell))
+        assert not re.search(r'(?<![\w.])\d+(?:\.\d+)?(?!\w)', rest), f"a figure without its source: {cell!r}"
+    assert n >= 4
+
+def test_which_mode_figures_are_dated_with_their_machine():
+    "The caption names the results file's run: date, machine, torch; and says plainly whether GPU figures exist."
+    text = ' '.join(section(README, 'Which mode').split())
+    meta = RESULTS['meta']
+    assert meta['date'] in text and meta['machine'] in text and meta['torch'].split('+')[0] in text
+    assert 'bench/results_cpu.json' in text and 'bench/RESULTS.md' in text
+    has_gpu = (REPO/'bench'/'results_cuda.json').exists()
+    assert ('No GPU figures exist yet' in text) != has_gpu
+
+# ---- the README's signatures and calls are the real ones
+
+METHODS = ('to_fp16', 'to_bf16', 'to_fp32', 'to_native_fp16', 'to_native_bf16', 'to_native_fp32', 'precision_check')
+CALL = re.compile(r'(?:(?<=\.)|(?<![\w.]))(' + '|'.join(METHODS) + r')\(')
+
+def calls(text:str) -> list:
+    "`(method, argument text)` for each `learn.method(...)`, `.method(...)` or `method(...)` in `text` (balanced parentheses)."
+    res = []
+    for m in CALL.finditer(text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {'(': 1, ')': -1}.get(text[i], 0); i += 1
+        res.append((m.group(1), text[m.end():i - 1]))
+    return res
+
+def quoted_signature(args:str) -> list:
+    "`(name, kind, default)` of each parameter of a signature quoted as `learn.method(<args>)`."
+    fn = ast.parse(f'def f({args}): pass').body[0].args
+    ev = lambda node: eval(compile(ast.Expression(node), '<README>', 'eval'), {'torch': torch})
+    pos = fn.posonlyargs + fn.args
+    res = [(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty) for a in pos]
+    for k, d in enumerate(fn.defaults, len(pos) - len(fn.defaults)): res[k] = (res[k][0], res[k][1], ev(d))
+    res += [(a.arg, inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.empty if d is None else ev(d))
+            for a, d in zip(fn.kwonlyargs, fn.kw_defaults)]
+    return res
+
+def real_signature(method:str) -> list:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(getattr(Learner, method)).parameters.values()
+            if p.name != 'self']
+
+def test_readme_signatures_are_the_real_ones():
+    "The first code block of '## API' quotes each `to_*` method's signature: names, order, kinds and defaults."
+    block = re.search(r'```python\n(.*?)```', section(README, 'API'), re.S).group(1)
+    quoted = {m: quoted_signature(args) for m, args in calls(block)}
+    assert set(quoted) >= {'to_fp16', 'to_bf16', 'to_fp32', 'to_native_fp16', 'to_native_bf16'}
+    for m, sig in quoted.items(): assert sig == real_signature(m), m
+    names = {n for sig in quoted.values() for n, *_ in sig}
+    assert {'half_storage', 'stochastic_rounding', 'keep_fp32', 'on_collapse'} <= names
+
+def test_documented_calls_use_real_arguments():
+    "Every `to_fp16(...)` & co. in the README and the notebooks' markdown passes only keywords the method takes."
+    texts = [README] + ['\n'.join(''.join(c['source']) for c in json.loads(p.read_text())['cells'] if c['cell_type'] == 'markdown')
+                        for p in NBS]
+    bad = []
+    for text in texts:
+        for method, args in calls(text):
+            try: call = ast.parse(f'f({args})', mode='eval').body
+            except SyntaxError: continue  # a signature (`*, ...`) or prose inside the parentheses
+            params = {n for n, *_ in real_signature(method)}
+            bad += [(method, k.arg) for k in call.keywords if k.arg is not None and k.arg not in params]
+    assert bad == []
+
+# ---- what importing fp16cb changes in fastai
+
+def patched_by_fp16cb() -> set:
+    "The `Learner` attributes whose code lives in fp16cb/ (added, replaced or wrapped on import)."
+    res = set()
+    for name, v in vars(Learner).items():
+        code = getattr(v, '__code__', None)
+        if code is not None and Path(code.co_filename).resolve().is_relative_to(REPO/'fp16cb'): res.add(name)
+    return res
+
+def test_readme_lists_every_patched_learner_method():
+    text = section(README, 'What importing fp16cb changes')
+    listed = set(re.findall(r'`(\w+)`', text))
+    assert patched_by_fp16cb() and patched_by_fp16cb() - listed == set()
+    bullets = re.findall(r'^- (?:added|replaced|wrapped).*?(?=^- |^\s*$)', text, re.M | re.S)
+    named = {n for b in bullets for n in re.findall(r'`(\w+)`', b) if n in vars(Learner)}
+    assert named - patched_by_fp16cb() == set(), "listed as patched, but fastai's own"
+
+# ---- no internal work-item labels in what users read
+
+LABELS = re.compile(r"\bissues?\s*#?\d+|\bthe\s+issue'?s\b|\b(?:design|memory|diagnostics|data-safety|multi-process|CUDA|docs)"
+                    r"\s+issue\b|\bseeds?\s*0\d\d\b|\bwork[- ]items?\b", re.I)
+
+@pytest.mark.parametrize('name', sorted(docs()), ids=lambda n: n)
+def test_no_internal_labels(name):
+    text = docs(outputs=True)[name]
+    assert [m.group(0) for m in LABELS.finditer(text)] == []
+
+# ---- set-up commands and package metadata
+
+def test_readme_set_up_commands():
+    "The two set-up commands, as they are, and the main job."
+    block = re.search(r'```bash\n(.*?)```', section(README, 'Install'), re.S).group(1)
+    assert block.splitlines() == ['pip install -e ".[dev]"', 'pytest']
+    assert re.search(r'^python -m fp16cb$', README, re.M)
+
+def setup_py_words() -> set:
+    "Every whitespace-separated word of every string literal in setup.py."
+    tree = ast.parse((REPO/'setup.py').read_text())
+    return {w for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) for w in n.value.split()}
+
+def settings_keys() -> set:
+    from configparser import ConfigParser
+    cfg = ConfigParser(delimiters=['='])
+    cfg.read(REPO/'settings.ini', encoding='utf-8')
+    return set(cfg['DEFAULT'])
+
+def test_settings_ini_holds_only_what_setup_py_reads():
+    assert settings_keys() - setup_py_words() == set()
+    read = {n.slice.value for n in ast.walk(ast.parse((REPO/'setup.py').read_text()))
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == 'cfg'
+            and isinstance(n.slice, ast.Constant)}
+    assert read and read - settings_keys() == set()
