@@ -55,14 +55,32 @@ def end_step(rec):
     "Count the step that just ended (and whether it was skipped) in `rec`."
     rec['skips'].append(rec['skip']); rec['skipped'] += rec['skip']; rec['all'] += 1; rec['skip'] = False
 
+_STORE_WORK = ('_lift', '_drop', 'master_to_model')  # the weight store's bookkeeping inside `opt.step()`
+
+def _time_store(store, rec, device):
+    "Wrap the bookkeeping a weight store does inside the optimizer's step (grads to FP32, masters to the model)."
+    for name in _STORE_WORK:
+        f = getattr(store, name, None)
+        if f is None or getattr(f, '_timed', False): continue
+        def timed(*a, f=f, name=name, **k):
+            sync(device); t = clock()
+            try: return f(*a, **k)
+            finally:
+                sync(device); dt = clock() - t
+                rec['cb'] += dt; rec['events']['store.' + name] = rec['events'].get('store.' + name, 0.) + dt
+        timed._timed = True
+        setattr(store, name, timed)
+
 def time_events(cb, rec, device):
     """Wrap `cb`'s per-batch event methods so their time adds to `rec['cb']` while training (on CUDA each is
-    synchronised: only for `--cb-timers`, as the syncs stall the GPU queue)."""
+    synchronised: only for `--cb-timers`, as the syncs stall the GPU queue), and the weight store's bookkeeping inside
+    the optimizer's step (the FP32 grads made from the 16-bit ones, chunk by chunk; the masters copied to the model)."""
     for name in _STEP_EVENTS:
         f = getattr(cb, name, None)
         if f is None or getattr(f, '_timed', False): continue
         def timed(f=f, name=name):
             if not cb.learn.training: return f()
+            if getattr(cb, 'store', None) is not None: _time_store(cb.store, rec, device)
             sync(device); t = clock()
             try: return f()
             finally:

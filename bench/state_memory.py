@@ -7,7 +7,7 @@ bytes, not an allocator's blocks. Each mode with fastai's `Adam` and with `Optim
 is an MLP of about 8.4M parameters (`--width` scales it). The targets (at most 16 bytes/param with FP32 masters, 12
 with `half_storage`) are printed as met or not, never asserted here (tests/test_bench.py checks the accounting)."""
 from __future__ import annotations
-import argparse, gc, json, platform
+import argparse, gc, json, platform, warnings
 from functools import partial
 import torch
 from torch import nn
@@ -31,10 +31,12 @@ def live_storages() -> dict:
         if isinstance(t, torch.Tensor) and not t.is_meta and t.device.type != 'meta':
             s = t.untyped_storage()
             if s.nbytes(): res[s.data_ptr()] = s.nbytes()
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor):
-            add(o)
-            if o.grad is not None: add(o.grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # `isinstance` on torch's deprecated module attributes warns
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in objs:
+        add(o)
+        if o.is_leaf and o.grad is not None: add(o.grad)
     return res
 
 class StateBytes(Callback):
@@ -103,6 +105,7 @@ def main(argv=None):
     p.add_argument('--json', help="also write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    warnings.filterwarnings('ignore')  # fastai's AMP on a CPU, fp16 on a CPU: known, and not what is measured
     res = measure(args.width)
     n = sum(q.numel() for q in _mlp(args.width).parameters())
     print(f"Training state at the step peak, bytes/param; MLP of {n/1e6:.1f}M params; CPU: {cpu_capability()}; "
