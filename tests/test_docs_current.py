@@ -150,8 +150,8 @@ def benchmark_figure(workload:str, mode:str, decimals:int) -> set:
 FIGURE = re.compile(r'(\d+\.\d+)x\b([^()]*)\(`([\w-]+)`, `([\w-]+)`[^)]*\)')
 
 def which_mode_rows() -> list:
-    table, = md_tables(section(README, 'Which mode'))
-    return table
+    "The which-mode table (the section's first; the second is the memory table)."
+    return md_tables(section(README, 'Which mode'))[0]
 
 def test_which_mode_table_has_every_mode():
     calls = ' '.join(r['call'] for r in which_mode_rows())
@@ -287,3 +287,27 @@ def test_settings_ini_holds_only_what_setup_py_reads():
             if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == 'cfg'
             and isinstance(n.slice, ast.Constant)}
     assert read and read - settings_keys() == set()
+
+# ---- the README's memory figures are the benchmark's
+MEMORY_JSON = REPO/'bench'/'results_state_memory.json'
+MEMORY_ROWS = {'FP32, fastai\'s AMP `to_fp16`, `to_native_bf16`': ('fp32', 'fastai to_fp16', 'to_native_bf16'),
+               '`to_fp16()`, `to_bf16()`, flat or not': ('to_fp16', 'to_bf16', 'to_bf16 flat'),
+               '`to_bf16(half_storage=True)`': ('to_bf16 half_storage',),
+               '`to_bf16(step_in_backward=True)`': ('to_bf16 step_in_backward',),
+               '`to_bf16(half_storage=True, step_in_backward=True)`': ('to_bf16 half_storage step_in_backward',)}
+
+def test_memory_figures_are_the_benchmarks():
+    "Each cell of the README's memory table is what `bench/results_state_memory.json` holds for every mode of its row."
+    res = json.loads(MEMORY_JSON.read_text())
+    text = section(README, 'Which mode')
+    table = next(t for t in md_tables(text) if 'fastai\'s `Adam`' in t[0])
+    assert [r['mode'] for r in table] == list(MEMORY_ROWS)
+    cols = {"fastai's `Adam`": 'fastai Adam', '`OptimWrapper(torch.optim.AdamW)`': 'torch AdamW'}
+    for row in table:
+        for col, opt in cols.items():
+            got = {f"{res['bytes_per_param'][opt][m]:.2f}" if m in res['bytes_per_param'][opt] else '-' for m in MEMORY_ROWS[row['mode']]}
+            assert got == {row[col]}, (row['mode'], col, got, row[col])
+    flat = ' '.join(text.split())
+    assert res['date'] in flat and 'bench/results_state_memory.json' in flat and res['torch'].split('+')[0] in flat
+    assert res['cpu'].split(',')[0].replace('(R)', '').replace(' Processor', '') in flat.replace('(R)', '')
+    assert f"{res['n_params'] / 1e6:.1f}M" in flat
