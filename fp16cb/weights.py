@@ -603,16 +603,20 @@ class _LiftPlan:
     whose memory is given back between steps (`resize_(0)` of its storage, as FSDP frees its flat buffers: the views
     stay, the bytes go), and the 16-bit grads copied from. Valid while those are still the params' grads."""
     def __init__(self, items:list):
-        self.items = [(m, gi) for m, gi, sources in items if sources is not None]
-        self.objs, self.srcs, self.dsts, self.groups = [], [], [], {}
+        # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per buffer
+        items = sorted([it for it in items if it[2] is not None], key=lambda it: _region(it[2][0][0].grad)[:2])
+        self.items = [(m, gi) for m, gi, _ in items]
+        self.objs, pairs, self.groups = [], [], {}
         scratch = torch.empty(sum(m.numel() for m, _ in self.items), dtype=torch.float32, device=self.items[0][0].device)
         self.views = flat_views(scratch, [m for m, _ in self.items])
-        for (m, gi, sources), v in zip([it for it in items if it[2] is not None], self.views):
+        for (m, gi, sources), v in zip(items, self.views):
             for o, off in sources:
                 g = o.grad
-                self.objs.append(o); self.srcs.append(g)
-                self.dsts.append(v if off == 0 and g.shape == v.shape else v.view(-1)[off:off + g.numel()])
+                self.objs.append(o)
+                pairs.append((v if off == 0 and g.shape == v.shape else v.view(-1)[off:off + g.numel()], g))
             self.groups.setdefault(gi, []).append(v)
+        self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
+        self.dsts, self.copy_srcs = _coalesce(pairs)
         self.storage = scratch.untyped_storage()
         self.nbytes = self.storage.nbytes()
         self.storage.resize_(0)
@@ -628,13 +632,36 @@ class _LiftPlan:
     def lift(self) -> dict:
         "The scratch's memory back, the 16-bit grads copied in (one fused copy), each master's grad its view: `{group: views}`."
         self.storage.resize_(self.nbytes)
-        torch._foreach_copy_(self.dsts, self.srcs)
+        torch._foreach_copy_(self.dsts, self.copy_srcs)
         for (m, _), v in zip(self.items, self.views): m.grad = v
         return self.groups
 
     def free(self):
         for m, _ in self.items: m.grad = None
         self.storage.resize_(0)
+
+def _region(t:Tensor) -> tuple:
+    "`(storage, first element, element count, strides)` of the dense tensor `t` (a grad view, a scratch view)."
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), tuple(t.stride())
+
+def _coalesce(pairs:list) -> tuple:
+    """`(dsts, srcs)` copying what the `(dst, src)` pairs copy, with neighbours merged: where a pair continues the previous
+    one in both memories (same strides: element order is memory order), the two become one 1-d copy."""
+    merged = []  # [dst, src, dst region, src region, mergeable]
+    for d, s in pairs:
+        rd, rs = _region(d), _region(s)
+        ok = rd[3] == rs[3]  # the same strides: copying the pair is copying its memory in order
+        last = merged[-1] if merged else None
+        if (ok and last is not None and last[4] and last[2][0] == rd[0] and last[3][0] == rs[0]
+                and last[2][1] + last[2][2] == rd[1] and last[3][1] + last[3][2] == rs[1]):
+            last[2], last[3] = (rd[0], last[2][1], last[2][2] + rd[2]), (rs[0], last[3][1], last[3][2] + rs[2])
+            last[0], last[1] = _flat_region(last[0], last[2]), _flat_region(last[1], last[3])
+        else: merged.append([d, s, rd[:3], rs[:3], ok])
+    return [m[0] for m in merged], [m[1] for m in merged]
+
+def _flat_region(t:Tensor, region:tuple) -> Tensor:
+    "The 1-d tensor over `region` (`(storage, first, count)`) of `t`'s storage."
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), region[1], (region[2],))
 
 def _lift_chunks(items:list, limit:int) -> list:
     """`items` (`(param, group, sources)` in the optimizer's order) cut into consecutive chunks of one device whose
