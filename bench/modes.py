@@ -1,8 +1,9 @@
 """The benchmark's modes (how a learner trains: fp32, fastai's AMP, fastai's master-weight algorithm, fp16cb's, and
 the limit: a bare bf16 model), its optimizers (fastai's Adam, or torch's fused AdamW through `OptimWrapper`), and the
-reference: a plain PyTorch AMP loop."""
+reference: a plain PyTorch AMP loop; the compiled comparison (`--modes compile`): `to_bf16` with a `torch.compile`d
+model and the plain loop with its model compiled, on the backend `pick_compile_backend` chose."""
 from __future__ import annotations
-from functools import partial
+from functools import partial, cache
 import torch
 import torch.nn.functional as F
 from fastai.basics import Callback, CancelStepException, Adam
@@ -15,7 +16,8 @@ from fp16cb.dtypes import convert_network
 from fp16cb.callbacks import cast_floats
 
 __all__ = ['AutocastCB', 'FastaiNonNative', 'BareBF16', 'bare_bf16', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key',
-           'fused_adamw_ok', 'half_dtype']
+           'fused_adamw_ok', 'half_dtype', 'PLAIN_COMPILED', 'PLAIN_MODES', 'COMPILED_MODES', 'COMPILE_MODES', 'MODE_SETS',
+           'set_compile_backend', 'compile_backend', 'compile_model', 'pick_compile_backend']
 
 def half_dtype(device) -> torch.dtype:
     "The 16-bit dtype of the autocast modes: fp16 on CUDA, bf16 on a CPU."
@@ -88,8 +90,47 @@ def _fastai_amp(learn, device):
     if torch.device(device).type == 'cuda': return learn.add_cb(ffp16.MixedPrecision())
     return learn.add_cb(AutocastCB(half_dtype(device)))
 
-# name: (description, learner setup(learn, device)); `PLAIN` is no learner: the plain PyTorch loop of `run.PlainAMP`
-PLAIN = 'torch-amp'
+# ------------------------------------------------------------------------------------------------ torch.compile
+_BACKEND = {'name': None}  # the backend of the compiled modes in this run (`run_bench` sets it)
+
+def set_compile_backend(name:str|None): _BACKEND['name'] = name
+def compile_backend() -> str|None: return _BACKEND['name']
+
+def compile_model(model):
+    "`torch.compile(model)` on this run's backend (what a user writes: `learn.model = torch.compile(learn.model)`)."
+    if compile_backend() is None: raise RuntimeError("no compile backend chosen (`set_compile_backend`)")
+    return torch.compile(model, backend=compile_backend())
+
+def _probe(x): return (x * 2).sin().sum()
+
+@cache
+def _inductor_error(device_type:str) -> str|None:
+    "None when inductor compiles and runs a small function on this device type (a C++ compiler on a CPU); else why not."
+    try: torch.compile(_probe, backend='inductor', fullgraph=True)(torch.randn(8, device=device_type)).item()
+    except Exception as e: return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    return None
+
+def pick_compile_backend(requested:str, device) -> tuple:
+    """`(backend, why)` for the compiled modes: 'auto' is inductor where it compiles (a working C++ compiler on a CPU,
+    triton on CUDA), else aot_eager (dynamo + AOTAutograd, no code generation: no compiler needed); 'inductor' where
+    it does not compile is a `ValueError`."""
+    if requested not in ('auto', 'inductor', 'aot_eager'):
+        raise ValueError(f"unknown compile backend {requested!r} (expected auto, inductor or aot_eager)")
+    if requested == 'aot_eager': return 'aot_eager', 'asked for'
+    dev = torch.device(device).type
+    err = _inductor_error(dev)
+    if err is None: return 'inductor', 'a C++ compiler works' if dev == 'cpu' else f'inductor compiles on {dev}'
+    if requested == 'inductor': raise ValueError(f"the inductor backend does not compile here ({err})")
+    return 'aot_eager', f"inductor does not compile here ({err})"
+
+def _compiled_bf16(learn, device):
+    learn.model = compile_model(learn.model)
+    return learn.to_bf16()
+
+# name: (description, learner setup(learn, device)); `PLAIN`/`PLAIN_COMPILED` are no learner: the plain PyTorch loop
+# of `plain.PlainAMP`, eager or with its model compiled
+PLAIN, PLAIN_COMPILED = 'torch-amp', 'torch-amp-compile'
+PLAIN_MODES = (PLAIN, PLAIN_COMPILED)
 MODES = {
     'fp32':      ('plain FP32', lambda l, d: l),
     'autocast':  ("fastai's own to_fp16() (AMP: autocast + GradScaler; on a CPU the same callback with bf16 autocast)",
@@ -112,7 +153,14 @@ MODES = {
     'fp16-norm': ('fp16cb learn.to_fp16(keep_fp32=\'norm\')', lambda l, d: l.to_fp16(keep_fp32='norm')),
     'fp16-cls':  ('fp16cb learn.to_fp16(keep_fp32=\'classifier\')', lambda l, d: l.to_fp16(keep_fp32='classifier')),
     PLAIN:       ('reference: a plain PyTorch loop, autocast + GradScaler + fused AdamW, no fastai (bf16 on CPU)', None),
+    # the compiled comparison (opt-in: `--modes compile` or `--compile`); the first (compiling) epoch is in the warm-up
+    'bf16-compile': ('fp16cb learn.to_bf16() with learn.model = torch.compile(learn.model) (backend: --compile-backend)',
+                     _compiled_bf16),
+    PLAIN_COMPILED: (f'the plain loop of {PLAIN} with its model torch.compile\'d (the same backend)', None),
 }
+COMPILED_MODES = ('bf16-compile', PLAIN_COMPILED)
+COMPILE_MODES = ('bf16', 'bf16-compile', PLAIN, PLAIN_COMPILED)  # to_bf16 and the plain loop, eager and compiled
+MODE_SETS = {'compile': COMPILE_MODES}
 
 POLICY_MODES = ('bf16-norm', 'bf16-cls', 'bf16-emb', 'fp16-norm', 'fp16-cls')  # opt-in: `--modes` names them
 
@@ -124,7 +172,7 @@ OPTS = {
 
 def run_key(mode:str, opt:str) -> str:
     "The name of a mode trained with an optimizer in the results: `fp16` (fastai's Adam), `fp16+fused`."
-    return mode if opt == 'adam' or mode == PLAIN else f"{mode}+{opt}"
+    return mode if opt == 'adam' or mode in PLAIN_MODES else f"{mode}+{opt}"
 
 def fused_adamw_ok(device) -> str|None:
     "None when torch's fused AdamW steps on `device`; else why not."

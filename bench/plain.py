@@ -1,5 +1,6 @@
 """The reference row: a plain PyTorch AMP loop (no fastai) on the same model and batches, so that users see what the
-framework costs. Timed like a fastai step: from the start of the forward to the end of `zero_grad`, synchronised."""
+framework costs (and, with its model compiled, what a compiled model costs in fastai). Timed like a fastai step: from
+the start of the forward to the end of `zero_grad`, synchronised."""
 from __future__ import annotations
 import torch
 
@@ -17,9 +18,11 @@ class PlainAMP:
         lr:float=1e-3, # AdamW's learning rate
         fused:bool=True, # torch's fused AdamW (else its foreach implementation)
         channels_last:bool=False, # the model in channels-last memory format (as fastai's `ChannelsLast` does)
+        compile_backend:str=None, # `torch.compile` the model on this backend (None: eager)
     ):
         self.device, self.batches = torch.device(device), batches
         self.model = model.to(self.device, memory_format=torch.channels_last) if channels_last else model.to(self.device)
+        if compile_backend is not None: self.model = torch.compile(self.model, backend=compile_backend)
         self.dtype = half_dtype(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, **({'fused': True} if fused else {'foreach': True}))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)

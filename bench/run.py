@@ -18,9 +18,15 @@ during the fit; and whether the speed targets are met (reported, never asserted)
 bookkeeping of `to_bf16`/`to_fp16`, flat or not, on the many-tensor model `book` within 1.5x the copy bound and
 >= 2.5x less than fastai's master-weight algorithm; `to_bf16` within 1.05x of `bare-bf16`, a bare bf16 model in the
 same fastai loop, on the compute-bound `mlp`) and issue 10's GPU ones.
+
+The compiled comparison (`--compile`, or `--modes compile` on the workloads given): eager `to_bf16`, `to_bf16` with
+`learn.model = torch.compile(learn.model)` and the plain loop with its model compiled, interleaved like every run, on
+`--compile-backend` (auto: inductor where it compiles, a C++ compiler on a CPU; else aot_eager); the first epoch,
+which compiles, is in the untimed warm-up and its wall time is reported on its own (`first_fit_s`, every run); the
+targets of issue 20 (compiled `to_bf16` >= 1.2x eager, within 1.05x of the compiled plain loop) are reported.
 """
 from __future__ import annotations
-import argparse, copy, json, math, os, platform, statistics, sys, time, warnings
+import argparse, contextlib, copy, json, math, os, platform, statistics, sys, time, warnings
 import torch
 from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
 from fastai.callback.channelslast import ChannelsLast
@@ -32,14 +38,18 @@ from fp16cb.native import NativeMixedPrecision
 from fp16cb.dtypes import resolve_device
 
 from .workloads import WORKLOADS, WORKLOAD_SETS, CPU_SCALE, make_data, n_params
-from .modes import AutocastCB, FastaiNonNative, BareBF16, MODES, OPTS, PLAIN, run_key, fused_adamw_ok, half_dtype
-from .measure import (set_clock, new_record, StepClock, time_events, CpuMemory, copy_bound, evaluate, move_state)
+from .modes import (AutocastCB, FastaiNonNative, BareBF16, MODES, OPTS, PLAIN, run_key, fused_adamw_ok, half_dtype,
+                    PLAIN_COMPILED, PLAIN_MODES, COMPILED_MODES, MODE_SETS, set_compile_backend, compile_backend,
+                    pick_compile_backend)
+from .measure import (set_clock, new_record, StepClock, time_events, CpuMemory, copy_bound, evaluate, move_state, sync)
 from .plain import PlainAMP
 
-__all__ = ['run_bench', 'defaults', 'targets', 'format_table', 'main', 'Batches', 'CPU_MODES', 'GPU_MODES']
+__all__ = ['run_bench', 'defaults', 'targets', 'format_table', 'main', 'Batches', 'CPU_MODES', 'GPU_MODES',
+           'COMPILE_WORKLOADS']
 
 CPU_MODES = ('fp32', 'autocast', 'fastai', 'bf16', 'bf16-flat', 'bare-bf16', 'fp16', 'fp16-flat', 'native')
 GPU_MODES = CPU_MODES + (PLAIN,)
+COMPILE_WORKLOADS = {'cpu': ('mlp',), 'cuda': ('lm',)}  # `--compile` without `--workloads`: the issue's CPU MLP, GPU LM
 _PRECISION = (ModelToHalf, MixedPrecision, NativeMixedPrecision, AutocastCB, ffp16.MixedPrecision, ffp16.ModelToHalf,
               ffp16.NonNativeMixedPrecision, BareBF16)
 _BATCH_REFS = ('pred', 'loss', 'loss_grad', 'xb', 'yb')  # what a learner keeps of its last batch after a fit
@@ -52,15 +62,16 @@ class Batches:
     def to(self, device): return self
 
 def _runs(modes, opts) -> list:
-    "`(key, mode, opt)` for each mode with each optimizer (`torch-amp` once: it always uses torch's AdamW)."
-    res = [(run_key(m, o), m, o) for o in opts for m in modes if m != PLAIN]
-    return res + ([(PLAIN, PLAIN, 'fused')] if PLAIN in modes else [])
+    "`(key, mode, opt)` for each mode with each optimizer (the plain loops once: they always use torch's AdamW)."
+    res = [(run_key(m, o), m, o) for o in opts for m in modes if m not in PLAIN_MODES]
+    return res + [(m, m, 'fused') for m in modes if m in PLAIN_MODES]
 
 def _learner(workload, mode, opt, device, batches, valid, init, lr, cb_timers, fused_ok):
     "A learner (or the plain loop) for one run, with its step clock; returns `(learner, record)`."
     model = copy.deepcopy(init).to(device)
-    if mode == PLAIN:
-        plain = PlainAMP(model, batches, device, lr, fused=fused_ok, channels_last=WORKLOADS[workload].channels_last)
+    if mode in PLAIN_MODES:
+        plain = PlainAMP(model, batches, device, lr, fused=fused_ok, channels_last=WORKLOADS[workload].channels_last,
+                         compile_backend=compile_backend() if mode == PLAIN_COMPILED else None)
         return plain, plain.rec
     dls = DataLoaders(Batches(batches), Batches([valid]))
     dls.device = torch.device(device)
@@ -96,11 +107,30 @@ def _fit_parked(learn, device, park, memory=None):
     finally:
         if park: move_state(learn, 'cpu')
 
+def _graphs() -> int:
+    "How many graphs dynamo compiled so far in this process (a recompilation counts: it compiles a graph)."
+    try: from torch._dynamo.utils import counters
+    except ImportError: return 0
+    return counters['stats']['unique_graphs']
+
+def _cold_compile():
+    "Context: torch.compile's on-disk caches off (inductor's FX graph cache & co.): the first epoch compiles for real."
+    try:
+        import torch.compiler.config as cc
+        return cc.patch(force_disable_caches=True)
+    except (ImportError, AttributeError): return contextlib.nullcontext()
+
 def _warm_up(learn, rec, device, parked, steps, warmup, warmup_max):
-    "`warmup` untimed steps, then more (up to `warmup_max`) while a dynamic loss scale still overflows and skips steps."
+    """`warmup` untimed steps, then more (up to `warmup_max`) while a dynamic loss scale still overflows and skips steps;
+    the wall time of the first fit (where a compiled model compiles) in `rec['first_fit_s']`, the graphs dynamo
+    compiled in it in `rec['first_fit_graphs']` (0 for a compiled model whose graphs an earlier run of the same model
+    class compiled: dynamo caches them per code object, guarded by dtypes and shapes). The first fit runs with the
+    compiler's on-disk caches off: what it reports is a cold compile, not what an earlier process left on the disk."""
     n_fits = max(1, math.ceil(warmup/steps))
     for i in range(max(n_fits, math.ceil(warmup_max/steps))):
-        _fit_parked(learn, device, parked)
+        if i == 0: sync(device); t0, g0 = time.perf_counter(), _graphs()
+        with _cold_compile() if i == 0 else contextlib.nullcontext(): _fit_parked(learn, device, parked)
+        if i == 0: sync(device); rec['first_fit_s'], rec['first_fit_graphs'] = time.perf_counter() - t0, _graphs() - g0
         if i + 1 >= n_fits and not any(rec['skips'][-steps:]): break
     rec.update(steps=[], cb_steps=[], skips=[], events={})
 
@@ -128,15 +158,20 @@ def _memory(learners, device, is_cuda, park) -> dict:
     return mems
 
 def _figures(learn, rec, batches, valid, mem, device, parked, timed) -> dict:
-    "The results of one run; the model is evaluated in FP32 (on the device: brought back for it when parked)."
+    """The results of one run; the model is evaluated in FP32 (on the device: brought back for it when parked; a
+    compiled model's original module: an FP32 graph would compile again for nothing)."""
     if parked: move_state(learn, device)
-    loss, acc = evaluate(learn.model, valid)
-    train_loss = statistics.mean(evaluate(learn.model, b)[0] for b in batches)
+    model = getattr(learn.model, '_orig_mod', learn.model)
+    loss, acc = evaluate(model, valid)
+    train_loss = statistics.mean(evaluate(model, b)[0] for b in batches)
     if parked: move_state(learn, 'cpu')
-    n = len(rec['steps'])
+    n, steps = len(rec['steps']), len(batches)
     kept = [i for i, s in enumerate(rec['skips']) if not s] or range(n)  # a skipped step skips the optimizer: not timed
     return {'ms_step': 1e3*statistics.median(rec['steps'][i] for i in kept),
             'ms_cb': 1e3*statistics.median(rec['cb_steps'][i] for i in kept) if timed else None,
+            'ms_rounds': [1e3*statistics.median(rec['steps'][i:i+steps]) for i in range(0, n, steps)],
+            'first_fit_s': rec.get('first_fit_s'), 'first_fit_graphs': rec.get('first_fit_graphs'),
+            'timed_graphs': rec.get('timed_graphs', 0),
             'events_ms': {k: 1e3*v/n for k, v in rec['events'].items()}, 'mem_MB': mem/2**20, 'loss': loss, 'acc': acc,
             'train_loss': train_loss, 'n_steps': n, 'timed_skipped': sum(rec['skips']), 'skipped': rec['skipped'],
             'all_steps': rec['all'], 'channels_last': rec['channels_last']}
@@ -178,7 +213,9 @@ def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, warmup_ma
     for r in range(rounds):
         bounds.append(copy_bound(n_par, half_dtype(device), device))
         for k in (keys if r % 2 == 0 else keys[::-1]):  # alternate the order: no run always goes first
+            g = _graphs()
             _fit_parked(learners[k][0], device, parked)
+            learners[k][1]['timed_graphs'] = learners[k][1].get('timed_graphs', 0) + _graphs() - g  # should stay 0
             if verbose: print(f"  round {r+1}/{rounds} {k:15s} {1e3*statistics.median(learners[k][1]['steps'][-steps:]):9.2f} ms/step",
                               file=sys.stderr)
     mems = _memory(learners, device, is_cuda, parked)
@@ -211,6 +248,7 @@ def run_bench(
     clock:str=None, # 'wall' or 'cpu' (process CPU time: robust to other processes sharing a CPU; default on CPU)
     opts=None, # names of `OPTS` (default: adam and fused on CUDA, adam elsewhere)
     cb_timers:bool=None, # time the precision callbacks' events (default: on a CPU; on CUDA they add syncs)
+    compile_backend:str='auto', # backend of the compiled modes: 'auto' (inductor where it compiles, else aot_eager), 'inductor', 'aot_eager'
     park='auto', # learners' tensors on the CPU between their fits: 'auto' (when they would not fit the GPU), True, False
     warmup_max:int=None, # warm-up steps at most, while a dynamic loss scale still skips steps (default 4 * `warmup`)
 ) -> dict:
@@ -222,7 +260,7 @@ def run_bench(
     is_cuda = dev.type == 'cuda'
     dw, dm, do = defaults(is_cuda)
     workloads = _names(workloads or dw, WORKLOADS, WORKLOAD_SETS, 'workload')
-    modes, opts = _names(modes or dm, MODES, {}, 'mode'), _names(opts or do, OPTS, {}, 'optimizer')
+    modes, opts = _names(modes or dm, MODES, MODE_SETS, 'mode'), _names(opts or do, OPTS, {}, 'optimizer')
     clock = clock or ('wall' if is_cuda else 'cpu')
     if clock not in ('wall', 'cpu') or (clock == 'cpu' and is_cuda): raise ValueError(f"bad clock {clock!r} for {device}")
     set_clock(clock)
@@ -232,11 +270,18 @@ def run_bench(
                      f"and torch-amp uses AdamW(foreach=True)")
         opts = tuple(o for o in opts if o != 'fused') or ('adam',)
     runs = _runs(modes, opts)
+    backend = why = None
+    if any(m in COMPILED_MODES for m in modes):
+        backend, why = pick_compile_backend(compile_backend, dev)
+        notes.append(f"compiled runs: torch.compile(model, backend={backend!r}) ({why}); their first epoch compiles: "
+                     "untimed (warm-up), its wall time reported on its own")
+    set_compile_backend(backend)
     cb_timers = (not is_cuda) if cb_timers is None else cb_timers
     res = {'meta': {'device': str(dev), 'torch': torch.__version__, 'steps': steps, 'rounds': rounds, 'warmup': warmup,
                     'warmup_max': warmup_max,
                     'threads': torch.get_num_threads(), 'clock': clock, 'machine': _machine(dev), 'cb_timers': cb_timers,
                     'workloads': list(workloads), 'runs': [k for k, _, _ in runs], 'notes': notes,
+                    'compile_backend': backend, 'compile_backend_why': why,
                     'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}}
     for wl in workloads:
         s = scale if scale is not None else (1. if is_cuda else CPU_SCALE[wl])
@@ -266,8 +311,10 @@ BARE = 'bare-bf16'
 def targets(res:dict) -> list:
     """The speed targets the results can check, each with its value and whether it is met: the CPU ones of the design
     issue (bookkeeping on the many-tensor model `book` within 1.5x the copy bound and >= 2.5x less than fastai's
-    master-weight algorithm; `to_bf16` within 1.05x of the bare bf16 model on the compute-bound `mlp`) and the GPU ones
-    of issue 10 (item 5). The bookkeeping rows need the callback timers (`--cb-timers`, default on a CPU)."""
+    master-weight algorithm; `to_bf16` within 1.05x of the bare bf16 model on the compute-bound `mlp`), the GPU ones
+    of issue 10 (item 5), and issue 20's compiled ones on every workload they ran on (compiled `to_bf16` >= 1.2x eager
+    `to_bf16`, within 1.05x of the compiled plain loop; the backend named in the ratio). The bookkeeping rows need the
+    callback timers (`--cb-timers`, default on a CPU)."""
     wls = [k for k in res if k not in ('meta', 'targets')]
     opts = OPTS
     out = []
@@ -303,6 +350,15 @@ def targets(res:dict) -> list:
                                f"{fp16} MB / {amp} MB", _mem(res, wl, fp16), _mem(res, wl, amp), '<=', 1.))
     out.append(_target("to_fp16() with fused AdamW within 1.05x of the plain PyTorch AMP loop on the LM", 'lm', 'fused',
                        f"fp16+fused ms / {PLAIN} ms", _ms(res, 'lm', 'fp16+fused'), _ms(res, 'lm', PLAIN), '<=', 1.05))
+    backend = (res.get('meta') or {}).get('compile_backend') or '?'
+    for o in opts:
+        eager, comp = run_key('bf16', o), run_key('bf16-compile', o)
+        for wl in wls:
+            out.append(_target("compiled to_bf16() >= 1.2x faster than eager to_bf16() (issue 20)", wl, o,
+                               f"{eager} ms / {comp} ms ({backend})", _ms(res, wl, eager), _ms(res, wl, comp), '>=', 1.2))
+            out.append(_target("compiled to_bf16() within 1.05x of the compiled plain PyTorch loop (issue 20)", wl, o,
+                               f"{comp} ms / {PLAIN_COMPILED} ms ({backend})", _ms(res, wl, comp),
+                               _ms(res, wl, PLAIN_COMPILED), '<=', 1.05))
     return [t for t in out if t is not None]
 
 # ----------------------------------------------------------------------------------------------------- output
@@ -333,11 +389,40 @@ def _workload_table(wl, out) -> list:
                      + (f" {_f(o['channels_last'], '.0%')} |" if cl else ''))
     return lines
 
+_COMPILE_ROWS = ('bf16', 'bf16-compile') + PLAIN_MODES
+
+def _compile_table(wl, out, meta) -> list:
+    """The compiled comparison of one workload (when a compiled mode ran): per run its median ms/step over the timed
+    steps, the medians of its rounds, the wall time of its first (compiling, untimed) epoch, and the ratios: a
+    compiled run's speedup over its eager twin and compiled `to_bf16` over the compiled plain loop."""
+    rows = [(k, o) for k, o in out.items() if k != '_workload' and o['mode'] in _COMPILE_ROWS]
+    if not any(o['mode'] in COMPILED_MODES for _, o in rows): return []
+    backend, why = meta.get('compile_backend'), meta.get('compile_backend_why')
+    plain_c = out.get(PLAIN_COMPILED)
+    lines = ['', f"**{wl}, compiled vs eager** - backend **{backend}** ({why}); ms/step: median over the timed steps "
+             f"(first epoch excluded: it compiles; its wall time, validation included, compiler's on-disk caches off, in "
+             f"its own column: short where an earlier run of this process compiled the same graphs, 0 graphs); a graph "
+             f"compiled in the timed rounds would be a recompilation", '',
+             '| run | compiled | backend | ms/step | round medians | first epoch s (wall) | graphs compiled: first epoch, '
+             'timed rounds | speedup: eager ms / compiled ms | compiled to_bf16 ms / compiled plain ms |',
+             '|---|---|---|---:|---|---:|---:|---:|---:|']
+    for k, o in rows:
+        compiled = o['mode'] in COMPILED_MODES
+        twin = out.get(run_key({'bf16-compile': 'bf16', PLAIN_COMPILED: PLAIN}.get(o['mode'], ''), o['opt'])) if compiled else None
+        speedup = twin['ms_step']/o['ms_step'] if twin else None
+        vs_plain = o['ms_step']/plain_c['ms_step'] if o['mode'] == 'bf16-compile' and plain_c else None
+        lines.append(f"| {k} | {'yes' if compiled else 'no'} | {backend if compiled else 'eager'} | {o['ms_step']:.1f} | "
+                     f"{' / '.join(format(v, '.1f') for v in o.get('ms_rounds') or [])} | {_f(o.get('first_fit_s'), '.2f')} | "
+                     f"{_f(o.get('first_fit_graphs'), 'd')}, {_f(o.get('timed_graphs'), 'd')} | "
+                     f"{_f(speedup, '.2f')}{'x' if speedup else ''} | {_f(vs_plain, '.2f')} |")
+    return lines
+
 def _targets_table(res) -> list:
     ts = res.get('targets') or []
     if not ts: return []
     cpu = not res['meta']['device'].startswith('cuda')
-    lines = ['', f"**targets** (reported, never asserted: the design issue's CPU targets first, then issue 10's GPU ones"
+    lines = ['', f"**targets** (reported, never asserted: the design issue's CPU targets first, then issue 10's GPU ones, then "
+             f"issue 20's compiled ones"
              f"{': this run is on a CPU' if cpu else ''})", '',
              '| target | workload | optimizer | ratio | value | needed | met |', '|---|---|---|---|---:|---:|---|']
     for t in ts:
@@ -352,7 +437,7 @@ def format_table(res:dict) -> str:
              f"{meta['clock']} clock, {meta['rounds']} rounds x {meta['steps']} steps per mode, {meta['date']}"]
     lines += [f"note: {n}" for n in meta.get('notes', [])]
     for wl, out in res.items():
-        if wl not in ('meta', 'targets'): lines += _workload_table(wl, out)
+        if wl not in ('meta', 'targets'): lines += _workload_table(wl, out) + _compile_table(wl, out, meta)
     return '\n'.join(lines + _targets_table(res))
 
 def _csv(s): return tuple(o.strip() for o in s.split(',') if o.strip())
@@ -363,8 +448,14 @@ def main(argv=None):
     p.add_argument('--workloads', type=_csv, default=None,
                    help=f"comma-separated: {','.join(WORKLOADS)}, or a set ({sets}; default: gpu on CUDA, cpu elsewhere)")
     p.add_argument('--gpu', action='store_true', help='the GPU workloads (same as --workloads gpu)')
+    p.add_argument('--compile', action='store_true',
+                   help=f"the compiled comparison: --modes compile ({','.join(MODE_SETS['compile'])}) on "
+                        f"{'/'.join(f'{k}: ' + ','.join(v) for k, v in COMPILE_WORKLOADS.items())} unless --workloads/--gpu say")
+    p.add_argument('--compile-backend', default='auto', choices=('auto', 'inductor', 'aot_eager'),
+                   help='backend of the compiled modes (auto: inductor where it compiles, a C++ compiler on a CPU; else aot_eager)')
     p.add_argument('--modes', type=_csv, default=None,
-                   help=f"comma-separated: {','.join(MODES)} (default: all on CUDA; all but {PLAIN} elsewhere)")
+                   help=f"comma-separated: {','.join(MODES)}, or a set ({'; '.join(k + ': ' + ','.join(v) for k, v in MODE_SETS.items())}) "
+                        f"(default: {','.join(GPU_MODES)} on CUDA; the same but {PLAIN} elsewhere)")
     p.add_argument('--opts', type=_csv, default=None,
                    help=f"comma-separated optimizers: {'; '.join(k + ': ' + v[0] for k, v in OPTS.items())} "
                         "(default: adam,fused on CUDA, adam elsewhere)")
@@ -386,10 +477,16 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.threads: torch.set_num_threads(a.threads)
     if a.gpu and a.workloads: p.error("--gpu and --workloads: give one of them")
-    try: res = run_bench(('gpu',) if a.gpu else a.workloads, a.modes, a.steps, a.rounds, warmup=a.warmup,
+    if a.compile and a.modes: p.error("--compile and --modes: give one of them (--modes compile,torch-amp: the set and more)")
+    workloads, modes = ('gpu',) if a.gpu else a.workloads, a.modes
+    if a.compile:
+        modes = ('compile',)
+        on_cuda = (a.device or ('cuda' if torch.cuda.is_available() else 'cpu')).startswith('cuda')
+        workloads = workloads or COMPILE_WORKLOADS['cuda' if on_cuda else 'cpu']
+    try: res = run_bench(workloads, modes, a.steps, a.rounds, warmup=a.warmup,
                          warmup_max=a.warmup_max, device=a.device,
                          scale=a.scale, clock=a.clock, opts=a.opts, cb_timers=a.cb_timers,
-                         park={'yes': True, 'no': False}.get(a.park, a.park))
+                         park={'yes': True, 'no': False}.get(a.park, a.park), compile_backend=a.compile_backend)
     except ValueError as e: p.error(str(e))  # bad input: a usage error (exit 2), not a traceback
     print(format_table(res))
     if a.json:

@@ -9,7 +9,8 @@ from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
 from bench.workloads import GPT
-from bench.modes import POLICY_MODES, BareBF16
+from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, pick_compile_backend
+import bench.modes
 from bench.measure import evaluate
 from conftest import DEVICE
 
@@ -233,7 +234,8 @@ def test_defaults_by_device_and_module_entry(capsys, monkeypatch):
     "CUDA: the GPU workloads, every mode and the plain loop, both optimizers; `python -m bench` runs `bench.main`."
     assert defaults(True) == (('resnet50', 'resnet50_cl', 'lm', 'book'), CPU_MODES + ('torch-amp',), ('adam', 'fused'))
     assert defaults(False) == (('mlp', 'book', 'conv', 'act'), CPU_MODES, ('adam',))
-    assert set(CPU_MODES) == set(MODES) - {'torch-amp'} - set(POLICY_MODES)  # the policy's opt-ins: named with --modes
+    # the policy's opt-ins and the compiled modes: named with --modes (or --compile)
+    assert set(CPU_MODES) == set(MODES) - {'torch-amp'} - set(POLICY_MODES) - set(COMPILED_MODES)
     monkeypatch.setattr(sys, 'argv', ['bench', '--help'])
     with pytest.raises(SystemExit) as e: runpy.run_module('bench', run_name='__main__')
     assert e.value.code == 0 and capsys.readouterr().out.startswith('usage: python -m bench')
@@ -335,3 +337,65 @@ def test_training_state_bytes_per_param():
     # stepping in the backward: no param's grad outlives its step (2 + 4 + 8 with masters, 2 + 8 without)
     r = res['fastai Adam']
     assert 13.7 < r['to_bf16 step_in_backward'] < 14.3 and 9.7 < r['to_bf16 half_storage step_in_backward'] < 10.3, r
+def test_compile_backend_choice(monkeypatch):
+    "auto: inductor where it compiles, else aot_eager with the reason; inductor asked where it does not compile: an error."
+    assert pick_compile_backend('aot_eager', 'cpu') == ('aot_eager', 'asked for')
+    with pytest.raises(ValueError, match='unknown compile backend'): pick_compile_backend('tvm', 'cpu')
+    monkeypatch.setattr(bench.modes, '_inductor_error', lambda dev: None)
+    assert pick_compile_backend('auto', 'cpu') == ('inductor', 'a C++ compiler works')
+    assert pick_compile_backend('inductor', 'cpu')[0] == 'inductor'
+    monkeypatch.setattr(bench.modes, '_inductor_error', lambda dev: 'CalledProcessError: no g++')
+    backend, why = pick_compile_backend('auto', 'cpu')
+    assert backend == 'aot_eager' and 'no g++' in why
+    with pytest.raises(ValueError, match='does not compile here.*no g\\+\\+'): pick_compile_backend('inductor', 'cpu')
+
+def test_compile_targets_and_ratios():
+    "Issue 20's targets: compiled to_bf16 >= 1.2x eager, within 1.05x of the compiled plain loop; the backend named."
+    res = _res({'mlp': {'bf16': 12., 'bf16-compile': 10., 'torch-amp-compile': 9.6, 'bf16+fused': 11., 'bf16-compile+fused': 9.}})
+    res['meta']['compile_backend'] = 'inductor'
+    got = {(t['target'].split(' (')[0], t['opt'], t['what']): (round(t['value'], 3), t['met']) for t in targets(res)
+           if 'compiled' in t['target']}
+    assert got == {
+        ('compiled to_bf16() >= 1.2x faster than eager to_bf16()', 'adam', 'bf16 ms / bf16-compile ms (inductor)'): (1.2, True),
+        ('compiled to_bf16() within 1.05x of the compiled plain PyTorch loop', 'adam',
+         'bf16-compile ms / torch-amp-compile ms (inductor)'): (1.042, True),
+        ('compiled to_bf16() >= 1.2x faster than eager to_bf16()', 'fused',
+         'bf16+fused ms / bf16-compile+fused ms (inductor)'): (1.222, True),
+        ('compiled to_bf16() within 1.05x of the compiled plain PyTorch loop', 'fused',
+         'bf16-compile+fused ms / torch-amp-compile ms (inductor)'): (0.938, True),
+    }
+    res['mlp']['bf16-compile']['ms_step'] = 10.2  # 1.176x eager, 1.0625x the plain loop: neither met
+    assert [t['met'] for t in targets(res) if 'compiled' in t['target'] and t['opt'] == 'adam'] == [False, False]
+
+def test_compiled_comparison_smoke(tmp_path, capsys):
+    """`--compile` (aot_eager: no C++ compiler needed): eager and compiled to_bf16 and plain loop, interleaved; the first
+    (compiling) epoch untimed, its graphs counted, none compiled in the timed rounds; compiled trains as eager; the
+    table, the targets and the JSON."""
+    dynamo = pytest.importorskip('torch._dynamo')
+    dynamo.reset()
+    out = tmp_path/'res.json'
+    res = main(['--compile', '--compile-backend', 'aot_eager', '--steps', '2', '--rounds', '2', '--warmup', '1',
+                '--warmup-max', '2', '--scale', '0.002', '--device', str(DEVICE), '--json', str(out)])
+    table = capsys.readouterr().out
+    wl = 'lm' if DEVICE.type == 'cuda' else 'mlp'
+    assert list(res)[1:-1] == [wl] and list(res[wl])[1:] == list(COMPILE_MODES)
+    r = res[wl]
+    assert res['meta']['compile_backend'] == 'aot_eager'
+    for k in COMPILE_MODES:
+        assert r[k]['ms_step'] > 0 and len(r[k]['ms_rounds']) == 2 and r[k]['first_fit_s'] > 0 and r[k]['n_steps'] == 4
+        assert r[k]['timed_graphs'] == 0, k  # nothing recompiled while timed
+        # fastai's fit compiles a training and a validation graph, the plain loop only trains
+        graphs = {'bf16-compile': 2, 'torch-amp-compile': 1}.get(k, 0)
+        assert r[k]['first_fit_graphs'] == graphs if wl == 'mlp' else (r[k]['first_fit_graphs'] > 0) == (graphs > 0), k
+    for eager, comp in (('bf16', 'bf16-compile'), ('torch-amp', 'torch-amp-compile')):
+        assert abs(r[eager]['train_loss'] - r[comp]['train_loss']) < 1e-3 * max(1., r[eager]['train_loss'])
+    speedup, vs_plain = r['bf16']['ms_step']/r['bf16-compile']['ms_step'], r['bf16-compile']['ms_step']/r['torch-amp-compile']['ms_step']
+    assert f"| bf16-compile | yes | aot_eager | {r['bf16-compile']['ms_step']:.1f} |" in table
+    assert f"| {speedup:.2f}x | {vs_plain:.2f} |" in table and f"**{wl}, compiled vs eager** - backend **aot_eager**" in table
+    ts = {t['target'].split(' (')[0]: t for t in res['targets'] if t['workload'] == wl and 'compiled' in t['target']}
+    assert ts['compiled to_bf16() >= 1.2x faster than eager to_bf16()']['value'] == pytest.approx(speedup)
+    assert ts['compiled to_bf16() within 1.05x of the compiled plain PyTorch loop']['value'] == pytest.approx(vs_plain)
+    data = json.loads(out.read_text())
+    assert data[wl]['bf16-compile']['ms_step'] == r['bf16-compile']['ms_step'] and data['meta']['compile_backend'] == 'aot_eager'
+    with pytest.raises(SystemExit) as e: main(['--compile', '--modes', 'bf16'])
+    assert e.value.code == 2 and 'give one of them' in capsys.readouterr().err
