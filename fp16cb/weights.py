@@ -480,7 +480,8 @@ class WeightStore:
         inf/NaN, looked at before they go: `(flags on the device, their names)` (one pass per param, no host sync)."""
         params, grads = self._grads_by_param()
         order, names = self._in_model_order(params)
-        found = nonfinite_flags([grads[i] for i in order]), names
+        if self.in_backward: found = self._flags_in_backward([params[i] for i in order]), names  # the grads are gone
+        else: found = nonfinite_flags([grads[i] for i in order]), names
         self.zero_model_grads()
         self.cleared, self.stage = True, Stage.SKIPPED
         return found
@@ -528,7 +529,7 @@ class WeightStore:
                              f"is {type(self.opt).__name__} (a torch optimizer in `OptimWrapper`, `Lookahead`, or an "
                              f"`Optimizer` with its own `step`): use a plain fastai optimizer (`Adam`, `SGD`, ...) or "
                              f"train without step_in_backward.")
-        self.in_backward, self._found = True, {}
+        self.in_backward, self._found, self._bad, self._bad_last = True, {}, {}, {}
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._hooked_params()]
         return self
 
@@ -537,14 +538,23 @@ class WeightStore:
         g = p.grad
         bad = torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all().logical_not_()
         f = self._found.get(g.device)
-        self._found[g.device] = bad if f is None else f.logical_or_(bad)
+        self._found[g.device] = bad.clone() if f is None else f.logical_or_(bad)
+        self._bad[id(p)] = bad  # which params' grads held inf/NaN: a skipped step's attribution
         g.masked_fill_(bad, 0)
         self._step_one(p)
         p.grad = None
 
+    def _flags_in_backward(self, params:list):
+        "Whether each of `params`' grads held inf/NaN in the last backward (its hook's flag; none: False), on the device."
+        bads = [self._bad_last.get(id(p)) for p in params]
+        first = next((b for b in bads if b is not None), None)
+        if first is None: return None
+        return torch.stack([b.to(first.device) if b is not None else torch.zeros((), dtype=torch.bool, device=first.device) for b in bads])
+
     def _found_in_backward(self):
         "`[found]`: whether any grad of this backward held inf/NaN (None: the backward reached no param)."
         found, self._found = list(self._found.values()), {}
+        self._bad_last, self._bad = self._bad, {}
         if not found: return None
         self.stage, self.scale, self.cleared = Stage.UNSCALED, 1., True
         dev = found[0].device

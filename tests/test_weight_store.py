@@ -244,14 +244,15 @@ class _NanGradOnce(Callback):
 
 def test_step_in_backward_on_a_nan_grad():
     """A grad holding NaN, in the backward: zeroed on the device before its param steps (no host sync); that param's
-    optimizer steps with a zero grad, the others normally; the step is counted as skipped, BatchNorm's statistics put
-    back; no NaN reaches the weights."""
+    optimizer steps with a zero grad, the others normally; the step is counted as skipped (the param named in
+    `overflows`), BatchNorm's statistics put back; no NaN reaches the weights."""
     learn = make_learner(opt_func=partial(SGD, mom=0.)).to_bf16(step_in_backward=True)
     w0 = {}
     rec = Record(before_batch=lambda l: [p.detach().float().clone() for p in l.model.parameters()])
     quiet_fit(learn, 1, lr=1e-2, cbs=[_NanGradOnce(), rec])
     mp = learn.mixed_precision
     assert mp.skips == [False, True, False, False] and mp.n_skipped == 1
+    assert [o['params'] for o in mp.overflows] == [['0.weight']]  # named from the hooks' flags (the grads are gone)
     before, after = rec.log['before_batch'][1], rec.log['before_batch'][2]
     assert torch.equal(before[0], after[0])  # SGD without momentum: a zero grad leaves the weight as it was
     assert not torch.equal(before[2], after[2])  # the other params stepped
