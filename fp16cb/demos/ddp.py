@@ -163,7 +163,12 @@ def main(argv=None):
     p.add_argument('--nproc', type=int, default=2, help="processes to launch when not started by torchrun")
     p.add_argument('--epochs', type=int, default=1)
     args = p.parse_args(argv)
-    if 'RANK' in os.environ: return _worker(args.epochs)
+    if 'RANK' in os.environ:  # one rank (started by `launch` or torchrun)
+        _worker(args.epochs)
+        # every collective is done and the group destroyed: leave without the interpreter's teardown, in which gloo's
+        # threads once aborted a finished rank ("terminate called without an active exception")
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)
     outs = launch([sys.executable, '-m', 'fp16cb.demos.ddp', '--epochs', str(args.epochs)], args.nproc, timeout=300)
     print(outs[0], end='')
 
