@@ -119,6 +119,18 @@ class Record(Callback):
         if self.train_only and not self.training and name in _INNER: return
         self.log[name].append(self.events[name](self.learn))
 
+class Inject(Callback):
+    "At the optimizer steps numbered in `steps`, put `value` into the first model grad (or into the loss, `where='loss'`)."
+    order = 5  # after ModelToHalf, before MixedPrecision (10) and the recorders (20)
+    def __init__(self, steps, value=float('inf'), where='grad'): self.steps, self.value, self.where, self.n = set(steps), value, where, 0
+    def after_loss(self):
+        if self.training and self.where == 'loss' and self.n in self.steps:
+            self.learn.loss_grad = self.learn.loss_grad * self.value
+    def after_backward(self):
+        if self.where == 'grad' and self.n in self.steps:
+            self.learn.model[3].weight.grad[0, 0] = self.value
+        self.n += 1
+
 class StepSpy(Callback):
     """What the optimizer consumes at each step: a fastai optimizer callback put in front of the learner's (`learn.opt.cbs`,
     inside a `Lookahead` too) sees every param the step reaches, with the grad it is stepped with (the FP32 master grads

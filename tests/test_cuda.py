@@ -7,17 +7,9 @@ import torch
 from torch import nn
 from fastai.basics import Callback
 from fp16cb import MixedPrecision, NativeMixedPrecision
-from conftest import make_learner, quiet_fit, DEVICE, cuda_only
+from conftest import make_learner, quiet_fit, Inject, DEVICE, cuda_only
 
 pytestmark = cuda_only()
-
-class Inject(Callback):
-    "Put an inf into a model grad at the optimizer steps numbered in `steps` (before the precision callbacks)."
-    order = 5
-    def __init__(self, steps): self.steps, self.n = set(steps), 0
-    def after_backward(self):
-        if self.n in self.steps: self.learn.model[3].weight.grad[0, 0] = float('inf')
-        self.n += 1
 
 def count_syncs(monkeypatch, cls, events=('before_step', 'after_step')) -> list:
     """Patch `cls`'s `events` to run under `torch.cuda.set_sync_debug_mode('warn')`, the device idle first; returns

@@ -3,17 +3,9 @@ import pytest
 import torch
 from fastai.basics import Callback
 from fp16cb import NativeMixedPrecision
-from conftest import make_learner, quiet_fit, Record, count_host_reads, DEVICE
+from conftest import make_learner, quiet_fit, Record, Inject, count_host_reads, DEVICE
 
 HALF = [torch.float16, torch.bfloat16]
-
-class Inject(Callback):
-    "Put an inf into a model grad at the optimizer steps in `steps`."
-    order = 5
-    def __init__(self, steps): self.steps, self.n = set(steps), 0
-    def after_backward(self):
-        if self.n in self.steps: self.learn.model[3].weight.grad[0, 0] = float('inf')
-        self.n += 1
 
 def _hooked(learn):
     "Record the dtype of what the first Linear computes (autocast makes it 16-bit) in `learn.lin_out`."

@@ -7,7 +7,7 @@ import fp16cb.scaling as ov  # `ov.test_overflow`: never bind a `test_*` name th
 from fp16cb import grad_overflow
 from fp16cb.scaling import OverflowCheck
 from fastai.basics import Callback
-from conftest import make_learner, quiet_fit, Record, StepSpy, clones, flat_pgs, count_host_reads, DEVICE
+from conftest import make_learner, quiet_fit, Record, StepSpy, Inject, clones, flat_pgs, count_host_reads, DEVICE
 
 INF, NAN = float('inf'), float('nan')
 
@@ -104,18 +104,6 @@ def test_overflow_check_by_zero_clears():
     assert OverflowCheck()([g], 0.).tolist() == [1.] and g[[0, 2]].eq(0).all() and g[1].isnan()
 
 # ---- the skipped step during a fit ----------------------------------------------------------------------------
-
-class Inject(Callback):
-    "At the optimizer steps numbered in `steps`, put `value` into the first model grad (or into the loss, `where='loss'`)."
-    order = 5  # after ModelToHalf, before MixedPrecision (10) and the recorders (20)
-    def __init__(self, steps, value=INF, where='grad'): self.steps, self.value, self.where, self.n = set(steps), value, where, 0
-    def after_loss(self):
-        if self.training and self.where == 'loss' and self.n in self.steps:
-            self.learn.loss_grad = self.learn.loss_grad * self.value
-    def after_backward(self):
-        if self.where == 'grad' and self.n in self.steps:
-            self.learn.model[3].weight.grad[0, 0] = self.value
-        self.n += 1
 
 def _overflow_recorder():
     mp = lambda l: l.mixed_precision
@@ -284,17 +272,9 @@ def _p(g):
     p = nn.Parameter(torch.zeros_like(g)); p.grad = g
     return p
 
-class _InfAt(Callback):
-    "An inf in the head's grad at the optimizer steps numbered in `steps`."
-    order = 5
-    def __init__(self, steps): self.steps, self.n = set(steps), 0
-    def after_backward(self):
-        if self.n in self.steps: self.learn.model[3].weight.grad[0, 0] = float('inf')
-        self.n += 1
-
 def test_overflow_later_in_the_run_still_backs_off_and_grows():
     learn = make_learner(n_train=160).to_fp16(scale_wait=3)
-    quiet_fit(learn, 1, lr=1e-3, cbs=_InfAt([4]))
+    quiet_fit(learn, 1, lr=1e-3, cbs=Inject([4]))
     sc, sk = learn.mixed_precision.scales, learn.mixed_precision.skips
     assert sk == [False]*4 + [True] + [False]*5 and sc[0] == 1.
     assert sc[5] == sc[4] / 2 and sc[8] == sc[4]  # halved on the overflow, grown back after 3 clean steps
