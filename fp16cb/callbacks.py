@@ -9,7 +9,7 @@ from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
-from .scaling import make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
+from .scaling import StaticScaler, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
@@ -268,7 +268,7 @@ class MixedPrecision(SessionCallback):
         why = ("clipping needs every grad's norm before any param is stepped" if self.clip is not None else
                "flat masters step a whole param group at once" if self.flat_master else
                f"a loss scale must be known (and an overflow seen) before any param is stepped; this one is "
-               f"{type(self.scaler).__name__}({self.scaler.scale:g})" if not (type(self.scaler).__name__ == 'StaticScaler'
+               f"{type(self.scaler).__name__}({self.scaler.scale:g})" if not (isinstance(self.scaler, StaticScaler)
                                                                             and self.scaler.scale == 1.) else None)
         if why: raise ValueError(f"step_in_backward=True steps each param as soon as the backward has its grad: {why}. "
                                  f"It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, "

@@ -711,7 +711,7 @@ class FP32Masters(WeightStore):
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
-        own, self._plans = {id(p) for p in self.own_params}, {}
+        own, self._plans, self._lifting = {id(p) for p in self.own_params}, {}, {}  # plans kept; those of this step
         sources = self._sources()
         self._chunks = _lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
@@ -770,20 +770,9 @@ class FP32Masters(WeightStore):
         """Give the masters of `chunk` FP32 grads: one scratch buffer, the 16-bit grads copied in (one fused copy),
         unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
         aside). Returns `[(param, group)]` of those with a grad, in order."""
-        live, dsts, srcs, by_group = [], [], [], {}
-        plan = self._plans.get(id(chunk))
-        if plan is None or not plan.valid(): plan = self._plans[id(chunk)] = _LiftPlan.make(chunk)
-        masters = [] if plan is not None else [it for it in chunk if it[2] is not None and any(o.grad is not None for o, _ in it[2])]
+        live, by_group = [], {}
+        plan = self._lifting[id(chunk)] = self._plan(chunk)
         if plan is not None: by_group = {gi: list(vs) for gi, vs in plan.lift().items()}
-        if masters:
-            scratch = torch.empty(sum(m.numel() for m, _, _ in masters), dtype=torch.float32, device=masters[0][0].device)
-            for (m, gi, sources), v in zip(masters, flat_views(scratch, [m for m, _, _ in masters])):
-                for o, off in sources:
-                    g = o.grad
-                    dsts.append(v if off == 0 and g.shape == v.shape else v.view(-1)[off:off + g.numel()]); srcs.append(g)
-                m.grad = v
-                by_group.setdefault(gi, []).append(v)
-            torch._foreach_copy_(dsts, srcs)
         for p, gi, sources in chunk:
             if sources is not None:
                 if p.grad is not None: live.append((p, gi))
@@ -806,10 +795,20 @@ class FP32Masters(WeightStore):
             m.grad = None
             p.detach().copy_(m)
 
+    def _plan(self, chunk:list):
+        """The chunk's `_LiftPlan`: made once and kept while its sources' grads are the same tensors; when a master's
+        param has no grad this step (no backward reached it), a plan of the others for this step only (None: no master
+        has a grad)."""
+        plan = self._plans.get(id(chunk))
+        if plan is not None and plan.valid(): return plan
+        plan = self._plans[id(chunk)] = _LiftPlan.make(chunk)
+        if plan is not None: return plan
+        return _LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])])
+
     def _drop(self, chunk:list):
         "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
-        plan = self._plans.get(id(chunk))
-        if plan is not None and plan.storage.nbytes(): plan.free()
+        plan = self._lifting.pop(id(chunk), None)
+        if plan is not None: plan.free()
         for p, _, sources in chunk:
             if sources is not None: p.grad = None
 
@@ -976,18 +975,13 @@ class HalfStorage(WeightStore):
         """A torch optimizer (`OptimWrapper`): stepped once per chunk of params, those lifted and their state moved to
         the lifted copies and back; the other params' grads are set aside meanwhile (torch skips params without one)."""
         groups, state = self.core.opt.param_groups, self.core.opt.state
-        with_grad = [(gi, i, p) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
-        grads = {p: p.grad for _, _, p in with_grad}
-        out, chunks, cur, n = None, [], [], 0
-        for it in with_grad:
-            if cur and n + it[2].numel() > self.lift_chunk: chunks.append(cur); cur, n = [], 0
-            cur.append(it); n += it[2].numel()
-        if cur: chunks.append(cur)
-        for _, _, p in with_grad: p.grad = None
+        with_grad = [(p, (gi, i), True) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
+        grads, out = {p: p.grad for p, _, _ in with_grad}, None
+        for p in grads: p.grad = None
         try:
-            for chunk in chunks:
+            for chunk in _lift_chunks(with_grad, self.lift_chunk):
                 lifted = []
-                for gi, i, p in chunk:
+                for p, (gi, i), _ in chunk:
                     p.grad = grads[p]
                     q = self._lift(p)
                     groups[gi]['params'][i] = q
