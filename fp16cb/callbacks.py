@@ -9,6 +9,7 @@ from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
+from .compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from .scaling import StaticScaler, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
@@ -84,18 +85,6 @@ def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
     model.register_forward_pre_hook(_cast_inputs(torch.float32 if id(model) in res.kept else dtype), with_kwargs=True, prepend=True)
     return res
 
-def _reject_gradient_clip(learn):
-    "fastai's `GradientClip` would clip the model's 16-bit grads, not the FP32 masters the optimizer steps: refuse it."
-    from fastai.callback.training import GradientClip
-    clips = [cb for cb in learn.cbs if isinstance(cb, GradientClip)]
-    if clips:
-        raise ValueError(f"fastai's GradientClip(max_norm={clips[0].max_norm}) cannot be used with `to_fp16`/`to_bf16`: "
-                         f"it would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the "
-                         f"optimizer steps the masters with (they are made as it steps). Use "
-                         f"`learn.to_fp16(clip={clips[0].max_norm}, clip_global=True)` instead: the same global L2 norm as "
-                         f"GradientClip, of the unscaled FP32 master gradients (without `clip_global`, each param group's "
-                         f"norm is clipped, as fastai v2's original `MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.")
-
 class ModelToHalf(SessionCallback):
     """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
     to 16-bit as they enter the model (a forward pre-hook): `learn.xb` stays as the data gave it, so callbacks that
@@ -119,6 +108,7 @@ class ModelToHalf(SessionCallback):
         model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
         if device is not None: model.to(device)
         warn_slow_half(self.dtype, model_device(model))
+        check(learner_facts(self.learn, Facts(dtype=self.dtype)), FIT)  # before the model is converted
         res = self.policy.resolve(model)
         self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
@@ -260,19 +250,15 @@ class MixedPrecision(SessionCallback):
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)
         self.step_in_backward = check_bool('step_in_backward', step_in_backward)
-        if self.step_in_backward: self._check_in_backward()
+        check(self.facts, OPTIONS)
         self.store, self.record, self.max_grad, self._rng = None, StepRecord(), None, None
 
-    def _check_in_backward(self):
-        "What stepping in the backward cannot do, refused when the callback is made (the rest when the fit sets up)."
-        why = ("clipping needs every grad's norm before any param is stepped" if self.clip is not None else
-               "flat masters step a whole param group at once" if self.flat_master else
-               f"a loss scale must be known (and an overflow seen) before any param is stepped; this one is "
-               f"{type(self.scaler).__name__}({self.scaler.scale:g})" if not (isinstance(self.scaler, StaticScaler)
-                                                                            and self.scaler.scale == 1.) else None)
-        if why: raise ValueError(f"step_in_backward=True steps each param as soon as the backward has its grad: {why}. "
-                                 f"It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, "
-                                 f"flat_master=False), `half_storage=True` too.")
+    @property
+    def facts(self) -> Facts:
+        "What this callback's options tell the declaration of what combines (`fp16cb.compat`)."
+        unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.
+        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master,
+                     step_in_backward=self.step_in_backward, clip=self.clip is not None, unit_scale=unit)
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
     loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")
@@ -299,7 +285,7 @@ class MixedPrecision(SessionCallback):
     # -- the lifecycle (called by the session)
     def setup(self):
         "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
-        _reject_gradient_clip(self.learn)
+        check(learner_facts(self.learn, self.facts), FIT)
         patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
         if self.learn.opt is None: self.learn.create_opt()
         mth, model = self._model_to_half(), self.learn.model
@@ -307,21 +293,12 @@ class MixedPrecision(SessionCallback):
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending: self.record.new_fit()
         self._stepped = False
-        if self.step_in_backward: self._check_fit_in_backward(model)
         kw = dict(names=names, model=model, in_backward=self.step_in_backward)
         if self.half_storage: self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), **kw)
         else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
         self.record.setup(model)
-
-    def _check_fit_in_backward(self, model):
-        "The fit's own obstacles to stepping in the backward: several processes, gradient accumulation."
-        from fastai.callback.training import GradientAccumulation
-        why = ("the ranks' grads are all-reduced after the backward" if syncs(model) or is_ddp(model) else
-               "GradientAccumulation sums several backwards' grads before a step" if any(isinstance(cb, GradientAccumulation)
-                                                                                         for cb in self.learn.cbs) else None)
-        if why: raise ValueError(f"step_in_backward=True cannot be used here: {why}. Train without it.")
 
     def teardown(self):
         "The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off."
@@ -372,6 +349,11 @@ class MixedPrecision(SessionCallback):
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(True, self.max_grad)
         raise CancelStepException()
 
+    def after_cancel_step(self):
+        "Another callback cancelled a step that the backward already took (`step_in_backward`): say so, loudly."
+        if self.store is not None and self.store.stepped_in_backward():
+            check(self.facts.knowing(cancels_steps=True), STEP)
+
     def after_step(self):
         "fastai calls this even for a cancelled step. The model already follows the store (it copies right after stepping)."
         self._end_step()
@@ -404,7 +386,9 @@ class MixedPrecision(SessionCallback):
         diag.warn()
 
     def _sync_ranks(self):
-        "A DDP model in several processes: every rank starts from rank 0's weights (DDP wraps after our `before_fit`)."
+        """The first batch: the model as the learner calls it is known (DDP wraps it after our `before_fit`). Several
+        processes: every rank starts from rank 0's weights."""
+        check(learner_facts(self.learn, self.facts), BATCH)
         self.store.stage = Stage.READY
         if syncs(self.learn.model): self.store.broadcast_from(0)
 

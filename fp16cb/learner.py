@@ -10,6 +10,7 @@ from fastcore.meta import delegates
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
+from .compat import Facts, check, float64_layers, FIT
 
 from .session import session_of
 
@@ -92,7 +93,9 @@ def to_fp16(self:Learner, **kwargs):
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
     half = ModelToHalf(dtype, keep_fp32=keep_fp32)
-    if getattr(self, 'model', None) is not None: half.policy.check(self.model)  # a typo in keep_fp32 fails here, not in fit
+    if getattr(self, 'model', None) is not None:  # a typo in keep_fp32, a float64 model: fail here, not in fit
+        half.policy.check(self.model)
+        check(Facts(dtype=half.dtype, float64_layers=float64_layers(self.model)), FIT)
     return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch

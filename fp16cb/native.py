@@ -1,5 +1,6 @@
 """torch.amp (autocast + GradScaler) as a fastai callback, on whatever device the model is."""
 from __future__ import annotations
+import inspect
 import torch
 from collections import defaultdict
 from torch.amp import GradScaler
@@ -13,6 +14,7 @@ from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, 
                       warn_all_skipped, nonfinite_flags)
 from .monitor import scale_health  # warns once: scale stuck at its floor, many skipped steps
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
+from .compat import Facts, check, OPTIONS
 
 __all__ = ['NativeMixedPrecision']
 
@@ -38,8 +40,15 @@ class NativeMixedPrecision(SessionCallback):
         self.backoff_factor = check_real('backoff_factor', backoff_factor, 0., 1., lo_open=True, hi_open=True)
         self.growth_interval = check_int('growth_interval', growth_interval, 1, INT32_MAX)
         self.enabled, self.max_skipped = check_bool('enabled', enabled), check_int('max_skipped', max_skipped, 1)
+        check(Facts(native=True, dtype=self.dtype, scaler_args=self._scaler_args()), OPTIONS)
         self.record, self.skipped_in_a_row, self._check, self._names = StepRecord(), 0, OverflowCheck(), {}
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
+
+    def _scaler_args(self) -> tuple:
+        "GradScaler's arguments given other values than their defaults (bf16 runs no GradScaler: they would do nothing)."
+        defaults = inspect.signature(NativeMixedPrecision.__init__).parameters
+        return tuple(k for k in ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interval')
+                     if getattr(self, k) != defaults[k].default)
 
     @property
     def loss_scale(self) -> float:

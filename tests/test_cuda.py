@@ -60,7 +60,7 @@ def test_one_sync_per_step(monkeypatch, kwargs):
 def test_native_syncs_per_step(monkeypatch, dtype, n):
     "Native fp16: GradScaler's own inf check, then the scale read once after it; bf16: our one fused check."
     log = count_syncs(monkeypatch, NativeMixedPrecision)
-    learn = make_learner().to_native_fp16(dtype=dtype, init_scale=2.**8)
+    learn = make_learner().to_native_fp16(dtype=dtype, **(dict(init_scale=2.**8) if dtype == torch.float16 else {}))
     quiet_fit(learn, 1, lr=1e-2, cbs=Inject([1]))
     monkeypatch.undo()
     assert per_step(log) == [n] * 4, log

@@ -140,24 +140,42 @@ def test_resumed_half_storage_run_matches_the_uninterrupted_one(tmp_path):
     b.load('half'); quiet_fit(b, 1)
     for x, y in zip(_weights(full), _weights(b)): assert torch.equal(x, y)
 
-def test_one_batch_enters_three_package_modules():
-    "From `before_batch` to `after_step` of an ordinary `to_fp16()` batch: the events, the weight store, loss scaling."
-    entered, on = set(), [False]
+def _room(mod:str) -> str:
+    "The room a module belongs to: a subpackage of fp16cb is one room (`fp16cb.weights.lift` -> `fp16cb.weights`)."
+    return '.'.join(mod.split('.')[:2])
+
+def _rooms_entered(run, during=None) -> set:
+    "The fp16cb rooms whose code is called while `run()` runs (with `during`: only while `during[0]` is true)."
+    entered = set()
+    def prof(frame, event, arg):
+        if event == 'call' and (during is None or during[0]):
+            mod = frame.f_globals.get('__name__', '')
+            if mod.startswith('fp16cb'): entered.add(_room(mod))
+    sys.setprofile(prof)
+    try: run()
+    finally: sys.setprofile(None)
+    return entered
+
+@pytest.mark.parametrize('call,kw', [('to_fp16', {}), ('to_bf16', {}), ('to_bf16', dict(half_storage=True))])
+def test_one_batch_enters_three_rooms(call, kw):
+    """From `before_batch` to `after_batch` of an ordinary batch (not a fit's first, which also checks the model as the
+    learner calls it): the events, the weight-store package, loss scaling."""
+    on, n = [False], [0]
     class Trace(Callback):
         order = -100
         def before_batch(self):
-            if self.training: on[0] = True
+            if self.training: n[0] += 1; on[0] = n[0] > 1
         def after_batch(self): on[0] = False
-    def prof(frame, event, arg):
-        if on[0] and event == 'call':
-            mod = frame.f_globals.get('__name__', '')
-            if mod.startswith('fp16cb'): entered.add(mod)
-    learn = make_learner().to_fp16()
+    learn = getattr(make_learner(), call)(**kw)
     quiet_fit(learn, 1)  # the first fit calibrates the scale; the second is the ordinary case
-    sys.setprofile(prof)
-    try: quiet_fit(learn, 1, cbs=[Trace()])
-    finally: sys.setprofile(None)
-    assert entered == {'fp16cb.callbacks', 'fp16cb.weights', 'fp16cb.scaling'}, entered
+    entered = _rooms_entered(lambda: quiet_fit(learn, 1, cbs=[Trace()]), on)
+    assert entered <= {'fp16cb.callbacks', 'fp16cb.weights', 'fp16cb.scaling'} and 'fp16cb.weights' in entered, entered
+
+def test_a_fit_enters_at_most_eleven_rooms():
+    "From `learn.to_fp16()` through a fit to `learn.to_fp32()`: at most 11 rooms of the package."
+    learn = make_learner()
+    entered = _rooms_entered(lambda: (learn.to_fp16(), quiet_fit(learn, 1), learn.to_fp32()))
+    assert len(entered) <= 11, sorted(entered)
 
 def test_the_store_owns_the_step_and_its_stage():
     "`Stage` moves READY -> UNSCALED -> STEPPED in a step; a store of each kind implements the one interface."

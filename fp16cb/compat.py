@@ -1,0 +1,240 @@
+"""What combines: the one declaration of which precision modes work with which optimizers and training contexts, and
+the semantics every mode keeps. Set-up consults it as each fact becomes known (`check`): the callback's options when
+it is made, the optimizer and the callbacks when the fit sets up, the model as the learner calls it (DDP-wrapped) at the
+first batch. The README's compatibility table is generated from it (`table`), and the test suite's combination
+matrix trains every cell it declares supported against FP32 fastai and expects every refused cell's sentence.
+
+A new mode, optimizer kind or context adds its row here first."""
+from __future__ import annotations
+from dataclasses import dataclass, field, replace
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import torch.distributed as dist
+from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
+from fastai.callback.training import GradientAccumulation, GradientClip
+
+__all__ = ['SEMANTICS', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH',
+           'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers']
+
+SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
+    "A param whose grad is None is not stepped (a fastai optimizer skips params that never had a grad; a torch "
+    "optimizer, whose `zero_grad` sets grads to None, those without a grad this step).",
+    "A cancelled step changes nothing: no weight, no optimizer state, no loss-scale statistics.",
+    "A param that never trained keeps its exact FP32 value.",
+    "Nothing loss-scaled or 16-bit outlives the fit (ended, raised or interrupted): the params, their grads and the "
+    "optimizer's state are FP32 and unscaled, as FP32 fastai would leave them.",
+    "What cannot keep these is refused at set-up, before any step, with a sentence that says what to do instead.",
+)
+
+# ---- the axes
+@dataclass(frozen=True)
+class Mode:
+    "A precision mode as a user sets it: the `Learner` method and its keyword arguments."
+    name: str
+    call: str  # 'to_fp16', 'to_bf16', 'to_native_fp16', 'to_native_bf16'
+    kwargs: dict = field(default_factory=dict)
+    def __str__(self):
+        kw = ', '.join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.call}({kw})"
+
+KEEP = '<a layer>'  # `keep_fp32`'s value in the table: the matrix names a real module of its model
+MODES = {m.name: m for m in (
+    Mode('fp16', 'to_fp16'),
+    Mode('fp16-flat', 'to_fp16', dict(flat_master=True)),
+    Mode('bf16', 'to_bf16'),
+    Mode('bf16-flat', 'to_bf16', dict(flat_master=True)),
+    Mode('fp16-half', 'to_fp16', dict(half_storage=True)),
+    Mode('bf16-half', 'to_bf16', dict(half_storage=True)),
+    Mode('bf16-sib', 'to_bf16', dict(step_in_backward=True)),
+    Mode('bf16-half-sib', 'to_bf16', dict(half_storage=True, step_in_backward=True)),
+    Mode('bf16-keep', 'to_bf16', dict(keep_fp32=KEEP)),
+    Mode('fp16-clip', 'to_fp16', dict(clip=1.)),
+    Mode('fp16-lognormal', 'to_fp16', dict(scaler='lognormal')),
+    Mode('fp16-static', 'to_fp16', dict(dynamic=False, loss_scale=1024.)),
+    Mode('native-fp16', 'to_native_fp16'),
+    Mode('native-bf16', 'to_native_bf16'),
+)}
+
+OPTIMIZERS = {  # name: (kind, what it is)
+    'sgd': ('fastai', "fastai's `SGD` (momentum)"),
+    'adam': ('fastai', "fastai's `Adam`"),
+    'lookahead': ('lookahead', "fastai's `Lookahead` around a fastai optimizer (`ranger`)"),
+    'torch': ('torch', "a torch optimizer in fastai's `OptimWrapper` (`torch.optim.AdamW`)"),
+    'fused': ('fused', "torch's fused AdamW (`fused=True`) in `OptimWrapper`"),
+}
+
+CONTEXTS = {  # name: what it is
+    'plain': "a plain fit",
+    'accumulate': "fastai's `GradientAccumulation`",
+    'branch': "params used on some steps only (a branch, an MoE expert, stochastic depth)",
+    'cancel': "a callback that cancels steps (`CancelStepException` in `before_step`)",
+    'gradclip': "fastai's `GradientClip`",
+    'ddp': "several processes (fastai's `distrib_ctx`, DDP)",
+    'compile': "`torch.compile`d model",
+}
+
+# ---- the facts a verdict reads
+OPTIONS, FIT, BATCH, STEP = 'options', 'fit', 'batch', 'step'  # when a fact is known: the callback made, the fit set
+# up, the first batch (the model as the learner calls it), a step (what a callback did to it: seen when it happens)
+
+@dataclass(frozen=True)
+class Facts:
+    "What is known of a fit's set-up, filled in as each fact becomes known."
+    native: bool = False  # torch autocast + GradScaler (`to_native_*`), not FP32 masters
+    dtype: torch.dtype = torch.float16
+    half_storage: bool = False
+    flat_master: bool = False
+    step_in_backward: bool = False
+    clip: bool = False
+    unit_scale: bool = False  # the loss scale is 1 and stays 1 (bf16's default)
+    scaler_args: tuple = ()  # GradScaler arguments given where no GradScaler runs (native bf16)
+    optimizer: str|None = None  # an `OPTIMIZERS` kind, or 'fastai-own-step' (an `Optimizer` with its own `step`)
+    accumulate: bool = False
+    gradient_clip: float|None = None  # fastai's `GradientClip(max_norm)` among the callbacks
+    ddp: bool = False
+    compiled: bool = False
+    float64_layers: tuple = ()  # names of float64 params of torch layers, which a 16-bit model would feed 16-bit inputs
+    cancels_steps: bool = False  # a callback cancelled a step (`CancelStepException` after the backward)
+
+    @classmethod
+    def of_cell(cls, mode:str, opt:str='adam', ctx:str='plain') -> Facts:
+        "The facts of a combination of `MODES`, `OPTIMIZERS` and `CONTEXTS` (what the matrix and the table read)."
+        m = MODES[mode]
+        kw, native, bf16 = m.kwargs, m.call.startswith('to_native'), m.call.endswith('bf16')
+        unit = bf16 and not native and not kw.get('dynamic', False) and kw.get('scaler') in (None, 'static') and kw.get('loss_scale', 1.) == 1.
+        return cls(native=native, dtype=torch.bfloat16 if bf16 else torch.float16, half_storage=kw.get('half_storage', False),
+                   flat_master=kw.get('flat_master', False), step_in_backward=kw.get('step_in_backward', False),
+                   clip=kw.get('clip') is not None, unit_scale=unit, optimizer=OPTIMIZERS[opt][0],
+                   accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
+                   compiled=ctx == 'compile', cancels_steps=ctx == 'cancel')
+
+    def knowing(self, **kw) -> Facts: return replace(self, **kw)
+
+# ---- the refusals
+@dataclass(frozen=True)
+class Rule:
+    "A combination that cannot keep the semantics: refused when `applies(facts)`, at `moment`, with `sentence`."
+    name: str
+    moment: str  # OPTIONS, FIT or BATCH: when the facts it reads are known
+    applies: object  # Facts -> bool
+    sentence: object  # str, formatted with the facts' fields, or Facts -> str
+    reason: str = ''  # the reason in a few words (the compatibility table's footnote)
+
+    def message(self, f:Facts) -> str:
+        return self.sentence(f) if callable(self.sentence) else self.sentence.format(**vars(f))
+
+_SIB = "step_in_backward=True steps each param as soon as the backward has its grad: "
+_SIB_USE = (" It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, flat_master=False), "
+            "`half_storage=True` too, and a fastai optimizer.")
+_MASTERS = lambda f: not f.native
+
+RULES = (
+    Rule('sib-scale', OPTIONS, lambda f: f.step_in_backward and not f.unit_scale,
+         _SIB + "a loss scale must be known (and an overflow seen) before any param is stepped, and this mode scales "
+         "the loss." + _SIB_USE,
+         reason='step_in_backward steps each param inside the backward: it needs a loss scale of 1, known before the first param steps.'),
+    Rule('sib-clip', OPTIONS, lambda f: f.step_in_backward and f.clip,
+         _SIB + "clipping needs every grad's norm before any param is stepped." + _SIB_USE,
+         reason="clipping needs every grad's norm before any param is stepped, and step_in_backward steps them during the backward."),
+    Rule('sib-flat', OPTIONS, lambda f: f.step_in_backward and f.flat_master,
+         _SIB + "flat masters step a whole param group at once (use flat_master=False)." + _SIB_USE,
+         reason='flat masters step a whole param group at once; step_in_backward steps each param on its own.'),
+    Rule('native-bf16-scaler', OPTIONS, lambda f: f.native and f.dtype == torch.bfloat16 and bool(f.scaler_args),
+         lambda f: f"`to_native_bf16` runs no GradScaler (bfloat16 has FP32's range: nothing is loss-scaled), so "
+                   f"{', '.join(map(repr, f.scaler_args))} would do nothing: drop {'it' if len(f.scaler_args) == 1 else 'them'}, "
+                   f"or use `learn.to_native_fp16(...)` for fp16 with GradScaler.",
+         reason='native bf16 runs no GradScaler: its arguments would do nothing.'),
+    Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers),
+         lambda f: f"the model's layers {', '.join(f.float64_layers[:5])}{' ...' if len(f.float64_layers) > 5 else ''} "
+                   f"are float64: a {str(f.dtype).replace('torch.', '')} model would feed them 16-bit inputs, which "
+                   f"they cannot take. Convert the model to FP32 first (`learn.model.float()`, or `model.float()` "
+                   f"before making the Learner); float64 params outside torch's layers (a scalar offset) may stay.",
+         reason="float64 layers cannot take a 16-bit model's inputs: convert the model to FP32 first."),
+    Rule('sib-optimizer', FIT, lambda f: f.step_in_backward and f.optimizer not in (None, 'fastai'),
+         _SIB + "it steps each param with fastai's `Optimizer` loop, and this learner's optimizer is {optimizer} (a "
+         "torch optimizer in `OptimWrapper`, `Lookahead`, or an `Optimizer` with its own `step`): use a plain fastai "
+         "optimizer (`Adam`, `SGD`, ...) or train without step_in_backward.",
+         reason="step_in_backward runs fastai's `Optimizer` loop itself, one param at a time: a plain fastai optimizer only."),
+    Rule('sib-accumulate', FIT, lambda f: f.step_in_backward and f.accumulate,
+         _SIB + "GradientAccumulation sums several backwards' grads before a step. Train without step_in_backward.",
+         reason="gradient accumulation sums several backwards' grads before one step; step_in_backward steps in each backward."),
+    Rule('sib-ddp', FIT, lambda f: f.step_in_backward and f.ddp,
+         _SIB + "with several processes (DDP) the ranks' grads are all-reduced after the backward, so each rank would "
+         "step with its own grads and the ranks' weights would drift apart. Train without step_in_backward.",
+         reason='DDP averages the grads after the backward; step_in_backward would step each rank with its own grads.'),
+    Rule('sib-cancel', STEP, lambda f: f.step_in_backward and f.cancels_steps,
+         _SIB + "a callback cancelled this step (`CancelStepException`) after the backward had stepped the params, "
+         "which cannot be undone: the weights moved where FP32 fastai's would not. Train without step_in_backward, or "
+         "cancel before the backward (`CancelBackwardException` in `before_backward`).",
+         reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an error when it happens)."),
+    Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
+         lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
+                   f"would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the optimizer "
+                   f"steps the masters with (they are made as it steps). Use `learn.to_fp16(clip={f.gradient_clip}, "
+                   f"clip_global=True)` instead: the same global L2 norm as GradientClip, of the unscaled FP32 master "
+                   f"gradients (without `clip_global`, each param group's norm is clipped, as fastai v2's original "
+                   f"`MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.",
+         reason="fastai's `GradientClip` would clip the 16-bit, loss-scaled grads: use `to_fp16(clip=..., clip_global=True)`."),
+)
+_ORDER = {OPTIONS: 0, FIT: 1, BATCH: 2, STEP: 3}
+
+def refusal(f:Facts, moment:str=STEP) -> Rule|None:
+    "The first rule that refuses `f`, among those whose facts are known at `moment` (STEP: all of them)."
+    return next((r for r in RULES if _ORDER[r.moment] <= _ORDER[moment] and r.applies(f)), None)
+
+def check(f:Facts, moment:str):
+    "Raise the `ValueError` of the first rule that refuses `f` at `moment` (set-up calls this as each fact is known)."
+    r = refusal(f, moment)
+    if r is not None: raise ValueError(r.message(f))
+
+def verdict(mode:str, opt:str, ctx:str) -> str|None:
+    "None when the combination is supported; else the sentence its refusal says."
+    f = Facts.of_cell(mode, opt, ctx)
+    r = refusal(f)
+    return None if r is None else r.message(f)
+
+def table() -> str:
+    "The compatibility table (markdown): a row per mode, a column per optimizer kind and context; refusals by rule."
+    cols = [(o, 'plain') for o in OPTIMIZERS if o not in ('sgd',)] + [('adam', c) for c in CONTEXTS if c != 'plain']
+    heads = [OPTIMIZERS[o][0] if c == 'plain' else c for o, c in cols]
+    seen, rows = {}, []
+    for name, m in MODES.items():
+        cells = []
+        for o, c in cols:
+            f = Facts.of_cell(name, o, c)
+            r = refusal(f)
+            cells.append('yes' if r is None else f"no ({seen.setdefault(r.name, len(seen) + 1)})")
+        rows.append(f"| `{m}` | " + ' | '.join(cells) + ' |')
+    lines = ['| mode | ' + ' | '.join(heads) + ' |', '|---|' + '---|' * len(cols), *rows, '']
+    for rule_name, i in seen.items():
+        r = next(r for r in RULES if r.name == rule_name)
+        lines.append(f"({i}) {r.reason}  ")
+    return '\n'.join(lines)
+
+# ---- the facts of a live learner
+def optimizer_kind(opt) -> str:
+    "`opt`'s kind among `OPTIMIZERS`' ('fastai', 'lookahead', 'torch', 'fused'), or 'fastai-own-step'."
+    if isinstance(opt, OptimWrapper): return 'fused' if opt.opt.defaults.get('fused') else 'torch'
+    if isinstance(getattr(opt, 'opt', None), _BaseOptimizer): return 'lookahead'
+    return 'fastai' if getattr(type(opt), 'step', None) is Optimizer.step else 'fastai-own-step'
+
+def float64_layers(model) -> tuple:
+    "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."
+    return tuple(f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if type(m).__module__.startswith('torch.nn.')
+                 for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float64)
+
+def _distributed(learn) -> bool:
+    "Whether the fit runs in several processes: fastai's `DistributedTrainer` among the callbacks, or a DDP model."
+    from fastai.distributed import DistributedTrainer
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return isinstance(learn.model, DistributedDataParallel) or (several and any(isinstance(cb, DistributedTrainer) for cb in learn.cbs))
+
+def learner_facts(learn, f:Facts) -> Facts:
+    "`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model."
+    model = learn.model
+    return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None,
+                     accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
+                     gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),
+                     ddp=f.ddp or _distributed(learn), compiled=hasattr(model, '_orig_mod'),
+                     float64_layers=float64_layers(model) if isinstance(model, nn.Module) else ())

@@ -1,0 +1,127 @@
+"""16-bit weight storage without FP32 masters (NVIDIA's "Training with mixed precision", NVCaffe, 2017), and the
+rounding of stepped FP32 values back to 16-bit: to nearest, or stochastically."""
+from __future__ import annotations
+import torch
+from torch import Tensor
+from fastai.optimizer import OptimWrapper
+
+from .optstate import fastai_update
+from .lift import lift_chunks
+from .store import WeightStore
+
+__all__ = ['HalfStorage', 'round_stochastic', 'round_to']
+
+def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
+    """`x` (FP32) rounded to `dtype`, up or down at random with the probabilities that make the result exact on
+    average: E[round(x)] = x, so updates smaller than half a 16-bit spacing still move the weights in expectation."""
+    y = x.to(dtype)  # nearest
+    d = x - y.float()  # exact: y is one of the two neighbours of x
+    other = torch.nextafter(y, torch.where(d > 0, torch.inf, -torch.inf).to(dtype))  # the neighbour on x's other side
+    gap = other.float() - y.float()
+    prob = torch.where(d != 0, d / gap, torch.zeros_like(d)).nan_to_num_(0.)  # in [0, 1/2]
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    return torch.where(u < prob, other, y)
+
+def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None) -> Tensor:
+    "`x` in `dtype`: to nearest (even), or stochastically."
+    return round_stochastic(x, dtype, generator) if stochastic and dtype != x.dtype else x.to(dtype)
+
+class HalfStorage(WeightStore):
+    """FP16 master-weight storage (NVIDIA's "Training with mixed precision" NVCaffe slides, 2017): one 16-bit copy of
+    the weights and no FP32 masters. Each param is lifted to FP32 as the optimizer reaches it (weights, and grads
+    unscaled there, never in 16-bit), stepped by the optimizer's own code with FP32 state, and rounded back (to nearest,
+    or stochastically: updates under half a 16-bit spacing then still move the weights on average). A fastai
+    `Optimizer` is stepped once, one param lifted at a time; a torch optimizer (`OptimWrapper`) is stepped once per
+    chunk of at most `lift_chunk` elements, that chunk's params lifted (their state moved to the FP32 copies and back).
+    Params that are not 16-bit (BatchNorm's FP32, float64, complex) are stepped in their own dtype."""
+    def __init__(self, opt,
+        stochastic:bool=True, # round the stored weights stochastically (False: to nearest even)
+        generator=None, # a `torch.Generator` of its own for the stochastic rounding (not the global RNG)
+        names:dict=None, model=None,
+        in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
+    ):
+        super().__init__(opt, names, model)
+        self.stochastic, self.generator = stochastic, generator
+        self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
+        self._group_of = {id(p): gi for gi, (a, b) in enumerate(zip(self.model_pgs, self.own_pgs)) for p in a + b}
+        self._dtypes = {id(p): p.dtype for p in self.params}
+        if in_backward: self.arm_in_backward()
+
+    def _step_one(self, p):
+        "In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored back."
+        q = self._lift(p)
+        fastai_update(self.core, q, self.core.hypers[self._group_of[id(p)]], key=p)
+        self._store(p, q)
+
+    def grads(self) -> list: return [p.grad for p in self.params if p.grad is not None]
+    def _grads_to_check(self) -> list: return self.grads()
+    def _grads_by_param(self) -> tuple: return self.params, [p.grad for p in self.params]
+
+    def _lift(self, p):
+        """What the optimizer steps for `p`: a 16-bit param's FP32 copy with its grad unscaled in FP32 (the param itself is
+        never touched: DDP's hooks, and autograd's, stay on it); another dtype's param itself, its grad unscaled in place."""
+        f = self._factor(self._group_of.get(id(p), 0))
+        if p.dtype not in (torch.float16, torch.bfloat16):
+            if f is not None: p.grad.mul_(f)
+            return p
+        q = p.detach().float()
+        q.grad = p.grad.float() if f is None else p.grad.float().mul_(f)
+        return q
+
+    def _store(self, p, q):
+        "`p`'s stepped FP32 value `q` back into its 16-bit storage, rounded once (to nearest, or stochastically)."
+        if q is p: return
+        with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator))
+
+    def _step_impl(self, *args, **kwargs):
+        return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop, *args, **kwargs)
+
+    def _lifted_loop(self, step, *args, **kwargs):
+        "fastai's `Optimizer.step` loop, on one lifted param at a time (the state stays keyed by the model's param)."
+        core = self.core
+        for p, pg, state, hyper in core.all_params(with_grad=True):
+            q = self._lift(p)
+            fastai_update(core, q, hyper, key=p)
+            self._store(p, q)
+
+    def _step_torch(self, step, *args, **kwargs):
+        """A torch optimizer (`OptimWrapper`): stepped once per chunk of params, those lifted and their state moved to
+        the lifted copies and back; the other params' grads are set aside meanwhile (torch skips params without one)."""
+        groups, state = self.core.opt.param_groups, self.core.opt.state
+        with_grad = [(p, (gi, i), True) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
+        grads, out = {p: p.grad for p, _, _ in with_grad}, None
+        for p in grads: p.grad = None
+        try:
+            for chunk in lift_chunks(with_grad, self.lift_chunk):
+                lifted = []
+                for p, (gi, i), _ in chunk:
+                    p.grad = grads[p]
+                    q = self._lift(p)
+                    groups[gi]['params'][i] = q
+                    if q is not p:
+                        p.grad = None
+                        if p in state: state[q] = state.pop(p)
+                    lifted.append((gi, i, p, q))
+                try: out = step(*args, **kwargs)
+                finally:
+                    for gi, i, p, q in lifted:
+                        groups[gi]['params'][i] = p
+                        if q is not p:
+                            if q in state: state[p] = state.pop(q)
+                            self._store(p, q)
+                        p.grad = None
+        finally:
+            for p, g in grads.items(): p.grad = g
+        return out
+
+    def zero_model_grads(self):
+        gs = self.grads()
+        if gs: torch._foreach_zero_(gs)
+
+    def check_linked(self):
+        "The optimizer steps the model's own params: only a change of their dtype (`.float()`) would go unnoticed."
+        for p in self.params[:1] + self.params[-1:]:
+            if p.dtype != self._dtypes[id(p)]:
+                raise RuntimeError(f"mixed precision (half_storage): the model's parameter {self.names.get(id(p), tuple(p.shape))} "
+                                   f"changed dtype during the fit ({self._dtypes[id(p)]} -> {p.dtype}): something after the setup "
+                                   f"converted the model. Convert it before `learn.to_fp16()`/`to_bf16()`, or after the fit.")

@@ -1,0 +1,59 @@
+"""The weight store's memory layout: flat buffers and the views into them, each keeping its tensor's strides (so
+channels_last survives being flattened), and which runs of params each flat buffer holds."""
+from __future__ import annotations
+import torch
+from torch import Tensor
+
+__all__ = ['dense_strides', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'split_like']
+
+def _contiguous_strides(shape) -> tuple:
+    res, s = [], 1
+    for n in reversed(shape): res.append(s); s *= max(n, 1)
+    return tuple(reversed(res))
+
+def dense_strides(t:Tensor) -> tuple:
+    """`t`'s strides when its elements fill a span of exactly `t.numel()` (contiguous, channels_last, or any other
+    permutation of the dims); else the contiguous strides (an overlapping or gappy tensor gets a dense copy)."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda o: o[1]):
+        if stride != expected: return _contiguous_strides(t.shape)
+        expected *= size
+    return tuple(t.stride())
+
+def flat_views(flat:Tensor, like:list) -> list:
+    "Views into the 1-d `flat`, one per tensor of `like` in order, each with the shape and dense strides of its tensor."
+    res, o = [], 0
+    for t in like:
+        n = t.numel()
+        chunk = flat[o:o+n]
+        res.append(chunk.as_strided(t.shape, dense_strides(t), chunk.storage_offset()))
+        o += n
+    return res
+
+def flatten_like(tensors:list, like:list, dtype=None) -> Tensor:
+    "One flat buffer holding `tensors` (in `dtype`), each laid out as its counterpart in `like` is (`flat_views` order)."
+    ref = like[0] if like else tensors[0]
+    flat = torch.empty(sum(t.numel() for t in like), dtype=dtype or ref.dtype, device=ref.device)
+    if like:
+        with torch.no_grad(): torch._foreach_copy_(flat_views(flat, like), [t.detach() for t in tensors])
+    return flat
+
+def owns_storage(t:Tensor) -> bool:
+    "Whether `t` is the whole of its storage (not a view into a larger buffer, which `torch.save` would write whole)."
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+def with_layout_of(t:Tensor, like:Tensor) -> Tensor:
+    "`t` itself when it owns its storage and has `like`'s strides; else a copy of it that does, laid out as `like`."
+    strides = dense_strides(like)
+    if owns_storage(t) and tuple(t.stride()) == strides: return t
+    return torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+def split_like(pg, flats):
+    "Cut the params `pg` (in flat-master order) into the consecutive runs that each of `flats` holds."
+    if len(flats) == 1: return [pg]
+    parts, i = [], 0
+    for flat in flats:
+        part, n = [], 0
+        while n < flat.numel(): part.append(pg[i]); n += pg[i].numel(); i += 1
+        parts.append(part)
+    return parts

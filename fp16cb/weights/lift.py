@@ -1,0 +1,206 @@
+"""The lift: how the 16-bit grads reach FP32 inside the step, a bounded chunk at a time. The model's 16-bit params
+and grads as views into one flat buffer per run (`FlatRun`), the chunks of masters the optimizer steps together
+(`lift_chunks`), and each chunk's plan (`LiftPlan`): one scratch buffer viewed as the masters' grads, filled by
+copies coalesced in memory order, its memory given back between chunks."""
+from __future__ import annotations
+import operator
+import torch
+from torch import Tensor
+
+from .layout import flat_views, split_like
+
+__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'LiftPlan', 'lift_chunks']
+
+_grad_of = operator.attrgetter('grad')
+
+class FlatRun:
+    """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
+    flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
+    `keep_none`: a param without grad keeps none (non-flat semantics); else it gets a zero grad (flat semantics).
+    With `keep_none`, a param without grad still gets its view at once (else autograd would allocate a grad of its own
+    for the first backward, on top of the buffer: a peak of 2 bytes/param more on each fit's first step); a hook
+    notes which of them the backward reaches, and the others lose the view again at the first `reattach_grads`."""
+    def __init__(self, params, master:Tensor, keep_none:bool=False,
+                 with_grad:bool=True): # False: no grad buffer (each grad is consumed by a step in the backward)
+        n = sum(p.numel() for p in params)
+        p0 = params[0]
+        self.params, self.master, self.keep_none = params, master, keep_none
+        self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device) if with_grad else None
+        self.views = flat_views(self.buf, params)
+        self.grad_views = flat_views(self.grad, params) if with_grad else [None] * len(params)
+        with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
+        self.pending, self.reached = [], set()  # params with no grad yet; those a backward reached
+        for p, v, g in zip(params, self.views, self.grad_views):
+            p.data = v
+            if g is None: p.grad = None; continue
+            if p.grad is not None: g.copy_(p.grad)
+            elif keep_none: self.pending.append(p)
+            p.grad = g
+        self._hooks = [p.register_post_accumulate_grad_hook(self._reach) for p in self.pending]
+
+    def _reach(self, p): self.reached.add(id(p))
+
+    def _settle_pending(self):
+        "After the first backward(s): a param without grad before the fit that no backward reached goes back to None."
+        for p in self.pending:
+            if id(p) not in self.reached and p.grad is not None and self._owns(p.grad, self.grad): p.grad = None
+        for h in self._hooks: h.remove()
+        self.pending, self.reached, self._hooks = [], set(), []
+
+    def _owns(self, t:Tensor, buf:Tensor) -> bool:
+        return t is not None and buf is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+    def reattach_grads(self) -> list:
+        "Grads that someone replaced go back into the flat grad buffer; returns the params left without grad."
+        if self.pending: self._settle_pending()
+        if self.grad is None: return []
+        if all(map(operator.is_, map(_grad_of, self.params), self.grad_views)): return []  # the usual case, ~50ns/param
+        missing = []
+        for p, g in zip(self.params, self.grad_views):
+            if p.grad is g: continue
+            if p.grad is None:
+                g.zero_()
+                if self.keep_none: missing.append(p); continue
+            else: g.copy_(p.grad)
+            p.grad = g
+        return missing
+
+    def linked(self) -> bool:
+        "Whether the first param still views the buffers (a `.to()` replaces every param's tensor, and its grad's)."
+        p = self.params[0]
+        return self._owns(p.data, self.buf) and (p.grad is None or self.grad is None or self._owns(p.grad, self.grad))
+
+    def relink(self):
+        "Point the params (and grads) that someone replaced (same device and dtype) at fresh views into the buffers."
+        self.views = flat_views(self.buf, self.params)
+        if self.grad is not None: self.grad_views = flat_views(self.grad, self.params)
+        for p, v, g in zip(self.params, self.views, self.grad_views):
+            p.data = v
+            if p.grad is not None and g is not None: p.grad = g
+
+    def release(self):
+        "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
+        if self.pending: self._settle_pending()  # a fit that ended before any step
+        for p in self.params:
+            if self._owns(p.data, self.buf): p.data = p.data.clone()
+            if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
+                p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
+
+def storage_runs(models:list, masters:list, with_grad:bool=True) -> list:
+    """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves
+    into one FP32 buffer per device, ordered by the model's dtype: returns the runs. (No FP32 grad buffer: the grads are
+    lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
+    by_dev = {}
+    for i in sorted(range(len(models)), key=lambda i: str(models[i].dtype)): by_dev.setdefault(models[i].device, []).append(i)
+    runs = []
+    for dev, idx in by_dev.items():
+        n = sum(models[i].numel() for i in idx)
+        data = torch.empty(n, device=dev)
+        o = 0
+        for i in idx:
+            m, k = masters[i], masters[i].numel()
+            view = flat_views(data[o:o+k], [models[i]])[0]  # laid out as the model param (channels_last stays)
+            view.copy_(m.data)
+            m.data, o = view, o + k
+            m.grad = None
+        o, j = 0, 0
+        while j < len(idx):
+            k = j
+            while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
+            ps = [models[i] for i in idx[j:k]]
+            size = sum(p.numel() for p in ps)
+            runs.append(FlatRun(ps, data[o:o+size], keep_none=True, with_grad=with_grad))
+            o, j = o + size, k
+    return runs
+
+def flat_runs(model_pgs:list, master_pgs:list) -> list:
+    "A `FlatRun` per run of consecutive params with the same dtype inside each flat master."
+    runs = []
+    for pg, mg in zip(model_pgs, master_pgs):
+        for part, flat in zip(split_like(pg, mg), mg):
+            data, o, i = flat.detach(), 0, 0
+            while i < len(part):
+                j = i
+                while j < len(part) and part[j].dtype == part[i].dtype: j += 1
+                n = sum(p.numel() for p in part[i:j])
+                runs.append(FlatRun(part[i:j], data[o:o+n]))
+                o, i = o + n, j
+    return runs
+
+
+class LiftPlan:
+    """How one chunk's masters get their FP32 grads, made once: an FP32 scratch buffer viewed as each master's grad,
+    whose memory is given back between steps (`resize_(0)` of its storage, as FSDP frees its flat buffers: the views
+    stay, the bytes go), and the 16-bit grads copied from. Valid while those are still the params' grads."""
+    def __init__(self, items:list):
+        # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per buffer
+        items = sorted([it for it in items if it[2] is not None], key=lambda it: _region(it[2][0][0].grad)[:2])
+        self.items = [(m, gi) for m, gi, _ in items]
+        self.objs, pairs, self.groups = [], [], {}
+        scratch = torch.empty(sum(m.numel() for m, _ in self.items), dtype=torch.float32, device=self.items[0][0].device)
+        self.views = flat_views(scratch, [m for m, _ in self.items])
+        for (m, gi, sources), v in zip(items, self.views):
+            for o, off in sources:
+                g = o.grad
+                self.objs.append(o)
+                pairs.append((v if off == 0 and g.shape == v.shape else v.view(-1)[off:off + g.numel()], g))
+            self.groups.setdefault(gi, []).append(v)
+        self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
+        self.dsts, self.copy_srcs = _coalesce(pairs)
+        self.storage = scratch.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.storage.resize_(0)
+
+    @classmethod
+    def make(cls, items:list):
+        "The plan of `items`, or None when it has no master or one of their sources has no grad now."
+        objs = [o for _, _, sources in items if sources is not None for o, _ in sources]
+        return cls(items) if objs and all(o.grad is not None for o in objs) else None
+
+    def valid(self) -> bool: return all(map(operator.is_, map(_grad_of, self.objs), self.srcs))
+
+    def lift(self) -> dict:
+        "The scratch's memory back, the 16-bit grads copied in (one fused copy), each master's grad its view: `{group: views}`."
+        self.storage.resize_(self.nbytes)
+        torch._foreach_copy_(self.dsts, self.copy_srcs)
+        for (m, _), v in zip(self.items, self.views): m.grad = v
+        return self.groups
+
+    def free(self):
+        for m, _ in self.items: m.grad = None
+        self.storage.resize_(0)
+
+def _region(t:Tensor) -> tuple:
+    "`(storage, first element, element count, strides)` of the dense tensor `t` (a grad view, a scratch view)."
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), tuple(t.stride())
+
+def _coalesce(pairs:list) -> tuple:
+    """`(dsts, srcs)` copying what the `(dst, src)` pairs copy, with neighbours merged: where a pair continues the previous
+    one in both memories (same strides: element order is memory order), the two become one 1-d copy."""
+    merged = []  # [dst, src, dst region, src region, mergeable]
+    for d, s in pairs:
+        rd, rs = _region(d), _region(s)
+        ok = rd[3] == rs[3]  # the same strides: copying the pair is copying its memory in order
+        last = merged[-1] if merged else None
+        if (ok and last is not None and last[4] and last[2][0] == rd[0] and last[3][0] == rs[0]
+                and last[2][1] + last[2][2] == rd[1] and last[3][1] + last[3][2] == rs[1]):
+            last[2], last[3] = (rd[0], last[2][1], last[2][2] + rd[2]), (rs[0], last[3][1], last[3][2] + rs[2])
+            last[0], last[1] = _flat_region(last[0], last[2]), _flat_region(last[1], last[3])
+        else: merged.append([d, s, rd[:3], rs[:3], ok])
+    return [m[0] for m in merged], [m[1] for m in merged]
+
+def _flat_region(t:Tensor, region:tuple) -> Tensor:
+    "The 1-d tensor over `region` (`(storage, first, count)`) of `t`'s storage."
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), region[1], (region[2],))
+
+def lift_chunks(items:list, limit:int) -> list:
+    """`items` (`(param, group, sources)` in the optimizer's order) cut into consecutive chunks of one device whose
+    masters hold at most `limit` elements together (a bigger master is a chunk of its own)."""
+    chunks, cur, n = [], [], 0
+    for it in items:
+        k = it[0].numel() if it[2] is not None else 0
+        if cur and (n + k > limit or it[0].device != cur[0][0].device): chunks.append(cur); cur, n = [], 0
+        cur.append(it); n += k
+    return chunks + ([cur] if cur else [])
+

@@ -1,0 +1,225 @@
+"""FP32 master weights (Micikevicius et al. 2018): per param (`ParamMasters`) or one flat buffer per param group
+(`FlatMasters`), stepped by the optimizer with FP32 grads lifted a chunk at a time (`lift`)."""
+from __future__ import annotations
+from contextlib import contextmanager
+import torch
+from fastai.optimizer import OptimWrapper
+
+from .functional import get_master, _pairs
+from .optstate import move_opt_state, fastai_update, steps_param_by_param
+from .lift import LiftPlan, lift_chunks, storage_runs, flat_runs
+from .store import WeightStore, check_same_kind
+
+__all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights']
+
+class FP32Masters(WeightStore):
+    """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
+    into one flat buffer per (device, dtype) run of the masters, so that master->model, the overflow check and zeroing
+    are one vectorised op per buffer. The masters get FP32 grads only while the optimizer steps them, a chunk of at most
+    `lift_chunk` elements at a time: copied from the 16-bit grads, unscaled and clipped there (memory at the step's
+    peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one chunk).
+    Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32 master per param, viewing one
+    FP32 buffer per device; the optimizer steps per-param masters).
+    A fastai `Optimizer` is stepped once, its loop run a chunk at a time; a torch optimizer (`OptimWrapper`) once per
+    chunk, only that chunk's masters having grads (torch skips the others); a fused one that takes `grad_scale` (torch's
+    `fused=True` Adam/AdamW/SGD) unscales inside its kernel, as under torch's `GradScaler`."""
+    def __init__(self, opt,
+        fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`); masters are made from these tensors
+        names:dict=None, # `{id(param): name}` for error messages
+        model=None, # the model (sparse grads)
+        in_backward:bool=False, # step each param in the backward (`arm_in_backward`): no 16-bit grad buffer
+    ):
+        super().__init__(opt, names, model)
+        self._with_grads = not in_backward
+        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of)
+        self.master_params = [m for mg in self.master_pgs for m in mg]
+        for m in self.master_params: m.grad = None  # FP32 grads exist only for the chunk being stepped
+        self.runs = self._make_runs()
+        self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, self.flat, with_grads=False)
+        self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
+        move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+        self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
+        self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
+        own, self._plans, self._lifting = {id(p) for p in self.own_params}, {}, {}  # plans kept; those of this step
+        sources = self._sources()
+        self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
+                                     for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
+        self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
+        self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
+        if in_backward: self.arm_in_backward()
+
+    # -- the interface
+    def _grads_to_check(self) -> list:
+        if not self.runs and not self.own_params: return []
+        for r in self.runs: r.reattach_grads()
+        return self._grads + self.own_grads()
+
+    def _step_impl(self, *args, **kwargs):
+        out = self._through_core(self._step_chunks, *args, **kwargs)
+        self.master_to_model()
+        return out
+
+    def _step_chunks(self, step, *args, **kwargs):
+        "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
+        if steps_param_by_param(self.core):  # fastai's loop, run here chunk by chunk (once per param)
+            hypers = self.core.hypers
+            for chunk in self._chunks:
+                for p, gi in self._lift(chunk): fastai_update(self.core, p, hypers[gi])
+                self._drop(chunk)
+            return None
+        chunks = self._chunks if isinstance(self.core, OptimWrapper) else [[it for c in self._chunks for it in c]]
+        inner = getattr(self.core, 'opt', None)
+        fused = self._fused_scale(inner)
+        own, out = {p: p.grad for p in self.own_params}, None  # torch steps every param with a grad: each in one chunk
+        for p in own: p.grad = None
+        try:
+            for chunk in chunks:
+                self._lift(chunk, own, unscale=fused is None)
+                if fused is not None: inner.grad_scale, inner.found_inf = fused
+                try: out = step(*args, **kwargs)
+                finally:
+                    if fused is not None: del inner.grad_scale, inner.found_inf
+                self._drop(chunk)
+        finally:
+            for p, g in own.items(): p.grad = g
+        return out
+
+    def _fused_scale(self, inner):
+        """`(grad_scale, found_inf)` for a torch optimizer whose kernel unscales (`_step_supports_amp_scaling`: torch's
+        fused Adam/AdamW/SGD), so the grads are only copied to FP32: one pass less. None where one factor cannot serve
+        every group (per-group clipping of several groups), or the optimizer cannot."""
+        if inner is None or not getattr(inner, '_step_supports_amp_scaling', False) or not self._masters: return None
+        coefs = list({id(c): c for c in self.coefs.values()}.values())
+        if len(coefs) > 1 or (coefs and len(self.coefs) < len(self.opt_pgs)): return None
+        dev = self._masters[0].device
+        scale = torch.full((), self.scale, dtype=torch.float32, device=dev)
+        return (scale / coefs[0] if coefs else scale), torch.zeros((), dtype=torch.float32, device=dev)
+
+    def _lift(self, chunk:list, own:dict=None, unscale:bool=True) -> list:
+        """Give the masters of `chunk` FP32 grads: one scratch buffer, the 16-bit grads copied in (one fused copy),
+        unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
+        aside). Returns `[(param, group)]` of those with a grad, in order."""
+        live, by_group = [], {}
+        plan = self._lifting[id(chunk)] = self._plan(chunk)
+        if plan is not None: by_group = {gi: list(vs) for gi, vs in plan.lift().items()}
+        for p, gi, sources in chunk:
+            if sources is not None:
+                if p.grad is not None: live.append((p, gi))
+                continue
+            if own is not None: p.grad = own.get(p)
+            if p.grad is None: continue
+            by_group.setdefault(gi, []).append(p.grad); live.append((p, gi))
+        if unscale:
+            for gi, ts in by_group.items():
+                f = self._factor(gi)
+                if f is not None: torch._foreach_mul_(ts, f)
+        return live
+
+    def _step_one(self, p):
+        "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
+        m, gi = self._master_of[id(p)]
+        if m is not p: m.grad = p.grad.float()
+        fastai_update(self.core, m, self.core.hypers[gi])
+        if m is not p:
+            m.grad = None
+            p.detach().copy_(m)
+
+    def _plan(self, chunk:list):
+        """The chunk's `LiftPlan`: made once and kept while its sources' grads are the same tensors; when a master's
+        param has no grad this step (no backward reached it), a plan of the others for this step only (None: no master
+        has a grad)."""
+        plan = self._plans.get(id(chunk))
+        if plan is not None and plan.valid(): return plan
+        plan = self._plans[id(chunk)] = LiftPlan.make(chunk)
+        if plan is not None: return plan
+        return LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])])
+
+    def _drop(self, chunk:list):
+        "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
+        plan = self._lifting.pop(id(chunk), None)
+        if plan is not None: plan.free()
+        for p, _, sources in chunk:
+            if sources is not None: p.grad = None
+
+    def zero_model_grads(self, reattach:bool=True):
+        "Zero the model's 16-bit grads (grads someone replaced go back into the flat buffers first, unless just done)."
+        if reattach:
+            for r in self.runs: r.reattach_grads()
+        if self._grads: torch._foreach_zero_(self._grads)
+        for g in self.own_grads(): g.zero_()
+
+    def check_linked(self):
+        "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
+        for r in self.runs:
+            if r.linked(): continue
+            p = r.params[0]
+            check_same_kind(p, r.buf, 'the FP32 masters', self.names.get(id(p), tuple(p.shape)))
+            r.relink()
+
+    def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
+    def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
+
+    def _grads_by_param(self) -> tuple:
+        "The model's grads (16-bit, loss-scaled, before any clearing), one per param; own params' grads."
+        pairs = [(p, p.grad) for p in self.models] + [(p, p.grad) for p in self.own_params]
+        return [p for p, _ in pairs], [g for _, g in pairs]
+    def _after_broadcast(self): self.master_to_model()
+
+    @contextmanager
+    def opt_view(self):
+        self._point_opt(to_model=True)
+        try: yield self.opt
+        finally: self._point_opt(to_model=False)
+
+    def _point_opt(self, to_model:bool):
+        "Move the optimizer (params, state, Lookahead's slow weights) between the masters and the model's params."
+        if to_model: move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None, self.old_param_lists)
+        else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+
+    def restore(self):
+        for r in self.runs: r.release()
+        super().restore()
+        self._point_opt(to_model=True)
+
+    # -- helpers
+    def master_to_model(self):
+        "Copy the master weights into the model params (rounding to 16-bit once), one fused pass."
+        if self.runs: torch._foreach_copy_(self._bufs, self._masters)
+
+    def buffers(self) -> list:
+        "The flat buffers behind the model's 16-bit params and grads and the FP32 masters (memory accounting)."
+        return self._bufs + self._grads + self._masters
+
+    @property
+    def model_grads(self) -> list: return self._grads
+
+    def _make_runs(self) -> list: raise NotImplementedError
+    def _sources(self) -> dict:
+        "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
+        raise NotImplementedError
+
+class FlatMasters(FP32Masters):
+    "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
+    flat = True
+    def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs)
+    def _sources(self) -> dict:
+        "A flat master is fed by the grad buffers of its runs (a param without grad reads as zeros: flat semantics)."
+        res, runs = {}, iter(self.runs)
+        for m in self.master_params:
+            n, src = 0, []
+            while n < m.numel():
+                r = next(runs); src.append((r, n)); n += r.buf.numel()
+            res[id(m)] = src
+        return res
+
+class ParamMasters(FP32Masters):
+    "One FP32 master per param (per-param optimizer state and steps), their data in one buffer per device."
+    def _make_runs(self): return storage_runs([p for pg in self.model_pgs for p in pg], self.master_params, self._with_grads)
+    def _sources(self) -> dict:
+        "Each master is fed by its param's grad (a param without grad leaves its master without one, as in FP32)."
+        return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}
+
+def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
+    "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`, `in_backward`)."
+    return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
+

@@ -1,0 +1,106 @@
+"""The optimizer's side of the weight store: which optimizer holds the params and state (inside fastai's `Lookahead`),
+fastai's per-param update run by hand, and the per-param state (and `Lookahead`'s slow weights) moved between the
+model's params and the tensors the optimizer steps during a fit, merged into flat masters and split back."""
+from __future__ import annotations
+import torch
+from torch import Tensor
+from fastcore.foundation import L
+from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
+
+from .layout import flat_views, flatten_like, split_like
+
+__all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param']
+
+def innermost(opt):
+    "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
+    while not isinstance(opt, OptimWrapper) and type(opt) is not Optimizer and isinstance(getattr(opt, 'opt', None), _BaseOptimizer):
+        opt = opt.opt
+    return opt
+
+
+def opt_state(opt) -> dict:
+    "The per-param state dict of `opt`: a fastai `OptimWrapper` keeps it in the wrapped torch optimizer."
+    opt = innermost(opt)
+    inner = getattr(opt, 'opt', None)
+    return inner.state if isinstance(inner, torch.optim.Optimizer) else opt.state
+
+
+def copy_clone(d:dict) -> dict:
+    "A detached FP32 clone of every tensor of the optimizer-state dict `d`, other values as they are."
+    return {k: (v.detach().clone().float() if isinstance(v, Tensor) and torch.is_floating_point(v) else
+                v.detach().clone() if isinstance(v, Tensor) else v) for k, v in d.items()}
+
+def _fp32_state(d:dict) -> dict:
+    "`d` itself when its floating tensors are FP32 already (moved, not copied), else its FP32 clone."
+    if all(not isinstance(v, Tensor) or not torch.is_floating_point(v) or v.dtype == torch.float32 for v in d.values()):
+        return d
+    return copy_clone(d)
+
+def _merge_states(states:list, params:list) -> dict:
+    "One flat state from per-param states (tensors shaped like their param are concatenated; flags are shared)."
+    keys = dict.fromkeys(k for s in states for k in s)
+    out = {}
+    for k in keys:
+        vals = [s.get(k) for s in states]
+        if any(isinstance(v, Tensor) and v.dim() > 0 for v in vals):
+            out[k] = flatten_like([v if v is not None else torch.zeros_like(p, dtype=torch.float32) for v, p in zip(vals, params)],
+                                  params, torch.float32)
+        else: out[k] = next(v for v in vals if v is not None)
+    return out
+
+def _split_state(state:dict, params:list) -> list:
+    "Per-param states from a flat one (flat tensors are cut and cloned; other entries copied to each)."
+    n = sum(p.numel() for p in params)
+    res = [{} for _ in params]
+    for k, v in state.items():
+        if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n:
+            for r, view in zip(res, flat_views(v, params)): r[k] = view.clone()
+        else:
+            for r in res: r[k] = v.clone() if isinstance(v, Tensor) else v
+    return res
+
+def _set_param_lists(opt, pgs):
+    "Point `opt` (the innermost optimizer) at `pgs`: `L`s for a fastai `Optimizer`, lists for an `OptimWrapper`'s torch optimizer."
+    opt.param_lists = [list(pg) for pg in pgs] if isinstance(opt, OptimWrapper) else L(L(pg) for pg in pgs)
+
+def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None):
+    """Move the per-param state from `from_pgs` to `to_pgs` (no copy when already FP32) and point `opt` at `param_lists`
+    (default `to_pgs`). `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse. fastai's
+    `Lookahead` keeps slow weights per param: they follow the same way (flat ones are split, per-param ones merged)."""
+    core = innermost(opt)
+    slow = _slow_weights(opt, core)
+    state = opt_state(core)
+    _set_param_lists(core, param_lists if param_lists is not None else to_pgs)
+    for src, dst in zip(from_pgs, to_pgs):
+        if flat == 'merge':
+            for part, m in zip(split_like(src, dst), dst):
+                state[m] = _merge_states([state.pop(p, {}) for p in part], part)
+                if slow is not None: slow[id(m)] = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
+        elif flat == 'split':
+            for part, m in zip(split_like(dst, src), src):
+                for p, s in zip(part, _split_state(state.pop(m, {}), part)): state[p] = s
+                if slow is not None and id(m) in slow:
+                    slow.update({id(p): v.clone() for p, v in zip(part, flat_views(slow[id(m)], part))})
+        else:
+            for p, m in zip(src, dst):
+                if p is not m: state[m] = _fp32_state(state.pop(p, {}))
+                if slow is not None and id(p) in slow: slow[id(m)] = slow[id(p)]
+    if slow is not None: opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
+                                              for pg in core.param_lists)
+
+def _slow_weights(opt, core):
+    "`{id(param): slow weight}` of a fastai `Lookahead` that has started (None otherwise)."
+    sw = opt.__dict__.get('slow_weights') if opt is not core else None
+    if sw is None: return None
+    return {id(p): s for pg, sg in zip(core.param_lists, sw) for p, s in zip(pg, sg)}
+
+def fastai_update(core, p, hyper:dict, key=None):
+    "fastai's `Optimizer.step` for one param `p`: its callbacks in order, on the state kept under `key` (default `p`)."
+    key = p if key is None else key
+    state = core.state[key]
+    for cb in core.cbs: state = _update(state, cb(p, **{**state, **hyper}))
+    core.state[key] = state
+
+def steps_param_by_param(core) -> bool:
+    "Whether `core` is a fastai `Optimizer` whose `step` is fastai's own loop over params (so we may run it ourselves)."
+    return isinstance(core, Optimizer) and getattr(type(core), 'step', None) is Optimizer.step

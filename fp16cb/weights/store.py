@@ -1,0 +1,234 @@
+"""The weight store's interface and its stage: what the optimizer steps in a mixed-precision fit and how a step's
+gradients get there, the callback asking and the store deciding. Its kinds: FP32 masters (`masters`) and 16-bit
+storage (`half`)."""
+from __future__ import annotations
+from contextlib import contextmanager
+from enum import Enum
+import torch
+
+from ..scaling import OverflowCheck, nonfinite_flags, _real
+from ..distributed import broadcast_
+from .functional import check_unique_params, trainable
+from .optstate import innermost
+
+__all__ = ['Stage', 'WeightStore', 'check_same_kind']
+
+class Stage(Enum):
+    "Where a store is in the current optimizer step (as torch's `GradScaler` keeps an `OptState` per optimizer)."
+    NEW = 0       # set up for a fit: under DDP, the ranks still have to agree on the weights (at the first batch)
+    READY = 1     # between steps: the next backward accumulates into the model's grads
+    UNSCALED = 2  # `prepare_grads` checked the grads (unscaling waits for the step); the step may still be cancelled
+    STEPPED = 3   # the optimizer stepped (the model follows it already); the model's grads are owed a clearing
+    SKIPPED = 4   # the step overflowed and was skipped; the model's grads are owed a clearing
+
+
+def _sparse_params(model) -> set:
+    "ids of the params whose grads come sparse (`nn.Embedding(sparse=True)` and the like)."
+    return {id(p) for m in model.modules() if getattr(m, 'sparse', False) is True for p in m.parameters(recurse=False)} if model is not None else set()
+
+
+class WeightStore:
+    """What the optimizer steps in a mixed-precision fit, and how a step's gradients get there (after Megatron-LM's
+    mixed-precision optimizer: `prepare_grads`, then `step`). The callback asks; the store decides which tensors, when
+    and how. Implementations: FP32 masters (`ParamMasters`, `FlatMasters`) and 16-bit storage (`HalfStorage`).
+
+    The rules for what is converted live here, once, for every implementation:
+    - only trainable params (`requires_grad`) are the store's; frozen ones are left as they are;
+    - a param in two param groups (or twice in one) is refused, naming it;
+    - FP32/fp16/bf16 params are stored by the implementation; any other dtype (float64, complex) trains as it is, in its
+      own dtype, its (loss-scaled) grads checked and unscaled with the others (`own_params`);
+    - sparse grads (`nn.Embedding(sparse=True)`) are made dense as they come in;
+    - the grads stay as the backward left them (16-bit, loss-scaled) until the optimizer steps: they are checked there,
+      read-only, and reach FP32 (unscaled, clipped) only as the optimizer consumes them, a bounded part at a time, so a
+      step never holds a full-size FP32 copy of them (`lift_chunk`).
+    What must hold during a fit: the model's params are the store's (`check_linked`, every step, O(buffers))."""
+    flat = False
+    master_pgs = None  # FP32 masters per group (None: this store has none)
+    lift_chunk = 2**22  # at most this many elements (16 MiB) of grads are in FP32 at once during a step (or one param, if larger)
+    in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
+    def __init__(self,
+        opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
+        names:dict=None, # `{id(param): name}`, for error messages
+        model=None, # the model (which of its params get sparse grads)
+    ):
+        self.opt, self.core, self.names = opt, innermost(opt), names or {}
+        check_unique_params(self.core.param_lists, names)
+        self.old_param_lists = [list(pg) for pg in self.core.param_lists]
+        self.model_pgs = [trainable(pg) for pg in self.old_param_lists]
+        self.own_pgs = [trainable(pg, own=True) for pg in self.old_param_lists]  # stepped as they are
+        self.own_params = [p for pg in self.own_pgs for p in pg]
+        sparse = _sparse_params(model)
+        self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
+        self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
+        self.grad_factor, self.coefs = 1., {}  # 1/loss scale; clip coefficients per group (device tensors)
+        self._prev_step, self._inner_step = vars(opt).get('step'), opt.step  # the optimizer's own, to call and give back
+        opt.step = self._step
+
+    # -- the interface the callback uses, in the order of a step
+    def prepare_grads(self,
+        scale:float, # the loss scale the grads carry
+        with_max:bool=False, # also report the largest |unscaled grad|
+    ):
+        """Check the step's grads for inf/NaN in one fused, read-only pass, as the backward left them: `[found, (max
+        |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes them."""
+        if self.in_backward: return self._found_in_backward()
+        for p in self.sparse:
+            if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
+        grads = self._grads_to_check()
+        if not grads: return None
+        self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
+        stats = self.check(grads, 1., with_max=with_max)
+        return stats if len(stats) == 1 or scale == 1. else stats * stats.new_tensor([1., 1. / scale])
+
+    def clip(self, max_norm:float, global_norm:bool=False):
+        """Clip the unscaled grads the optimizer will use: each param group's norm, or (`global_norm`) all groups'
+        together, as `torch.nn.utils.clip_grad_norm_`. The norm is taken in FP32 from the 16-bit grads; the coefficient
+        stays on the device (no host sync) and joins the unscaling factor applied as the grads reach FP32."""
+        groups = [[p.grad for p in a + b if p.grad is not None] for a, b in zip(self.model_pgs, self.own_pgs)]
+        for gis in ([list(range(len(groups)))] if global_norm else [[i] for i in range(len(groups))]):
+            gs = _real([g for i in gis for g in groups[i]])
+            if not gs: continue
+            dev = gs[0].device
+            norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms])) * self.grad_factor
+            coef = (max_norm / (total + 1e-6)).clamp_(max=1.)
+            self.coefs.update(dict.fromkeys(gis, coef))
+
+    def _step(self, *args, **kwargs):
+        "The optimizer's `step` during a fit: the optimizer steps once (a `Lookahead` counts one step), the model follows."
+        out = None if self.in_backward else self._step_impl(*args, **kwargs)  # in the backward: stepped already
+        self.stage = Stage.STEPPED
+        return out
+
+    def skip(self) -> tuple:
+        """The step overflowed: its grads go, nothing of them reaches the weights. Returns which params' grads held
+        inf/NaN, looked at before they go: `(flags on the device, their names)` (one pass per param, no host sync)."""
+        params, grads = self._grads_by_param()
+        order, names = self._in_model_order(params)
+        if self.in_backward: found = self._flags_in_backward([params[i] for i in order]), names  # the grads are gone
+        else: found = nonfinite_flags([grads[i] for i in order]), names
+        self.zero_model_grads()
+        self.cleared, self.stage = True, Stage.SKIPPED
+        return found
+
+    def finish(self):
+        "After a step (or a skip): the model's grads cleared for the next backward, unless they were already."
+        if not self.cleared: self.zero_model_grads()
+        self.stage, self.cleared = Stage.READY, False
+
+    def check_linked(self):
+        "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
+
+    def broadcast_from(self, src:int=0):
+        "Give every rank the weights of rank `src` (what the optimizer steps, and the model after it)."
+        broadcast_(self._shared())
+        self._after_broadcast()
+
+    def own_grads(self) -> list:
+        "The grads of the params that train in their own dtype (loss-scaled like the others)."
+        return [p.grad for p in self.own_params if p.grad is not None]
+
+    def fp32_views(self) -> dict:
+        "`{model param: FP32 tensor holding its current trained value}` (empty: the model's own values are the truth)."
+        return {}
+
+    @contextmanager
+    def opt_view(self):
+        "Within: the optimizer on the model's own params, with their state (FP32), as between fits; the model is untouched."
+        yield self.opt
+
+    def restore(self):
+        "Give the optimizer its own `step`, params and state back (the end of the fit)."
+        for h in getattr(self, '_grad_hooks', []): h.remove()
+        if self._prev_step is None: self.opt.__dict__.pop('step', None)
+        else: self.opt.step = self._prev_step
+
+    # -- opt-in: the step in the backward
+    def arm_in_backward(self):
+        """Step each param from a hook as soon as the backward has accumulated its grad, and drop the grad there: no
+        param's grad outlives its own step (a fastai `Optimizer`, a loss scale of 1). A grad holding inf/NaN is zeroed on
+        the device before its param is stepped (no host sync: that param's optimizer takes a step with a zero grad, its
+        momentum and moments decaying, its weight decay applied) and flags the step, which `prepare_grads` reports."""
+        self.in_backward, self._found, self._bad, self._bad_last = True, {}, {}, {}
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._hooked_params()]
+        return self
+
+    def _on_grad(self, p):
+        "A param's grad is complete: check it (on the device), step the param with it, drop it."
+        g = p.grad
+        bad = torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all().logical_not_()
+        f = self._found.get(g.device)
+        self._found[g.device] = bad.clone() if f is None else f.logical_or_(bad)
+        self._bad[id(p)] = bad  # which params' grads held inf/NaN: a skipped step's attribution
+        g.masked_fill_(bad, 0)
+        self._step_one(p)
+        p.grad = None
+
+    def stepped_in_backward(self) -> bool:
+        "Whether the backward of the step under way has stepped params already (a cancellation cannot undo it)."
+        return self.in_backward and (self.stage is Stage.UNSCALED or bool(self._found))
+
+    def _flags_in_backward(self, params:list):
+        "Whether each of `params`' grads held inf/NaN in the last backward (its hook's flag; none: False), on the device."
+        bads = [self._bad_last.get(id(p)) for p in params]
+        first = next((b for b in bads if b is not None), None)
+        if first is None: return None
+        return torch.stack([b.to(first.device) if b is not None else torch.zeros((), dtype=torch.bool, device=first.device) for b in bads])
+
+    def _found_in_backward(self):
+        "`[found]`: whether any grad of this backward held inf/NaN (None: the backward reached no param)."
+        found, self._found = list(self._found.values()), {}
+        self._bad_last, self._bad = self._bad, {}
+        if not found: return None
+        self.stage, self.scale, self.cleared = Stage.UNSCALED, 1., True
+        dev = found[0].device
+        return torch.stack([f.to(dev) for f in found]).any().float().reshape(1)
+
+    # -- shared by the kinds
+    def _factor(self, gi:int):
+        "What group `gi`'s grads are multiplied by as they reach FP32: 1/scale times its clip coefficient (None: by 1)."
+        c = self.coefs.get(gi)
+        if c is None: return None if self.grad_factor == 1. else self.grad_factor
+        return c if self.grad_factor == 1. else c * self.grad_factor
+
+    def _through_core(self, core_step, *args, **kwargs):
+        """Step the optimizer once, `core_step` (`(step, *args)`) doing the innermost optimizer's part: through a wrapper
+        (fastai's `Lookahead`), the wrapper's `step` runs once and calls the wrapped optimizer's, which is ours then."""
+        if self.opt is self.core: return core_step(self._inner_step, *args, **kwargs)
+        core, inner = self.core, self.core.step
+        core.step = lambda *a, **k: core_step(inner, *a, **k)
+        try: return self._inner_step(*args, **kwargs)
+        finally: core.__dict__.pop('step', None)
+
+    def _in_model_order(self, params:list) -> tuple:
+        "`(order, names)`: `params` as `model.named_parameters()` orders and names them (made once per store)."
+        if getattr(self, '_order', None) is None or len(self._order[0]) != len(params):
+            rank = {k: i for i, k in enumerate(self.names)}
+            order = sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(rank)))
+            self._order = order, [self.names.get(id(params[i]), f"<param of shape {tuple(params[i].shape)}>") for i in order]
+        return self._order
+
+    # -- what each kind does its own way
+    def _grads_to_check(self) -> list:
+        "The step's grads as the backward left them (after any re-attaching), for the overflow check."
+        raise NotImplementedError
+    def _grads_by_param(self) -> tuple:
+        "`(params, their grads as the backward left them)`: what a skipped step's attribution looks at."
+        raise NotImplementedError
+    def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
+    def _hooked_params(self) -> list: return [p for pg in self.model_pgs + self.own_pgs for p in pg]
+    def _step_one(self, p): raise NotImplementedError
+    def _after_broadcast(self): pass
+    def _step_impl(self, *args, **kwargs): raise NotImplementedError
+    def zero_model_grads(self): raise NotImplementedError
+
+def check_same_kind(p, buf, what:str, name:str):
+    "`p`, no longer a view of `buf`, can be re-linked to it (same device and dtype), or this is a clear error."
+    if p.device != buf.device or p.dtype != buf.dtype:
+        raise RuntimeError(
+            f"mixed precision: the model's parameter {name} was replaced during the fit by a tensor on {p.device} in "
+            f"{p.dtype} (it was on {buf.device} in {buf.dtype}): something after the setup moved or converted the model "
+            f"(a callback calling `learn.model.to(...)`/`.float()`, a wrapper). Training on would never change the "
+            f"weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
+            f"(or before the fit), or order that callback before fp16cb's (order < -50).")
+
