@@ -292,11 +292,12 @@ class MixedPrecision(SessionCallback):
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending: self.record.new_fit()
-        self._stepped = False
         kw = dict(names=names, model=model, in_backward=self.step_in_backward)
-        if self.half_storage: self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), **kw)
+        if self.half_storage:
+            self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), fp32_of=mth.fp32_of if half else None, **kw)
         else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
+        self._remembered = list(self.store.params) if self.half_storage and half else []  # FP32 originals still kept
         if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
         self.record.setup(model)
 
@@ -343,7 +344,7 @@ class MixedPrecision(SessionCallback):
         found, self.max_grad = read_stats(stats, self.learn.model, self.learn.loss_grad if calibrating else None)
         if not found:
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
-            if self.half_storage and not self._stepped: self._first_step()
+            if self._remembered: self._forget_stepped()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(True, self.max_grad)
@@ -365,11 +366,14 @@ class MixedPrecision(SessionCallback):
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         self.store.finish()
 
-    def _first_step(self):
-        "16-bit storage is about to step the weights: the FP32 originals `ModelToHalf` kept for them go stale, let them go."
-        self._stepped = True
-        mth = self._model_to_half()
-        if mth is not None and mth.converted: mth.forget_originals(self.store.params)
+    def _forget_stepped(self):
+        """16-bit storage is about to step these params: the FP32 originals `ModelToHalf` kept for them go stale, let them
+        go (4 bytes/param). A param never stepped keeps its original: after the fit it gets its exact FP32 value back."""
+        stepped = self.store.stepping(self._remembered)
+        if not stepped: return
+        self._model_to_half().forget_originals(stepped)
+        gone = {id(p) for p in stepped}
+        self._remembered = [p for p in self._remembered if id(p) not in gone]
 
     def _collapse(self, err:Exception):
         """The scale cannot go lower (the failing step only): the error naming where the overflow starts and the remedy,

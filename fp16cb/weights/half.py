@@ -3,6 +3,7 @@ rounding of stepped FP32 values back to 16-bit: to nearest, or stochastically.""
 from __future__ import annotations
 import torch
 from torch import Tensor
+from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper
 
 from .optstate import fastai_update
@@ -39,13 +40,31 @@ class HalfStorage(WeightStore):
         generator=None, # a `torch.Generator` of its own for the stochastic rounding (not the global RNG)
         names:dict=None, model=None,
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
+        fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`): `Lookahead`'s slow weights start from these
     ):
         super().__init__(opt, names, model)
         self.stochastic, self.generator = stochastic, generator
         self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
         self._group_of = {id(p): gi for gi, (a, b) in enumerate(zip(self.model_pgs, self.own_pgs)) for p in a + b}
         self._dtypes = {id(p): p.dtype for p in self.params}
+        self._fp32_slow_weights(fp32_of)
         if in_backward: self.arm_in_backward()
+
+    def _fp32_slow_weights(self, fp32_of):
+        """fastai's `Lookahead` keeps a slow copy of each param, which would be 16-bit here and outlive the fit: it is
+        FP32 instead (made from the exact FP32 values; the sync reads the 16-bit weights into FP32 and rounds once back)."""
+        if self.opt is self.core or 'slow_weights' not in vars(self.opt): return
+        half = lambda p: p.dtype in (torch.float16, torch.bfloat16)
+        if self.opt.slow_weights is None:
+            val = (lambda p: fp32_of(p).to(p.device)) if fp32_of is not None else (lambda p: p.detach())
+            self.opt.slow_weights = L(L(val(p).float().clone() if half(p) else p.detach().clone() for p in pg)
+                                      for pg in self.core.param_lists)
+        else: self.opt.slow_weights = L(L(s.float() if half(s) else s for s in sg) for sg in self.opt.slow_weights)
+
+    def stepping(self, params:list) -> list:
+        "Which of `params` this step steps (with a grad now; stepping in the backward: reached by it)."
+        if self.in_backward: return [p for p in params if id(p) in self._bad_last or id(p) in self._had_grad]
+        return [p for p in params if p.grad is not None]
 
     def _step_one(self, p):
         "In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored back."
@@ -115,6 +134,10 @@ class HalfStorage(WeightStore):
         return out
 
     def zero_model_grads(self):
+        "As the optimizer's `zero_grad` would: zeroed (fastai), or None (a torch optimizer: unreached params not stepped)."
+        if self.none_after_step:
+            for p in self.params: p.grad = None
+            return
         gs = self.grads()
         if gs: torch._foreach_zero_(gs)
 

@@ -16,44 +16,53 @@ _grad_of = operator.attrgetter('grad')
 class FlatRun:
     """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
     flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
-    `keep_none`: a param without grad keeps none (non-flat semantics); else it gets a zero grad (flat semantics).
+    `keep_none`: a param without grad keeps none (FP32's semantics: it is not stepped); else it gets a zero grad.
     With `keep_none`, a param without grad still gets its view at once (else autograd would allocate a grad of its own
     for the first backward, on top of the buffer: a peak of 2 bytes/param more on each fit's first step); a hook
-    notes which of them the backward reaches, and the others lose the view again at the first `reattach_grads`."""
+    notes which of them the backward reaches, and the others lose the view again when the step `settle`s.
+    `per_step` (a torch optimizer, whose `zero_grad` sets grads to None): every param is watched at every step, and
+    one that no backward of the step reached has no grad for it, as in FP32."""
     def __init__(self, params, master:Tensor, keep_none:bool=False,
-                 with_grad:bool=True): # False: no grad buffer (each grad is consumed by a step in the backward)
+                 with_grad:bool=True, # False: no grad buffer (each grad is consumed by a step in the backward)
+                 per_step:bool=False): # grads are None after each step unless a backward reaches them (torch's `zero_grad`)
         n = sum(p.numel() for p in params)
         p0 = params[0]
-        self.params, self.master, self.keep_none = params, master, keep_none
+        self.params, self.master, self.keep_none, self.per_step = params, master, keep_none, per_step and with_grad
         self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
         self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device) if with_grad else None
         self.views = flat_views(self.buf, params)
         self.grad_views = flat_views(self.grad, params) if with_grad else [None] * len(params)
         with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
-        self.pending, self.reached = [], set()  # params with no grad yet; those a backward reached
+        pending, self.reached = [], set()  # params with no grad yet; those a backward reached
         for p, v, g in zip(params, self.views, self.grad_views):
             p.data = v
             if g is None: p.grad = None; continue
             if p.grad is not None: g.copy_(p.grad)
-            elif keep_none: self.pending.append(p)
+            elif keep_none: pending.append(p)
             p.grad = g
-        self._hooks = [p.register_post_accumulate_grad_hook(self._reach) for p in self.pending]
+        self.watched = list(params) if self.per_step else pending
+        self._hooks = [p.register_post_accumulate_grad_hook(self._reach) for p in self.watched]
 
     def _reach(self, p): self.reached.add(id(p))
 
-    def _settle_pending(self):
-        "After the first backward(s): a param without grad before the fit that no backward reached goes back to None."
-        for p in self.pending:
-            if id(p) not in self.reached and p.grad is not None and self._owns(p.grad, self.grad): p.grad = None
+    def settle(self):
+        """After a step's backward(s): a watched param that no backward reached since the last settle has no grad (the
+        view goes, None). Without `per_step`, once only: after the first step a param keeps its grad, as fastai's does."""
+        if not self.watched: return
+        for p in self.watched:
+            if id(p) not in self.reached and self._owns(p.grad, self.grad): p.grad = None
+        self.reached = set()
+        if not self.per_step: self._unhook()
+
+    def _unhook(self):
         for h in self._hooks: h.remove()
-        self.pending, self.reached, self._hooks = [], set(), []
+        self.watched, self._hooks = [], []
 
     def _owns(self, t:Tensor, buf:Tensor) -> bool:
         return t is not None and buf is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
     def reattach_grads(self) -> list:
         "Grads that someone replaced go back into the flat grad buffer; returns the params left without grad."
-        if self.pending: self._settle_pending()
         if self.grad is None: return []
         if all(map(operator.is_, map(_grad_of, self.params), self.grad_views)): return []  # the usual case, ~50ns/param
         missing = []
@@ -81,13 +90,14 @@ class FlatRun:
 
     def release(self):
         "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
-        if self.pending: self._settle_pending()  # a fit that ended before any step
+        if self.watched and not self.per_step: self.settle()  # a fit that ended before any step
+        self._unhook()
         for p in self.params:
             if self._owns(p.data, self.buf): p.data = p.data.clone()
             if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
                 p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
 
-def storage_runs(models:list, masters:list, with_grad:bool=True) -> list:
+def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=False) -> list:
     """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves
     into one FP32 buffer per device, ordered by the model's dtype: returns the runs. (No FP32 grad buffer: the grads are
     lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
@@ -110,11 +120,11 @@ def storage_runs(models:list, masters:list, with_grad:bool=True) -> list:
             while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
             ps = [models[i] for i in idx[j:k]]
             size = sum(p.numel() for p in ps)
-            runs.append(FlatRun(ps, data[o:o+size], keep_none=True, with_grad=with_grad))
+            runs.append(FlatRun(ps, data[o:o+size], keep_none=True, with_grad=with_grad, per_step=per_step))
             o, j = o + size, k
     return runs
 
-def flat_runs(model_pgs:list, master_pgs:list) -> list:
+def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
     "A `FlatRun` per run of consecutive params with the same dtype inside each flat master."
     runs = []
     for pg, mg in zip(model_pgs, master_pgs):
@@ -124,7 +134,7 @@ def flat_runs(model_pgs:list, master_pgs:list) -> list:
                 j = i
                 while j < len(part) and part[j].dtype == part[i].dtype: j += 1
                 n = sum(p.numel() for p in part[i:j])
-                runs.append(FlatRun(part[i:j], data[o:o+n]))
+                runs.append(FlatRun(part[i:j], data[o:o+n], keep_none=True, per_step=per_step))
                 o, i = o + n, j
     return runs
 

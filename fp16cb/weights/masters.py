@@ -3,10 +3,12 @@
 from __future__ import annotations
 from contextlib import contextmanager
 import torch
+from torch import Tensor
 from fastai.optimizer import OptimWrapper
 
+from .layout import split_like
 from .functional import get_master, _pairs
-from .optstate import move_opt_state, fastai_update, steps_param_by_param
+from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state
 from .lift import LiftPlan, lift_chunks, storage_runs, flat_runs
 from .store import WeightStore, check_same_kind
 
@@ -46,18 +48,25 @@ class FP32Masters(WeightStore):
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
+        self._missing = []
         if in_backward: self.arm_in_backward()
 
     # -- the interface
     def _grads_to_check(self) -> list:
         if not self.runs and not self.own_params: return []
-        for r in self.runs: r.reattach_grads()
+        for r in self.runs: r.settle()
+        self._missing = [p for r in self.runs for p in r.reattach_grads()]  # no grad this step: not to be stepped
         return self._grads + self.own_grads()
 
     def _step_impl(self, *args, **kwargs):
+        held = self._hold(self._missing) if self._missing else None
         out = self._through_core(self._step_chunks, *args, **kwargs)
+        if held is not None: held()
         self.master_to_model()
         return out
+
+    def _hold(self, params:list):
+        "What puts back, after the step, whatever it changed of `params` (without a grad, they are not to be stepped)."
 
     def _step_chunks(self, step, *args, **kwargs):
         "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
@@ -146,7 +155,7 @@ class FP32Masters(WeightStore):
         if reattach:
             for r in self.runs: r.reattach_grads()
         if self._grads: torch._foreach_zero_(self._grads)
-        for g in self.own_grads(): g.zero_()
+        self.clear_own_grads()
 
     def check_linked(self):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
@@ -201,7 +210,37 @@ class FP32Masters(WeightStore):
 class FlatMasters(FP32Masters):
     "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
     flat = True
-    def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs)
+    def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs, per_step=self.none_after_step)
+
+    def _hold(self, params:list):
+        """A flat master steps its whole group: the slices of `params` (no grad this step) in the masters and in the
+        optimizer's state are copied aside, and put back after the step (slices of state made by the step: zeroed)."""
+        state, where = opt_state(self.core), self._flat_of()
+        views, saved, fresh = [], [], []
+        for p in params:
+            m, o = where[id(p)]
+            sl = lambda t: t.detach().view(-1)[o:o + p.numel()]
+            views.append(sl(m)); saved.append(sl(m).clone())
+            st = state.get(m, {})
+            for k, v in st.items():
+                if isinstance(v, Tensor) and v.numel() == m.numel(): views.append(sl(v)); saved.append(sl(v).clone())
+            if not st: fresh.append((m, sl))
+        def put_back():
+            torch._foreach_copy_(views, saved)
+            for m, sl in fresh:
+                for v in state.get(m, {}).values():
+                    if isinstance(v, Tensor) and v.numel() == m.numel(): sl(v).zero_()
+        return put_back
+
+    def _flat_of(self) -> dict:
+        "`{id(param): (its flat master, its offset in it)}` (made once)."
+        if getattr(self, '_where', None) is None:
+            self._where = {}
+            for pg, mg in zip(self.model_pgs, self.master_pgs):
+                for part, flat in zip(split_like(pg, mg), mg):
+                    o = 0
+                    for p in part: self._where[id(p)] = (flat, o); o += p.numel()
+        return self._where
     def _sources(self) -> dict:
         "A flat master is fed by the grad buffers of its runs (a param without grad reads as zeros: flat semantics)."
         res, runs = {}, iter(self.runs)
@@ -214,7 +253,8 @@ class FlatMasters(FP32Masters):
 
 class ParamMasters(FP32Masters):
     "One FP32 master per param (per-param optimizer state and steps), their data in one buffer per device."
-    def _make_runs(self): return storage_runs([p for pg in self.model_pgs for p in pg], self.master_params, self._with_grads)
+    def _make_runs(self): return storage_runs([p for pg in self.model_pgs for p in pg], self.master_params, self._with_grads,
+                                              per_step=self.none_after_step)
     def _sources(self) -> dict:
         "Each master is fed by its param's grad (a param without grad leaves its master without one, as in FP32)."
         return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}

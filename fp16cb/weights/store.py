@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from enum import Enum
 import torch
+from fastai.optimizer import OptimWrapper
 
 from ..scaling import OverflowCheck, nonfinite_flags, _real
 from ..distributed import broadcast_
@@ -52,6 +53,7 @@ class WeightStore:
         model=None, # the model (which of its params get sparse grads)
     ):
         self.opt, self.core, self.names = opt, innermost(opt), names or {}
+        self.none_after_step = isinstance(self.core, OptimWrapper)  # torch's `zero_grad` sets grads to None
         check_unique_params(self.core.param_lists, names)
         self.old_param_lists = [list(pg) for pg in self.core.param_lists]
         self.model_pgs = [trainable(pg) for pg in self.old_param_lists]
@@ -124,6 +126,13 @@ class WeightStore:
         broadcast_(self._shared())
         self._after_broadcast()
 
+    def clear_own_grads(self):
+        "The own-dtype params' grads cleared as the optimizer's `zero_grad` would: zeroed, or None (a torch optimizer)."
+        for p in self.own_params:
+            if p.grad is None: continue
+            if self.none_after_step: p.grad = None
+            else: p.grad.zero_()
+
     def own_grads(self) -> list:
         "The grads of the params that train in their own dtype (loss-scaled like the others)."
         return [p.grad for p in self.own_params if p.grad is not None]
@@ -150,7 +159,9 @@ class WeightStore:
         the device before its param is stepped (no host sync: that param's optimizer takes a step with a zero grad, its
         momentum and moments decaying, its weight decay applied) and flags the step, which `prepare_grads` reports."""
         self.in_backward, self._found, self._bad, self._bad_last = True, {}, {}, {}
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._hooked_params()]
+        hooked = self._hooked_params()
+        self._had_grad = {id(p): p for p in hooked if p.grad is not None}  # fastai steps them at every step from now on
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
         return self
 
     def _on_grad(self, p):
@@ -160,6 +171,7 @@ class WeightStore:
         f = self._found.get(g.device)
         self._found[g.device] = bad.clone() if f is None else f.logical_or_(bad)
         self._bad[id(p)] = bad  # which params' grads held inf/NaN: a skipped step's attribution
+        self._had_grad[id(p)] = p
         g.masked_fill_(bad, 0)
         self._step_one(p)
         p.grad = None
@@ -167,6 +179,16 @@ class WeightStore:
     def stepped_in_backward(self) -> bool:
         "Whether the backward of the step under way has stepped params already (a cancellation cannot undo it)."
         return self.in_backward and (self.stage is Stage.UNSCALED or bool(self._found))
+
+    def _step_unreached(self):
+        """Params that had a grad before but that this backward did not reach (a branch not taken): fastai's optimizer
+        steps them with their zeroed grad (momentum, weight decay), so they are stepped with a zero grad here too."""
+        if len(self._had_grad) == len(self._bad): return
+        for k, p in self._had_grad.items():
+            if k in self._bad: continue
+            p.grad = torch.zeros_like(p)
+            self._step_one(p)
+            p.grad = None
 
     def _flags_in_backward(self, params:list):
         "Whether each of `params`' grads held inf/NaN in the last backward (its hook's flag; none: False), on the device."
@@ -177,6 +199,7 @@ class WeightStore:
 
     def _found_in_backward(self):
         "`[found]`: whether any grad of this backward held inf/NaN (None: the backward reached no param)."
+        self._step_unreached()
         found, self._found = list(self._found.values()), {}
         self._bad_last, self._bad = self._bad, {}
         if not found: return None
