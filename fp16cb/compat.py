@@ -67,7 +67,7 @@ OPTIMIZERS = {  # name: (kind, what it is)
 CONTEXTS = {  # name: what it is
     'plain': "a plain fit",
     'accumulate': "fastai's `GradientAccumulation`",
-    'branch': "params used on some steps only (a branch, an MoE expert, stochastic depth)",
+    'branch': "params used on some steps only (a branch taken on every other batch from the second on, an MoE expert)",
     'cancel': "a callback that cancels steps (`CancelStepException` in `before_step`)",
     'gradclip': "fastai's `GradientClip`",
     'ddp': "several processes (fastai's `distrib_ctx`, DDP)",
@@ -96,6 +96,8 @@ class Facts:
     compiled: bool = False
     float64_layers: tuple = ()  # names of float64 params of torch layers, which a 16-bit model would feed 16-bit inputs
     cancels_steps: bool = False  # a callback cancelled a step (`CancelStepException` after the backward)
+    intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
+    counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
 
     @classmethod
     def of_cell(cls, mode:str, opt:str='adam', ctx:str='plain') -> Facts:
@@ -107,7 +109,8 @@ class Facts:
                    flat_master=kw.get('flat_master', False), step_in_backward=kw.get('step_in_backward', False),
                    clip=kw.get('clip') is not None, unit_scale=unit, optimizer=OPTIMIZERS[opt][0],
                    accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
-                   compiled=ctx == 'compile', cancels_steps=ctx == 'cancel')
+                   compiled=ctx == 'compile', cancels_steps=ctx == 'cancel',
+                   intermittent='<a branch>' if ctx == 'branch' else None, counts_steps=opt != 'sgd')
 
     def knowing(self, **kw) -> Facts: return replace(self, **kw)
 
@@ -168,6 +171,11 @@ RULES = (
          "which cannot be undone: the weights moved where FP32 fastai's would not. Train without step_in_backward, or "
          "cancel before the backward (`CancelBackwardException` in `before_backward`).",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an error when it happens)."),
+    Rule('flat-intermittent', STEP, lambda f: f.flat_master and f.intermittent is not None and f.counts_steps,
+         "flat_master=True keeps one optimizer state per param group, with one step count: the param {intermittent} has "
+         "a grad on some steps only, so its own count (Adam's bias correction) would not be kept as FP32 keeps it. Use "
+         "flat_master=False (one master per param, each with its own state).",
+         reason="a flat group shares one step count: a param with a grad on some steps only cannot keep its own (an error when it happens)."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
                    f"would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the optimizer "

@@ -11,6 +11,7 @@ from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state
 from .lift import LiftPlan, lift_chunks, storage_runs, flat_runs
 from .store import WeightStore, check_same_kind
+from ..compat import Facts, check, STEP
 
 __all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights']
 
@@ -59,7 +60,7 @@ class FP32Masters(WeightStore):
         return self._grads + self.own_grads()
 
     def _step_impl(self, *args, **kwargs):
-        held = self._hold(self._missing) if self._missing else None
+        held = self._hold(self._missing)
         out = self._through_core(self._step_chunks, *args, **kwargs)
         if held is not None: held()
         self.master_to_model()
@@ -67,6 +68,7 @@ class FP32Masters(WeightStore):
 
     def _hold(self, params:list):
         "What puts back, after the step, whatever it changed of `params` (without a grad, they are not to be stepped)."
+        return None
 
     def _step_chunks(self, step, *args, **kwargs):
         "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
@@ -207,19 +209,25 @@ class FP32Masters(WeightStore):
         "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
         raise NotImplementedError
 
+def _counts_steps(state:dict) -> bool:
+    "Whether an optimizer state holds a step count (an int or a 0-dim tensor, not a flag)."
+    return any((type(v) is int) or (isinstance(v, Tensor) and v.dim() == 0 and not v.dtype == torch.bool) for v in state.values())
+
 class FlatMasters(FP32Masters):
     "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
-    flat = True
+    flat, _absent = True, None
     def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs, per_step=self.none_after_step)
 
     def _hold(self, params:list):
         """A flat master steps its whole group: the slices of `params` (no grad this step) in the masters and in the
         optimizer's state are copied aside, and put back after the step (slices of state made by the step: zeroed)."""
         state, where = opt_state(self.core), self._flat_of()
+        self._check_presence(params, state, where)
+        if not params: return None
         views, saved, fresh = [], [], []
         for p in params:
             m, o = where[id(p)]
-            sl = lambda t: t.detach().view(-1)[o:o + p.numel()]
+            sl = lambda t, o=o, n=p.numel(): t.detach().view(-1)[o:o + n]
             views.append(sl(m)); saved.append(sl(m).clone())
             st = state.get(m, {})
             for k, v in st.items():
@@ -231,6 +239,15 @@ class FlatMasters(FP32Masters):
                 for v in state.get(m, {}).values():
                     if isinstance(v, Tensor) and v.numel() == m.numel(): sl(v).zero_()
         return put_back
+
+    def _check_presence(self, missing:list, state:dict, where:dict):
+        "A param whose grad comes and goes cannot keep its own step count in a flat group's state: the declaration's error."
+        ids, prev = frozenset(map(id, missing)), self._absent
+        self._absent = ids
+        if prev is None or ids == prev: return
+        for p in self.models:
+            if (id(p) in ids) != (id(p) in prev) and _counts_steps(state.get(where[id(p)][0], {})):
+                check(Facts(flat_master=True, intermittent=self.names.get(id(p), f'of shape {tuple(p.shape)}')), STEP)
 
     def _flat_of(self) -> dict:
         "`{id(param): (its flat master, its offset in it)}` (made once)."
