@@ -285,7 +285,8 @@ class MixedPrecision(SessionCallback):
     # -- the lifecycle (called by the session)
     def setup(self):
         "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
-        check(learner_facts(self.learn, self.facts), FIT)
+        self._fit_facts = learner_facts(self.learn, self.facts)
+        check(self._fit_facts, FIT)
         patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
         if self.learn.opt is None: self.learn.create_opt()
         mth, model = self._model_to_half(), self.learn.model
@@ -392,7 +393,7 @@ class MixedPrecision(SessionCallback):
     def _sync_ranks(self):
         """The first batch: the model as the learner calls it is known (DDP wraps it after our `before_fit`). Several
         processes: every rank starts from rank 0's weights."""
-        check(learner_facts(self.learn, self.facts), BATCH)
+        check(self._fit_facts.knowing(ddp=self._fit_facts.ddp or is_ddp(self.learn.model)), BATCH)
         self.store.stage = Stage.READY
         if syncs(self.learn.model): self.store.broadcast_from(0)
 
