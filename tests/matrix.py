@@ -1,0 +1,319 @@
+"""The harness of the combination matrix (`tests/test_matrix.py`): one tiny deterministic model and data, a fit in any
+precision mode x optimizer x training context, and what the fit did to each parameter tensor, so that a mixed-precision
+run can be held to plain FP32 fastai's under the same optimizer and callbacks. A helper module: nothing here is
+collected by pytest.
+
+The model has what the precision code must treat as FP32 fastai does: a BatchNorm, a `branch` sub-module that only
+every other training forward uses (context 'branch': its params get no grad on the other steps), an `unused` Linear that
+is in the optimizer but never called (FP32 never touches it) and a frozen param (`requires_grad=False`).
+
+`python tests/matrix.py OUT` is one rank of the DDP subset (launched twice by `fp16cb.demos.ddp.launch`): it trains
+every mode of `DDP_MODES` in turn under fastai's `distrib_ctx` and writes what it saw to `OUT/rank{RANK}.json` and
+`OUT/rank{RANK}-{mode}.pt`."""
+from __future__ import annotations
+import json, sys
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+import torch
+import torch.nn.functional as F
+from torch import nn
+from fastai.basics import Callback, SGD, Adam, OptimWrapper
+from fastai.optimizer import Lookahead
+from fastai.callback.core import CancelStepException
+from fastai.callback.training import GradientAccumulation, GradientClip
+from fastai.layers import BatchNorm
+
+import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
+from conftest import make_learner, quiet_fit, seed_all
+
+# ---- what combines: fp16cb.compat, the one declaration
+
+if (Path(fp16cb.__file__).parent/'compat.py').exists():  # this checkout's own (not another's, by the editable install)
+    from fp16cb import compat
+    from fp16cb.compat import MODES, OPTIMIZERS, CONTEXTS, verdict
+
+    def refused_at_setup(mode:str, opt:str, ctx:str) -> bool:
+        "Whether the cell's refusal comes at set-up (before any step), not when a step does what cannot be kept."
+        r = compat.refusal(compat.Facts.of_cell(mode, opt, ctx))
+        return r is not None and r.moment != compat.STEP
+else:
+    # ======== STAND-IN until fp16cb/compat.py exists in this checkout (the same names); delete this block then ========
+    class Mode(NamedTuple):
+        name:str; call:str; kwargs:dict
+
+    MODES = {m.name: m for m in [
+        Mode('fp16', 'to_fp16', {}), Mode('fp16-flat', 'to_fp16', {'flat_master': True}),
+        Mode('bf16', 'to_bf16', {}), Mode('bf16-flat', 'to_bf16', {'flat_master': True}),
+        Mode('fp16-half', 'to_fp16', {'half_storage': True}), Mode('bf16-half', 'to_bf16', {'half_storage': True}),
+        Mode('bf16-sib', 'to_bf16', {'step_in_backward': True}),
+        Mode('bf16-half-sib', 'to_bf16', {'half_storage': True, 'step_in_backward': True}),
+        Mode('bf16-keep', 'to_bf16', {'keep_fp32': '<a layer>'}),  # the harness names its model's first Linear
+        Mode('fp16-clip', 'to_fp16', {'clip': 1.}), Mode('fp16-lognormal', 'to_fp16', {'scaler': 'lognormal'}),
+        Mode('fp16-static', 'to_fp16', {'dynamic': False, 'loss_scale': 1024.}),
+        Mode('native-fp16', 'to_native_fp16', {}), Mode('native-bf16', 'to_native_bf16', {})]}
+    OPTIMIZERS = dict.fromkeys(('sgd', 'adam', 'lookahead', 'torch', 'fused'))
+    CONTEXTS = dict.fromkeys(('plain', 'accumulate', 'branch', 'cancel', 'gradclip', 'ddp', 'compile'))
+
+    def verdict(mode:str, opt:str, ctx:str) -> str|None:
+        "None when the cell is supported, else (a part of) the refusal the user sees: what the code of 9103b8d refuses."
+        if ctx == 'gradclip' and not mode.startswith('native'): return "cannot be used with `to_fp16`/`to_bf16`"
+        if mode in ('bf16-sib', 'bf16-half-sib'):  # checked in this order at the fit's set-up
+            if ctx == 'ddp': return "the ranks' grads are all-reduced after the backward"
+            if ctx == 'accumulate': return "GradientAccumulation sums several backwards' grads before a step"
+            if opt in ('lookahead', 'torch', 'fused'): return "use a plain fastai optimizer"
+        return None
+
+    def refused_at_setup(mode:str, opt:str, ctx:str) -> bool: return verdict(mode, opt, ctx) is not None
+    # ======== end of the stand-in ========
+
+SUBSETS = ('ddp', 'compile')  # contexts with subsets of their own (a 2-process launch; torch.compile), not in the grid
+GRID_CONTEXTS = tuple(c for c in CONTEXTS if c not in SUBSETS)
+
+# ---- the model and the data
+
+TARGET_SCALE = 1/8  # the largest |grad| stays under 0.4: fp16 at GradScaler's first scale (2**16) does not overflow
+
+def scale_targets(dls):
+    "conftest's synthetic regression with its targets times `TARGET_SCALE`."
+    for i, dl in enumerate(dls.loaders): dls.loaders[i] = dl.new([(x, y*TARGET_SCALE) for x, y in dl.dataset])
+
+class MatrixNet(nn.Module):
+    """Linear -> BatchNorm -> tanh -> Linear (+ a frozen shift) -> tanh [-> + branch] -> head. `branch` (`use_branch`)
+    joins every other training forward (the 1st, 3rd, ...: a counter, so FP32 and mixed runs agree) and every eval
+    forward; `unused` is never called; `shift` is frozen. tanh, not ReLU: a unit whose pre-activation is near 0 flips
+    ReLU's mask on 16-bit rounding alone, which sends the trajectory elsewhere (5 to 25 times the differences here)."""
+    def __init__(self, n_in:int=4, n_hidden:int=8, bn:bool=True, use_branch:bool=False):
+        super().__init__()
+        self.lin1 = nn.Linear(n_in, n_hidden, bias=False)  # BatchNorm follows: a bias would get rounding noise as grad
+        self.bn = BatchNorm(n_hidden, ndim=1) if bn else nn.Identity()
+        self.lin2 = nn.Linear(n_hidden, n_hidden)
+        self.branch = nn.Linear(n_hidden, n_hidden)
+        self.head = nn.Linear(n_hidden, 1)
+        self.unused = nn.Linear(n_hidden, n_hidden)
+        self.shift = nn.Parameter(0.1*torch.randn(n_hidden), requires_grad=False)
+        with torch.no_grad(): self.head.weight.mul_(TARGET_SCALE)  # predictions on the targets' scale
+        self.use_branch, self.n_train_fwd = use_branch, 0
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.lin1(x)))
+        h = torch.tanh(self.lin2(h) + self.shift)
+        if self.use_branch:
+            if not self.training or self.n_train_fwd % 2 == 0: h = h + self.branch(h)
+            if self.training: self.n_train_fwd += 1
+        return self.head(h)
+
+def all_groups(m:MatrixNet) -> list:
+    "Splitter: two param groups holding every param, the unused and the frozen ones too."
+    return [[*m.lin1.parameters(), *m.bn.parameters(), m.shift, *m.lin2.parameters()],
+            [*m.branch.parameters(), *m.unused.parameters(), *m.head.parameters()]]
+
+# ---- the optimizers
+
+def lookahead_adam(params, **kwargs): return Lookahead(Adam(params, **kwargs))
+
+OPT_FUNCS = {
+    'sgd': partial(SGD, mom=0.9),
+    'adam': Adam,  # its default wd (0.01, decoupled)
+    'lookahead': lookahead_adam,
+    'torch': partial(OptimWrapper, opt=torch.optim.AdamW),
+    'fused': partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True)),
+}
+LR = {'sgd': 3e-1,  # SGD's larger: its updates must stand well above bf16's rounding of the stored weights
+      'adam': 1e-2, 'lookahead': 1e-2, 'torch': 1e-2, 'fused': 1e-2}
+
+# ---- the contexts
+
+def scale_state(learn) -> dict:
+    "The precision callback's loss-scale state: its scaler's `state_dict()` and how many steps its record holds."
+    pcb = next((cb for cb in learn.precision_callbacks() if hasattr(cb, 'loss_scaler')), None)
+    if pcb is None: return {}
+    return {**pcb.loss_scaler.state_dict(), 'steps recorded': len(pcb.scales)}
+
+class CancelEveryOther(Callback):
+    """Raises `CancelStepException` in `before_step` of every other training step (the 2nd, 4th, ...), after our
+    callbacks; `changed`: what of the loss-scale state (`scale_state`) a cancelled step changed."""
+    order = 20
+    def before_fit(self): self.n, self.changed, self._before, self._cancelled = 0, set(), None, False
+    def before_batch(self):
+        if self.training: self._before = scale_state(self.learn)
+    def before_step(self):
+        self.n += 1
+        if self.n % 2 == 0: raise CancelStepException()
+    def after_cancel_step(self): self._cancelled = True
+    def after_batch(self):  # after every callback's `after_step`
+        if self._cancelled: self.changed |= {k for k, v in scale_state(self.learn).items() if self._before.get(k) != v}
+        self._cancelled = False
+
+class CountSteps(Callback):
+    "How many optimizer steps were taken (`after_step` of a step that was not cancelled) and the training losses."
+    order = 30
+    def before_fit(self): self.n, self.cancelled, self.losses = 0, False, []
+    def after_cancel_step(self): self.cancelled = True
+    def after_step(self):
+        if not self.cancelled: self.n += 1
+        self.cancelled = False
+    def after_batch(self):
+        if self.training: self.losses.append(float(self.learn.loss.detach()))
+
+class GroupClip(Callback):
+    "FP32's twin of `to_fp16(clip=...)`: each param group's grad norm clipped to `max_norm` (`GradientClip` per group)."
+    order = 11
+    def __init__(self, max_norm:float): self.max_norm = max_norm
+    def before_step(self):
+        for pg in self.learn.splitter(self.learn.model): nn.utils.clip_grad_norm_(pg, self.max_norm)
+
+BS = 16
+GRADCLIP = 1.  # as compat declares the cell; it binds on loss-scaled grads only (the global norm here: 0.06 to 0.4)
+CONTEXT_CBS = {'plain': lambda: [], 'accumulate': lambda: [GradientAccumulation(n_acc=2*BS)], 'branch': lambda: [],
+               'cancel': lambda: [CancelEveryOther()], 'gradclip': lambda: [GradientClip(max_norm=GRADCLIP)],
+               'compile': lambda: [], 'ddp': lambda: []}
+
+def first_linear(model:nn.Module) -> str:
+    "The qualified name of `model`'s first Linear, as the learner's model names it ('_orig_mod.lin1' once compiled)."
+    return next(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+
+def mode_kwargs(mode:str, model:nn.Module) -> dict:
+    "The keyword arguments of `mode`'s call, `keep_fp32` naming `model`'s first Linear (the module `bf16-keep` keeps)."
+    kw = dict(MODES[mode].kwargs)
+    if 'keep_fp32' in kw: kw['keep_fp32'] = first_linear(model)
+    return kw
+
+def fp32_twin(mode:str|None) -> tuple:
+    "The callbacks plain FP32 fastai needs to train as `mode` is meant to: its `clip` (per param group, or global)."
+    kw = MODES[mode].kwargs if mode is not None else {}
+    if kw.get('clip') is None: return ()
+    return (GradientClip(kw['clip']) if kw.get('clip_global') else GroupClip(kw['clip']),)
+
+def apply_mode(learn, mode:str|None):
+    "Put `learn` in `mode` (None: plain FP32, no precision callback)."
+    if mode is None: return learn
+    return getattr(learn, MODES[mode].call)(**mode_kwargs(mode, learn.model))
+
+# ---- a run
+
+class Run(NamedTuple):
+    params:dict  # name -> (initial FP32 value, value after the fit and `to_fp32()`)
+    dtypes:dict  # name -> dtype after `to_fp32()`
+    error:Exception|None  # what the set-up or the fit raised (None: the fit ran)
+    n_steps:int  # optimizer steps taken
+    losses:list  # the training losses, batch by batch
+    left:list  # the precision callbacks left on the learner after `to_fp32()`
+    scaled_steps:int|None  # the steps the precision callback's loss-scale record holds (`scales`); None in FP32
+    cancel_changed:list  # what of the loss-scale state the cancelled steps changed (context 'cancel')
+
+N_TRAIN, EPOCHS = 128, 2  # 8 batches of 16 an epoch: 16 optimizer steps (8 with 'accumulate' and 'cancel')
+
+def build(mode:str|None, opt:str, ctx:str, n_train:int=N_TRAIN, bn:bool=True, seed:int=42, twin_of:str|None=None):
+    """A learner in `mode` (the error its set-up raised, if any) for `opt` and `ctx`, the model initialised from `seed`;
+    `twin_of` (with `mode=None`): the FP32 learner with what it needs to train as that mode means to (`fp32_twin`)."""
+    seed_all(seed)
+    model = MatrixNet(bn=bn, use_branch=ctx == 'branch')
+    learn = make_learner(model=model, opt_func=OPT_FUNCS[opt], lr=LR[opt], n_train=n_train, bs=BS, seed=seed,
+                         splitter=all_groups, cbs=[*CONTEXT_CBS[ctx](), *fp32_twin(twin_of), CountSteps()])
+    scale_targets(learn.dls)
+    if ctx == 'compile':  # dynamo's `aot_eager` backend needs no C++ compiler (as tests/test_compile.py)
+        torch._dynamo.reset()
+        learn.model = torch.compile(learn.model, backend='aot_eager')
+    try: apply_mode(learn, mode)
+    except (ValueError, TypeError) as e: return learn, e
+    return learn, None
+
+def snapshot(learn) -> dict: return {n: p.detach().clone() for n, p in learn.model.named_parameters()}
+
+def finish(learn, init:dict, error) -> Run:
+    "What the fit left: back to FP32 (`to_fp32()`), every param against its initial value."
+    scales = [len(cb.scales) for cb in learn.precision_callbacks() if hasattr(cb, 'scales')]
+    cancel = next((cb for cb in learn.cbs if isinstance(cb, CancelEveryOther)), None)
+    learn.to_fp32()
+    final = snapshot(learn)
+    cs = vars(learn.count_steps)  # its own attributes (a fastai callback's others are the learner's)
+    return Run({n: (init[n], final[n]) for n in init}, {n: p.dtype for n, p in learn.model.named_parameters()}, error,
+               cs.get('n', 0), cs.get('losses', []), learn.precision_callbacks(), scales[0] if scales else None,
+               sorted(vars(cancel).get('changed', ())) if cancel is not None else [])
+
+def run(mode:str|None, opt:str, ctx:str, epochs:int=EPOCHS, **kwargs) -> Run:
+    "Fit `epochs` in `mode` (None: plain FP32) with optimizer `opt` in context `ctx`; what it did to the params."
+    learn, error = build(mode, opt, ctx, **kwargs)
+    init = snapshot(learn)
+    if error is None:
+        try: quiet_fit(learn, epochs)
+        except (ValueError, TypeError) as e: error = e
+    return finish(learn, init, error)
+
+# ---- comparing runs
+
+_REFS = {}  # the FP32 runs, made once per (optimizer, context, clipping)
+
+def fp32_reference(mode:str|None, opt:str, ctx:str) -> Run:
+    "Plain FP32 fastai's run with `opt` in `ctx`, clipped as `mode` clips (cached)."
+    twin = tuple((type(cb).__name__, cb.max_norm) for cb in fp32_twin(mode))
+    key = (opt, ctx, twin)
+    if key not in _REFS: _REFS[key] = run(None, opt, ctx, twin_of=mode if twin else None)
+    return _REFS[key]
+
+def rel_errors(got:Run, ref:Run) -> dict:
+    "Per param tensor, ||update - FP32's update|| / ||FP32's update|| (params FP32 leaves untouched left out)."
+    res = {}
+    for n, (i0, f0) in ref.params.items():
+        d_ref = (f0 - i0).double()
+        if not d_ref.any(): continue
+        i1, f1 = got.params[n]
+        res[n] = float(((f1 - i1).double() - d_ref).norm() / d_ref.norm())
+    return res
+
+def untouched(ref:Run) -> list:
+    "The params whose FP32 update is exactly 0 (the unused Linear, the frozen shift)."
+    return [n for n, (i, f) in ref.params.items() if torch.equal(i, f)]
+
+def changed(got:Run, names:list) -> list:
+    "Those of `names` that `got`'s fit changed, in any bit."
+    return [n for n in names if not torch.equal(*got.params[n])]
+
+# ---- the DDP subset: one rank (`python tests/matrix.py OUT`)
+
+DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib')
+DDP_OPT, DDP_EPOCHS, DDP_N = 'adam', 3, 128  # 2 ranks x 16 rows a step: 4 steps an epoch
+
+def ddp_order(items:list, bs:int=BS, world:int=2) -> list:
+    """`items` reordered for fastai's `DistributedDL` (rank r takes the r-th contiguous part of the indices): rank r's
+    batch i is then global batch i's r-th part of `bs`, as one process on batches of `bs*world` sees them."""
+    from fp16cb.demos.ddp import shard
+    return [x for r in range(world) for x in shard(items, bs, r, world)]
+
+def ddp_build(mode:str|None, single:bool):
+    """The DDP subset's learner: no BatchNorm (its batch statistics are each rank's own); the data ordered for
+    `DistributedDL`, or (`single`) one process on the 2 ranks' batches concatenated (batches of 32, in order)."""
+    learn, error = build(mode, DDP_OPT, 'ddp', n_train=DDP_N, bn=False)
+    train = learn.dls.train
+    learn.dls.loaders[0] = train.new(bs=2*BS) if single else train.new(ddp_order(list(train.dataset)))
+    return learn, error
+
+def _ddp_rank(out:Path):
+    import warnings; warnings.filterwarnings('ignore')
+    import torch.distributed as dist
+    from accelerate import DistributedDataParallelKwargs
+    import fastai.distributed  # noqa: F401  (Learner.distrib_ctx)
+    from fp16cb.demos.ddp import init
+    torch.set_num_threads(1)
+    rank, res = init(timeout=60), {}
+    for mode in DDP_MODES:
+        learn, error = ddp_build(mode, single=False)
+        init_w = snapshot(learn)
+        if error is None:
+            try:
+                with learn.distrib_ctx(sync_bn=False, cpu=True,
+                                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]):
+                    quiet_fit(learn, DDP_EPOCHS)
+            except (ValueError, TypeError) as e: error = e
+        r = finish(learn, init_w, error)
+        torch.save(r.params, out/f'rank{rank}-{mode}.pt')
+        res[mode] = dict(error=None if error is None else f'{type(error).__name__}: {error}', n_steps=r.n_steps,
+                         losses=r.losses, dtypes=sorted({str(d) for d in r.dtypes.values()}),
+                         left=[type(c).__name__ for c in r.left])
+        dist.barrier()
+    (out/f'rank{rank}.json').write_text(json.dumps(res))
+    from fp16cb.demos.ddp import shutdown
+    shutdown()
+
+if __name__ == '__main__': _ddp_rank(Path(sys.argv[1]))

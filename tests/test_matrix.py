@@ -1,0 +1,147 @@
+"""The combination matrix: every precision mode x optimizer x training context that `fp16cb.compat` declares, trained on
+the tiny model of `tests/matrix.py` and held to plain FP32 fastai under the same optimizer and callbacks. A supported
+cell must change dtypes only: each param tensor's update within a tolerance of FP32's, a param FP32 leaves untouched
+bit-identical, one loss-scale record per optimizer step taken, an FP32 learner with no precision callback after
+`to_fp32()`. A refused cell must raise at set-up, before any step, with the sentence compat declares, the weights as
+they were. The DDP subset (2 gloo processes through fastai's `distrib_ctx`, launched once) and the compiled subset
+(`torch.compile`, dynamo's `aot_eager` backend) hold a few modes to the same."""
+import json, os, sys
+from pathlib import Path
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import quiet_fit
+from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict, refused_at_setup, run,
+                    fp32_reference, rel_errors, untouched, changed, ddp_build, snapshot, finish)
+
+# The largest relative error of a param tensor's update, ||d - d_fp32|| / ||d_fp32||, per 16-bit dtype and weight
+# storage: what the agreeing cells reach (the whole grid on this model, 16 steps; over 5 seeds in brackets), with a
+# margin. FP32 weights (masters, or autocast's FP32 params): fp16 compute <= 0.002 (0.004); bf16, 8 bits of mantissa to
+# fp16's 11, <= 0.022 (0.047; 0.061 on the DDP subset's model, which has no BatchNorm). 16-bit storage rounds every
+# update into the stored weights, which is its point: fp16 <= 0.025; bf16 <= 0.16 (0.16: stochastic rounding of SGD's
+# small updates). The smallest error of a real fault: 0.27 (a bf16-half-sib branch param left unstepped, over the 5
+# seeds; 0.31 with this one); the others 0.45 and more.
+TOL = {('fp16', 'fp32'): 0.01, ('bf16', 'fp32'): 0.1, ('fp16', 'half'): 0.06, ('bf16', 'half'): 0.25}
+
+def tolerance(mode:str) -> float:
+    m = MODES[mode]
+    dtype = 'bf16' if m.call.endswith('bf16') else 'fp16'
+    return TOL[dtype, 'half' if m.kwargs.get('half_storage') else 'fp32']
+
+CELLS = [(m, o, c) for m in MODES for o in OPTIMIZERS for c in GRID_CONTEXTS]
+SUPPORTED = [cell for cell in CELLS if verdict(*cell) is None]
+REFUSED = [cell for cell in CELLS if verdict(*cell) is not None]
+def ids(cells): return ['-'.join(c) for c in cells]
+
+def worst(errs:dict, tol:float) -> str:
+    bad = sorted(((e, n) for n, e in errs.items() if e > tol), reverse=True)
+    return ', '.join(f"{n} {e:.3g}" for e, n in bad)
+
+def differences(got, ref, tol:float) -> list:
+    "What `got` (a mixed-precision run) did that FP32's run `ref` did not: [] when it trained as FP32 does."
+    if got.error is not None: return [f"raised {type(got.error).__name__}: {got.error}"]
+    res = []
+    if got.n_steps != ref.n_steps: res.append(f"{got.n_steps} optimizer steps, FP32 took {ref.n_steps}")
+    if got.cancel_changed: res.append(f"a cancelled step changed the loss-scale state: {', '.join(got.cancel_changed)}")
+    elif got.scaled_steps != got.n_steps:
+        res.append(f"the loss-scale record holds {got.scaled_steps} steps for {got.n_steps} taken")
+    bad = worst(rel_errors(got, ref), tol)
+    if bad: res.append(f"updates off FP32's by more than {tol}: {bad}")
+    moved = changed(got, untouched(ref))
+    if moved: res.append(f"params FP32 leaves untouched changed: {', '.join(moved)}")
+    not32 = sorted({str(d) for d in got.dtypes.values()} - {'torch.float32'})
+    if not32: res.append(f"params left in {not32} after to_fp32()")
+    if got.left: res.append(f"precision callbacks left after to_fp32(): {got.left}")
+    return res
+
+@pytest.mark.parametrize('mode,opt,ctx', SUPPORTED, ids=ids(SUPPORTED))
+def test_supported_cell_trains_like_fp32(mode, opt, ctx):
+    problems = differences(run(mode, opt, ctx), fp32_reference(mode, opt, ctx), tolerance(mode))
+    assert not problems, '; '.join(problems)
+
+@pytest.mark.parametrize('mode,opt,ctx', REFUSED, ids=ids(REFUSED))
+def test_refused_cell_raises_its_sentence_before_any_step(mode, opt, ctx):
+    why, got = verdict(mode, opt, ctx), run(mode, opt, ctx)
+    if got.error is None:
+        diff = differences(got, fp32_reference(mode, opt, ctx), tolerance(mode))
+        pytest.fail(f"not refused: it trained {got.n_steps} steps, {'; '.join(diff) or 'as FP32 does'}")
+    assert why in str(got.error), str(got.error)
+    if refused_at_setup(mode, opt, ctx):  # else refused when a step does what cannot be kept (the weights moved)
+        moved = changed(got, list(got.params))
+        assert got.n_steps == 0 and not moved, f"refused after {got.n_steps} steps; moved: {moved}"
+    assert set(got.dtypes.values()) == {torch.float32} and not got.left
+
+@pytest.mark.parametrize('opt', list(OPTIMIZERS))
+@pytest.mark.parametrize('ctx', GRID_CONTEXTS)
+def test_fp32_references_learn_and_leave_the_idle_params_alone(opt, ctx):
+    "The harness: FP32's loss falls; exactly the unused, the frozen and (but in 'branch') the branch params stay put."
+    ref = fp32_reference(None, opt, ctx)
+    assert sum(ref.losses[-4:]) < 0.75 * sum(ref.losses[:4]), ref.losses  # the last 4 batches against the first 4
+    idle = {'shift', 'unused.weight', 'unused.bias'} | (set() if ctx == 'branch' else {'branch.weight', 'branch.bias'})
+    assert set(untouched(ref)) == idle
+    assert min(float((f - i).norm()) for n, (i, f) in ref.params.items() if n not in idle) > 1e-2  # clearly nonzero
+
+# ---- torch.compile: a few modes, the model compiled (dynamo's `aot_eager`), against FP32 compiled
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'bf16-keep'])
+def test_compiled_trains_like_fp32_compiled(mode):
+    pytest.importorskip('torch._dynamo')
+    why = verdict(mode, 'adam', 'compile')
+    got = run(mode, 'adam', 'compile')
+    if why is not None:
+        assert got.error is not None and why in str(got.error); return
+    problems = differences(got, fp32_reference(mode, 'adam', 'compile'), tolerance(mode))
+    assert not problems, '; '.join(problems)
+
+# ---- DDP: 2 gloo processes through fastai's `distrib_ctx`, every mode of DDP_MODES in one launch
+
+ddp_only = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available()
+                              or __import__('importlib').util.find_spec('accelerate') is None,
+                              reason="needs torch.distributed with gloo, and accelerate")
+RANK = Path(__file__).with_name('matrix.py')
+
+@pytest.fixture(scope='module')
+def ranks(tmp_path_factory) -> dict:
+    "`{mode: [(rank 0's summary, its params), (rank 1's ...)]}`: one launch of `python tests/matrix.py OUT` on 2 ranks."
+    from fp16cb.demos.ddp import launch
+    out = tmp_path_factory.mktemp('matrix-ddp')
+    root = str(Path(__file__).parents[1])  # the ranks import this checkout's fp16cb, not an installed one
+    launch([sys.executable, str(RANK), str(out)], nprocs=2, timeout=180,
+           env={'PYTHONPATH': os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')]))})
+    res = [json.loads((out/f'rank{r}.json').read_text()) for r in (0, 1)]
+    return {m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in DDP_MODES}
+
+@pytest.fixture(scope='module')
+def one_process():
+    "Plain FP32 fastai in this process, on the two ranks' batches concatenated (what DDP's averaged grads amount to)."
+    learn, _ = ddp_build(None, single=True)
+    init = snapshot(learn)
+    quiet_fit(learn, DDP_EPOCHS)
+    return finish(learn, init, None)
+
+@ddp_only
+@pytest.mark.parametrize('mode', DDP_MODES)
+def test_ddp_trains_like_one_fp32_process_or_is_refused(ranks, one_process, mode):
+    """Supported: the ranks learn, agree bit for bit, and their weights are those of one FP32 process on the
+    concatenated batches, within the mode's tolerance (DDP's 16-bit all-reduce adds its rounding). Refused: at set-up,
+    on every rank, with compat's sentence."""
+    (r0, p0), (r1, p1) = ranks[mode]
+    why = verdict(mode, DDP_OPT, 'ddp')
+    agree = all(torch.equal(p0[n][1], p1[n][1]) for n in p0)
+    if why is not None:
+        assert r0['error'] is not None, (f"not refused: it trained {r0['n_steps']} steps, and the ranks "
+                                         f"{'agree' if agree else 'hold different weights'}")
+        assert why in r0['error'] and why in r1['error'], r0['error']
+        assert r0['n_steps'] == 0 and all(torch.equal(*p0[n]) for n in p0)
+        return
+    assert r0['error'] is None and r1['error'] is None, r0['error'] or r1['error']
+    for r in (r0, r1):
+        assert sum(r['losses'][-3:]) < 0.6 * sum(r['losses'][:3]), r['losses']  # it learns (last 3 steps vs first 3)
+        assert r['dtypes'] == ['torch.float32'] and not r['left']
+    assert agree, [n for n in p0 if not torch.equal(p0[n][1], p1[n][1])]
+    got = one_process._replace(params=p0)
+    bad = worst(rel_errors(got, one_process), tolerance(mode))
+    assert not bad, f"2 ranks off one FP32 process on the concatenated batches: {bad}"
+    moved = changed(got, untouched(one_process))
+    assert not moved, f"params FP32 leaves untouched changed: {', '.join(moved)}"
