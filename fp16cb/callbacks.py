@@ -9,7 +9,7 @@ from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
-from .compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
+from .compat import Facts, check, learner_facts, float64_layers, OPTIONS, FIT, BATCH, STEP
 from .scaling import StaticScaler, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
@@ -108,7 +108,7 @@ class ModelToHalf(SessionCallback):
         model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
         if device is not None: model.to(device)
         warn_slow_half(self.dtype, model_device(model))
-        check(learner_facts(self.learn, Facts(dtype=self.dtype)), FIT)  # before the model is converted
+        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model)), FIT)  # before the model is converted
         res = self.policy.resolve(model)
         self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs

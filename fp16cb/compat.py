@@ -67,7 +67,8 @@ OPTIMIZERS = {  # name: (kind, what it is)
 CONTEXTS = {  # name: what it is
     'plain': "a plain fit",
     'accumulate': "fastai's `GradientAccumulation`",
-    'branch': "params used on some steps only (a branch taken on every other batch from the second on, an MoE expert)",
+    'branch': "params used on some steps only (a branch taken on every other batch, from the first: a torch optimizer "
+              "sees its grad come and go, a fastai one keeps stepping it with a zeroed grad)",
     'cancel': "a callback that cancels steps (`CancelStepException` in `before_step`)",
     'gradclip': "fastai's `GradientClip`",
     'ddp': "several processes (fastai's `distrib_ctx`, DDP)",
@@ -110,7 +111,8 @@ class Facts:
                    clip=kw.get('clip') is not None, unit_scale=unit, optimizer=OPTIMIZERS[opt][0],
                    accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
                    compiled=ctx == 'compile', cancels_steps=ctx == 'cancel',
-                   intermittent='<a branch>' if ctx == 'branch' else None, counts_steps=opt != 'sgd')
+                   intermittent='<a branch>' if ctx == 'branch' and OPTIMIZERS[opt][0] in ('torch', 'fused') else None,
+                   counts_steps=opt != 'sgd')
 
     def knowing(self, **kw) -> Facts: return replace(self, **kw)
 

@@ -29,43 +29,13 @@ from conftest import make_learner, quiet_fit, seed_all
 
 # ---- what combines: fp16cb.compat, the one declaration
 
-if (Path(fp16cb.__file__).parent/'compat.py').exists():  # this checkout's own (not another's, by the editable install)
-    from fp16cb import compat
-    from fp16cb.compat import MODES, OPTIMIZERS, CONTEXTS, verdict
+from fp16cb import compat
+from fp16cb.compat import MODES, OPTIMIZERS, CONTEXTS, verdict
 
-    def refused_at_setup(mode:str, opt:str, ctx:str) -> bool:
-        "Whether the cell's refusal comes at set-up (before any step), not when a step does what cannot be kept."
-        r = compat.refusal(compat.Facts.of_cell(mode, opt, ctx))
-        return r is not None and r.moment != compat.STEP
-else:
-    # ======== STAND-IN until fp16cb/compat.py exists in this checkout (the same names); delete this block then ========
-    class Mode(NamedTuple):
-        name:str; call:str; kwargs:dict
-
-    MODES = {m.name: m for m in [
-        Mode('fp16', 'to_fp16', {}), Mode('fp16-flat', 'to_fp16', {'flat_master': True}),
-        Mode('bf16', 'to_bf16', {}), Mode('bf16-flat', 'to_bf16', {'flat_master': True}),
-        Mode('fp16-half', 'to_fp16', {'half_storage': True}), Mode('bf16-half', 'to_bf16', {'half_storage': True}),
-        Mode('bf16-sib', 'to_bf16', {'step_in_backward': True}),
-        Mode('bf16-half-sib', 'to_bf16', {'half_storage': True, 'step_in_backward': True}),
-        Mode('bf16-keep', 'to_bf16', {'keep_fp32': '<a layer>'}),  # the harness names its model's first Linear
-        Mode('fp16-clip', 'to_fp16', {'clip': 1.}), Mode('fp16-lognormal', 'to_fp16', {'scaler': 'lognormal'}),
-        Mode('fp16-static', 'to_fp16', {'dynamic': False, 'loss_scale': 1024.}),
-        Mode('native-fp16', 'to_native_fp16', {}), Mode('native-bf16', 'to_native_bf16', {})]}
-    OPTIMIZERS = dict.fromkeys(('sgd', 'adam', 'lookahead', 'torch', 'fused'))
-    CONTEXTS = dict.fromkeys(('plain', 'accumulate', 'branch', 'cancel', 'gradclip', 'ddp', 'compile'))
-
-    def verdict(mode:str, opt:str, ctx:str) -> str|None:
-        "None when the cell is supported, else (a part of) the refusal the user sees: what the code of 9103b8d refuses."
-        if ctx == 'gradclip' and not mode.startswith('native'): return "cannot be used with `to_fp16`/`to_bf16`"
-        if mode in ('bf16-sib', 'bf16-half-sib'):  # checked in this order at the fit's set-up
-            if ctx == 'ddp': return "the ranks' grads are all-reduced after the backward"
-            if ctx == 'accumulate': return "GradientAccumulation sums several backwards' grads before a step"
-            if opt in ('lookahead', 'torch', 'fused'): return "use a plain fastai optimizer"
-        return None
-
-    def refused_at_setup(mode:str, opt:str, ctx:str) -> bool: return verdict(mode, opt, ctx) is not None
-    # ======== end of the stand-in ========
+def refused_at_setup(mode:str, opt:str, ctx:str) -> bool:
+    "Whether the cell's refusal comes at set-up (before any step), not when a step does what cannot be kept."
+    r = compat.refusal(compat.Facts.of_cell(mode, opt, ctx))
+    return r is not None and r.moment != compat.STEP
 
 SUBSETS = ('ddp', 'compile')  # contexts with subsets of their own (a 2-process launch; torch.compile), not in the grid
 GRID_CONTEXTS = tuple(c for c in CONTEXTS if c not in SUBSETS)
