@@ -377,10 +377,13 @@ class MixedPrecision(SessionCallback):
         self._end_step()
 
     def _end_step(self):
-        "A step that was not skipped counts here: the scale stays the same over the micro-batches of an accumulated step."
-        if self.store.stage in (Stage.UNSCALED, Stage.STEPPED):
+        """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that
+        another callback cancelled after our `before_step` changes nothing, as in FP32: the scaler sees nothing of it."""
+        stage = self.store.stage
+        if stage is Stage.STEPPED or (stage is Stage.UNSCALED and self.store.in_backward):  # in the backward: stepped there
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
+        elif stage is not Stage.SKIPPED: self.record.cancelled()
         self.store.finish()
 
     def _first_step(self):

@@ -109,17 +109,25 @@ class NativeMixedPrecision(SessionCallback):
     def before_backward(self): self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
 
     def before_step(self):
-        "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
+        """`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite.
+        A skip counts here; a step counts in `after_step`, unless another callback cancels it first (then no step)."""
         self.skipped, self._stepped = True, True
         if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
         # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
         # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
-        scale = self.loss_scale
-        self.record.record(scale, self.skipped, self._overflowing() if self.skipped else None)  # BatchNorm's statistics back
+        self._scale = scale = self.loss_scale
+        if not self.skipped: return
+        self.record.record(scale, True, self._overflowing())  # BatchNorm's statistics back
         with lr_find_stops_on(self.learn, self._collapse):
-            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
+            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, True, self.max_skipped,
                                                f"{self.dtype} autocast, loss scale {scale:g}")
-        if self.skipped: raise CancelStepException()
+        raise CancelStepException()
+
+    def after_cancel_step(self):
+        "Another callback cancelled the step after our `before_step`: as in FP32 nothing happened; GradScaler forgets it."
+        if self._stepped and not self.skipped:
+            self._forget_step()
+            self.record.cancelled()
 
     def _overflowing(self) -> tuple:
         "A skipped step: which params' FP32 grads (unscaled by GradScaler) hold inf/NaN, `(flags on the device, names)`."
@@ -139,8 +147,13 @@ class NativeMixedPrecision(SessionCallback):
         found = reduce_max_(self._check(grads, 1.), self.learn.model) if grads else None  # DDP: any rank's inf
         return found is None or not found.item() > 0  # inv_scale 1: the grads are left as they are
 
-    def after_step(self):
-        if self._stepped: self.scaler.update()
+    def after_step(self): self._end_step()
+
+    def _end_step(self):
+        "The step GradScaler took: a clean one counts here (a skip counted in `before_step`), then GradScaler's `update`."
+        if not self._stepped: return
+        if not self.skipped: self.record.record(self._scale, False); self.skipped_in_a_row = 0
+        self.scaler.update()
         self._stepped = False
 
     def state_dict(self) -> dict:

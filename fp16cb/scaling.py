@@ -33,7 +33,9 @@ _HINT = ("Likely causes: NaN/inf in the inputs, targets or loss; a learning rate
          "FP32's range).")
 
 class LossScaler:
-    "Base strategy: `scale` is the current loss scale; `update` is called once per step after the overflow check."
+    """Base strategy: `scale` is the current loss scale; `update` is called once per optimizer step after the overflow
+    check (a step that another callback cancels is no step: the scaler sees nothing of it, as torch's `GradScaler.update`
+    is never called for it)."""
     needs_max_grad = False  # whether `update` wants the largest |unscaled grad| of the step (costs one fused pass)
     _state_names = ('scale', 'skipped_in_a_row', 'n_skipped', 'n_steps')
 
@@ -513,7 +515,8 @@ class StepRecord:
     """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all
     its fits; `fit_start` is where the current fit's steps begin), which params overflowed at the skipped ones
     (`overflows`), and the BatchNorm statistics a skipped step must not change (snapshot at each step's first
-    micro-batch, restored on a skip)."""
+    micro-batch, restored on a skip). A step that another callback cancels is no step: nothing is recorded
+    (`cancelled`)."""
     def __init__(self): self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
     def new_fit(self): self.fit_start = len(self.skips)
     def setup(self, model): self.bn = BNStatsGuard(model)
@@ -528,5 +531,10 @@ class StepRecord:
         if self.bn is not None:
             if skipped: self.bn.restore()
             self.bn.arm()
+
+    def cancelled(self):
+        """Another callback cancelled the step (`CancelStepException`): as in FP32, nothing happened but the forward
+        passes, whose BatchNorm statistics stay; no step is recorded. The next training batch takes a new snapshot."""
+        if self.bn is not None: self.bn.arm()
     @property
     def this_fit(self) -> list: return self.skips[self.fit_start:]

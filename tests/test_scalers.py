@@ -9,7 +9,7 @@ from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError,
 from fp16cb.scaling import make_scaler, FP16_MAX
 from fp16cb.scaling import OverflowCheck
 from fp16cb.demos.experiments import make_learner as digits_learner, train
-from conftest import DEVICE, quiet_fit, count_host_reads, StepSpy
+from conftest import DEVICE, quiet_fit, count_host_reads, StepSpy, CancelSteps, updates, assert_close_updates
 from conftest import make_learner as synth_learner  # conftest's two-group regression (`make_learner` here: a classifier)
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
@@ -291,3 +291,20 @@ def test_explicit_loss_scale_starts_the_dynamic_scale():
     quiet_fit(learn, 1, lr=1e-2)
     mp = learn.mixed_precision
     assert mp.scales[0] == 1024. and mp.scaler.calibrated
+
+# ---------- a step that another callback cancels is no step ----------
+@pytest.mark.parametrize('scaler', ['backoff', 'lognormal', 'static'])
+def test_a_step_another_callback_cancels_changes_nothing(scaler):
+    """A `CancelStepException` from a later callback's `before_step`: FP32 changes nothing, so neither do we: no weight
+    moves and the scaler sees nothing of the step (torch's GradScaler.update is never called for it either). Before
+    the fix each cancelled step counted as a clean step and a LogNormal observation: the tiny gradients of the
+    cancelled batches pulled the scale up until the real steps overflowed and were skipped (FP32 applies them)."""
+    cancelled = set(range(1, 17)) | set(range(18, 24, 2))  # 24 batches; 0, 17, 19, 21, 23 are stepped
+    kw = {'backoff': {}, 'lognormal': dict(scaler=LogNormalScaler(2.**8)), 'static': dict(scaler='static')}[scaler]
+    ref = updates(synth_learner(n_train=16 * 24), CancelSteps(cancelled, 1e-6))
+    learn = synth_learner(n_train=16 * 24).to_fp16(**kw)
+    assert_close_updates(updates(learn, CancelSteps(cancelled, 1e-6)), ref)
+    mp, n = learn.mixed_precision, 24 - len(cancelled)
+    assert len(mp.scales) == len(mp.skips) == mp.scaler.n_steps == n and mp.n_skipped == 0
+    if scaler == 'lognormal': assert mp.scaler.n_obs == n
+    if scaler == 'backoff': assert mp.scaler.clean_in_a_row == n - 1  # the calibrating step, then n - 1 clean ones
