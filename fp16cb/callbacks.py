@@ -9,7 +9,8 @@ from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
-from .scaling import StaticScaler, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
+from .scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
+                      warn_all_skipped, is_ddp, syncs)
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
@@ -358,19 +359,22 @@ class MixedPrecision(SessionCallback):
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def before_step(self):
-        scale = self.loss_scale
+        scale, calibrating = self.loss_scale, self.scaler.calibrating
         stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad)
         if stats is None: return
-        calibrating = self.scaler.needs_max_grad and self.scaler.is_dynamic
-        # the one host sync; DDP: any rank's inf skips all
-        found, self.max_grad = read_stats(stats, self.learn.model, self.learn.loss_grad if calibrating else None)
-        if not found:
+        if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
+        found, self.max_grad, under = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
+        if not (found or under):
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             if self.half_storage and not self._stepped: self._first_step()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
-        with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(True, self.max_grad)
+        with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
+
+    def _half_grads(self) -> list:
+        "The model's 16-bit grads as the backward left them (the calibrating step's underflow check)."
+        return [g for g in self.store._grads_to_check() if g.dtype == self.dtype]
 
     def after_step(self):
         "fastai calls this even for a cancelled step. The model already follows the store (it copies right after stepping)."
