@@ -325,13 +325,17 @@ class MixedPrecision(SessionCallback):
         if why: raise ValueError(f"step_in_backward=True cannot be used here: {why}. Train without it.")
 
     def teardown(self):
-        "The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off."
-        self.record.teardown()
+        """The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off.
+        A fit that ends leaves no loss-scaled grad: a step the optimizer took is finished (its grads cleared), grads
+        made for a step that never came are divided by the scale (BatchNorm's, FP32 islands'; the 16-bit ones go)."""
         fit_ends = not self.session.suspending
+        if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
+        self.record.teardown()
         if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=fit_ends)
         if self.store is None: return
         self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
         self.store.restore()
+        if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
         if fit_ends and not self.session.failing: warn_all_skipped(self.record.this_fit, self.skip_label)  # an error says more
 
@@ -356,6 +360,7 @@ class MixedPrecision(SessionCallback):
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
 
     def before_backward(self):
+        self.record.scaled(self.loss_scale)  # what the grads carry until the step (a fit ending before it divides them)
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def before_step(self):
@@ -369,6 +374,7 @@ class MixedPrecision(SessionCallback):
             if self.half_storage and not self._stepped: self._first_step()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
+        self.record.unscaled()
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
 
@@ -389,6 +395,7 @@ class MixedPrecision(SessionCallback):
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         elif stage is not Stage.SKIPPED: self.record.cancelled()
         self.store.finish()
+        self.record.unscaled()
 
     def _first_step(self):
         "16-bit storage is about to step the weights: the FP32 originals `ModelToHalf` kept for them go stale, let them go."

@@ -67,9 +67,14 @@ class NativeMixedPrecision(SessionCallback):
 
     def teardown(self):
         """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
-        came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step."""
+        came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step;
+        one that came after the backward and before `GradScaler.step` leaves the grads unscaled (what FP32 would hold)."""
         self._exit_autocast()
-        if not self._pausing(): self._forget_step()
+        if not self._pausing():
+            self._forget_step()
+            learn = self.__dict__.get('learn')
+            if learn is not None and learn.opt is not None:
+                self.record.unscale_left([getattr(p, 'grad', None) for pg in learn.opt.param_lists for p in pg])
         self.record.teardown()
         if not (self.session.suspending or self.session.failing): warn_all_skipped(self.record.this_fit, self.skip_label)
 
@@ -106,13 +111,16 @@ class NativeMixedPrecision(SessionCallback):
             self._autocast.__exit__(None, None, None)
             self._autocast = None
 
-    def before_backward(self): self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
+    def before_backward(self):
+        if self.scaler.is_enabled(): self.record.scaled(self.scaler.get_scale)  # read only if a fit ends before the step
+        self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
 
     def before_step(self):
         """`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite.
         A skip counts here; a step counts in `after_step`, unless another callback cancels it first (then no step)."""
         self.skipped, self._stepped = True, True
         if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
+        self.record.unscaled()
         # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
         # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
         self._scale = scale = self.loss_scale

@@ -545,9 +545,12 @@ class StepRecord:
     its fits; `fit_start` is where the current fit's steps begin), which params overflowed at the skipped ones
     (`overflows`), and the BatchNorm statistics a skipped step must not change (snapshot at each step's first
     micro-batch, restored on a skip). A step that another callback cancels is no step: nothing is recorded
-    (`cancelled`)."""
-    def __init__(self): self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
-    def new_fit(self): self.fit_start = len(self.skips)
+    (`cancelled`). `grad_scale`: the loss scale the grads of the step under way carry (None: none), what a fit that
+    ends before its step divides them by (`unscale_left`)."""
+    def __init__(self):
+        self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
+        self.grad_scale = None
+    def new_fit(self): self.fit_start, self.grad_scale = len(self.skips), None
     def setup(self, model): self.bn = BNStatsGuard(model)
     def teardown(self): self.bn = None
     def snapshot(self):
@@ -565,5 +568,21 @@ class StepRecord:
         """Another callback cancelled the step (`CancelStepException`): as in FP32, nothing happened but the forward
         passes, whose BatchNorm statistics stay; no step is recorded. The next training batch takes a new snapshot."""
         if self.bn is not None: self.bn.arm()
+
+    def scaled(self, scale):
+        """A backward is about to add grads multiplied by `scale` (the micro-batches of a step share one): a float, or
+        a function that reads it (GradScaler's, a host read: only a fit that ends before the step makes it)."""
+        self.grad_scale = None if scale == 1. else scale
+    def unscaled(self): "The grads carry no loss scale any more (divided by it, or cleared)."; self.grad_scale = None
+
+    def unscale_left(self, grads:list):
+        """The fit ends while `grads` carry the loss scale (a `KeyboardInterrupt` after the backward, a fit cancelled
+        before its step): divide them by it, which leaves what FP32 would hold, the grads unscaled."""
+        gs, scale = [g for g in grads if g is not None], self.grad_scale
+        if scale is not None and gs:
+            inv = 1. / float(scale() if callable(scale) else scale)
+            with torch.no_grad():
+                for ts in _by_device(gs).values(): torch._foreach_mul_(ts, inv)
+        self.grad_scale = None
     @property
     def this_fit(self) -> list: return self.skips[self.fit_start:]
