@@ -10,7 +10,8 @@ from fastai.callback.core import CancelStepException
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
 from .compat import Facts, check, learner_facts, float64_layers, OPTIONS, FIT, BATCH, STEP
-from .scaling import StaticScaler, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
+from .scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
+                      warn_all_skipped, is_ddp, syncs)
 from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
@@ -303,13 +304,17 @@ class MixedPrecision(SessionCallback):
         self.record.setup(model)
 
     def teardown(self):
-        "The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off."
-        self.record.teardown()
+        """The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off.
+        A fit that ends leaves no loss-scaled grad: a step the optimizer took is finished (its grads cleared), grads
+        made for a step that never came are divided by the scale (BatchNorm's, FP32 islands'; the 16-bit ones go)."""
         fit_ends = not self.session.suspending
+        if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
+        self.record.teardown()
         if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=fit_ends)
         if self.store is None: return
         self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
         self.store.restore()
+        if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
         if fit_ends and not self.session.failing: warn_all_skipped(self.record.this_fit, self.skip_label)  # an error says more
 
@@ -334,21 +339,22 @@ class MixedPrecision(SessionCallback):
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
 
     def before_backward(self):
+        self.record.scaled(self.loss_scale)  # what the grads carry until the step (a fit ending before it divides them)
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def before_step(self):
-        scale = self.loss_scale
+        scale, calibrating = self.loss_scale, self.scaler.calibrating
         stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad)
         if stats is None: return
-        calibrating = self.scaler.needs_max_grad and self.scaler.is_dynamic
-        # the one host sync; DDP: any rank's inf skips all
-        found, self.max_grad = read_stats(stats, self.learn.model, self.learn.loss_grad if calibrating else None)
-        if not found:
+        if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
+        found, self.max_grad, under = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
+        if not (found or under):
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             if self._remembered: self._forget_stepped()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
-        with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(True, self.max_grad)
+        self.record.unscaled()
+        with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
 
     def after_cancel_step(self):
@@ -356,16 +362,24 @@ class MixedPrecision(SessionCallback):
         if self.store is not None and self.store.stepped_in_backward():
             check(self.facts.knowing(cancels_steps=True), STEP)
 
+    def _half_grads(self) -> list:
+        "The model's 16-bit grads as the backward left them (the calibrating step's underflow check)."
+        return [g for g in self.store.checked if g.dtype == self.dtype]
+
     def after_step(self):
         "fastai calls this even for a cancelled step. The model already follows the store (it copies right after stepping)."
         self._end_step()
 
     def _end_step(self):
-        "A step that was not skipped counts here: the scale stays the same over the micro-batches of an accumulated step."
-        if self.store.stage in (Stage.UNSCALED, Stage.STEPPED):
+        """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that
+        another callback cancelled after our `before_step` changes nothing, as in FP32: the scaler sees nothing of it."""
+        stage = self.store.stage
+        if stage is Stage.STEPPED or (stage is Stage.UNSCALED and self.store.in_backward):  # in the backward: stepped there
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
+        elif stage is not Stage.SKIPPED: self.record.cancelled()
         self.store.finish()
+        self.record.unscaled()
 
     def _forget_stepped(self):
         """16-bit storage is about to step these params: the FP32 originals `ModelToHalf` kept for them go stale, let them

@@ -76,9 +76,14 @@ class NativeMixedPrecision(SessionCallback):
 
     def teardown(self):
         """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
-        came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step."""
+        came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step;
+        one that came after the backward and before `GradScaler.step` leaves the grads unscaled (what FP32 would hold)."""
         self._exit_autocast()
-        if not self._pausing(): self._forget_step()
+        if not self._pausing():
+            self._forget_step()
+            learn = self.__dict__.get('learn')
+            if learn is not None and learn.opt is not None:
+                self.record.unscale_left([getattr(p, 'grad', None) for pg in learn.opt.param_lists for p in pg])
         self.record.teardown()
         if not (self.session.suspending or self.session.failing): warn_all_skipped(self.record.this_fit, self.skip_label)
 
@@ -115,20 +120,31 @@ class NativeMixedPrecision(SessionCallback):
             self._autocast.__exit__(None, None, None)
             self._autocast = None
 
-    def before_backward(self): self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
+    def before_backward(self):
+        if self.scaler.is_enabled(): self.record.scaled(self.scaler.get_scale)  # read only if a fit ends before the step
+        self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
 
     def before_step(self):
-        "`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite."
+        """`self` poses as the optimizer: GradScaler unscales, checks, and calls `step` only when the grads are finite.
+        A skip counts here; a step counts in `after_step`, unless another callback cancels it first (then no step)."""
         self.skipped, self._stepped = True, True
         if self.scaler.is_enabled() or not self.enabled or self._grads_finite(): self.scaler.step(self)
+        self.record.unscaled()
         # read after GradScaler's own host sync (its inf check): the device queue is empty, so this read stalls nothing;
         # the scale changes only in `after_step` (`GradScaler.update`), so it is the scale this step used
-        scale = self.loss_scale
-        self.record.record(scale, self.skipped, self._overflowing() if self.skipped else None)  # BatchNorm's statistics back
+        self._scale = scale = self.loss_scale
+        if not self.skipped: return
+        self.record.record(scale, True, self._overflowing())  # BatchNorm's statistics back
         with lr_find_stops_on(self.learn, self._collapse):
-            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, self.skipped, self.max_skipped,
+            self.skipped_in_a_row = count_skip(self.skipped_in_a_row, True, self.max_skipped,
                                                f"{self.dtype} autocast, loss scale {scale:g}")
-        if self.skipped: raise CancelStepException()
+        raise CancelStepException()
+
+    def after_cancel_step(self):
+        "Another callback cancelled the step after our `before_step`: as in FP32 nothing happened; GradScaler forgets it."
+        if self._stepped and not self.skipped:
+            self._forget_step()
+            self.record.cancelled()
 
     def _overflowing(self) -> tuple:
         "A skipped step: which params' FP32 grads (unscaled by GradScaler) hold inf/NaN, `(flags on the device, names)`."
@@ -148,8 +164,13 @@ class NativeMixedPrecision(SessionCallback):
         found = reduce_max_(self._check(grads, 1.), self.learn.model) if grads else None  # DDP: any rank's inf
         return found is None or not found.item() > 0  # inv_scale 1: the grads are left as they are
 
-    def after_step(self):
-        if self._stepped: self.scaler.update()
+    def after_step(self): self._end_step()
+
+    def _end_step(self):
+        "The step GradScaler took: a clean one counts here (a skip counted in `before_step`), then GradScaler's `update`."
+        if not self._stepped: return
+        if not self.skipped: self.record.record(self._scale, False); self.skipped_in_a_row = 0
+        self.scaler.update()
         self._stepped = False
 
     def state_dict(self) -> dict:

@@ -17,7 +17,9 @@ __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'Lo
            'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'test_overflow', 'grad_overflow', 'OverflowCheck',
            'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
            'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord',
-           'nonfinite_flags', 'OverflowLog']
+           'nonfinite_flags', 'OverflowLog', 'underflow_flag', 'read_stats', 'FP16_TINY']
+
+FP16_TINY = 2.**-14  # the smallest normal float16: under it fp16 rounds to a fixed spacing of 2^-24 and flushes to zero
 
 # ---- scalers
 class LossScaleError(FloatingPointError):
@@ -33,8 +35,11 @@ _HINT = ("Likely causes: NaN/inf in the inputs, targets or loss; a learning rate
          "FP32's range).")
 
 class LossScaler:
-    "Base strategy: `scale` is the current loss scale; `update` is called once per step after the overflow check."
+    """Base strategy: `scale` is the current loss scale; `update` is called once per optimizer step after the overflow
+    check (a step that another callback cancels is no step: the scaler sees nothing of it, as torch's `GradScaler.update`
+    is never called for it)."""
     needs_max_grad = False  # whether `update` wants the largest |unscaled grad| of the step (costs one fused pass)
+    calibrating = False  # whether this step sets the scale from the gradients (and is checked for underflow first)
     _state_names = ('scale', 'skipped_in_a_row', 'n_skipped', 'n_steps')
 
     def __init__(self,
@@ -48,18 +53,21 @@ class LossScaler:
     def update(self,
         found_inf:bool, # whether this step's gradients held an inf/NaN (the step is then skipped)
         grad_stats=None, # the statistics the strategy asked for (`needs_max_grad`: largest |unscaled grad|)
+        underflow:bool=False, # a calibrating step whose gradients underflowed at this scale (the step is then skipped)
     ):
         "Count the step, then let the strategy move `scale`; fail loudly when steps keep overflowing."
         self.n_steps += 1
-        if found_inf:
+        if found_inf or underflow:
             self.n_skipped += 1; self.skipped_in_a_row += 1
         else: self.skipped_in_a_row = 0
-        self._update(found_inf, grad_stats)
+        if underflow and not found_inf: self._underflow(grad_stats)
+        else: self._update(found_inf, grad_stats)
         if self.skipped_in_a_row > self.max_skipped:
             self._fail(f"{self.skipped_in_a_row} steps in a row had inf/NaN gradients and were skipped "
                        f"(loss scale now {self.scale:g}).")
 
     def _update(self, found_inf, grad_stats): pass
+    def _underflow(self, grad_stats): "A calibrating step underflowed (only a calibrating strategy is told so)."
 
     @property
     def is_dynamic(self) -> bool:
@@ -93,7 +101,9 @@ class BackoffScaler(LossScaler):
     anyway) and is applied when finite; its largest |unscaled grad| `g` then sets the scale: the largest power of 2
     under `max_value / (headroom * g)`, within `[min_scale, max_scale]`. No start from the ceiling whose first steps
     are all skipped (fastai v2's 2^24 start skipped 5 to 11 of them: Micikevicius et al. 2018 pick the scale from the
-    gradients' range, as does `gradient_report`)."""
+    gradients' range, as does `gradient_report`). A calibrating step whose gradients underflowed (most of its nonzero
+    16-bit gradients under `min_normal`, where fp16 rounds coarsely and flushes to zero, or all of them zero for a
+    nonzero loss: `underflow_flag`) is skipped instead of applied, and still sets the scale."""
     _state_names = LossScaler._state_names + ('clean_in_a_row', 'overflows_left', 'calibrated')
 
     def __init__(self,
@@ -107,21 +117,25 @@ class BackoffScaler(LossScaler):
         calibrate:bool=False, # set the scale from the largest |grad| of the first finite step (run at `init_scale`)
         headroom:float=2.**4, # calibration leaves the largest scaled grad this factor under `max_value`
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
+        min_normal:float=FP16_TINY, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
     ):
         factor, wait = check_positive('div_factor', factor, strict_min=1.), check_int('scale_wait', wait, 1)
         min_scale, max_scale = _check_scale_range(min_scale, max_scale)
         hysteresis = check_int('hysteresis', hysteresis, 1)
         check_positive('headroom', headroom, strict_min=0.); check_positive('max_value', max_value)
-        calibrate = check_bool('calibrate', calibrate)
+        calibrate, min_normal = check_bool('calibrate', calibrate), check_positive('min_normal', min_normal)
         super().__init__(min(max(check_positive('loss_scale', init_scale), min_scale), max_scale), max_skipped)
         self.factor, self.wait, self.min_scale, self.max_scale, self.hysteresis = factor, wait, min_scale, max_scale, hysteresis
         self.clean_in_a_row, self.overflows_left = 0, hysteresis
         self.calibrated, self.headroom, self.max_value = not calibrate, float(headroom), float(max_value)
+        self.min_normal = float(min_normal)
 
     @property
     def needs_max_grad(self) -> bool:
         "Only the calibrating step needs the largest |grad| (read in the same sync as the overflow flag)."
         return not self.calibrated
+
+    calibrating = property(lambda self: not self.calibrated, doc="Whether the next step sets the scale (until one does).")
 
     def calibrated_scale(self, max_grad:float) -> float:
         "The largest power of 2 that keeps `max_grad * headroom` under `max_value`, within `[min_scale, max_scale]`."
@@ -137,6 +151,11 @@ class BackoffScaler(LossScaler):
         if max_grad is None: raise ValueError("BackoffScaler.update needs the largest |unscaled grad| to calibrate")
         if max_grad == 0: return  # an all-zero gradient of a zero loss (a masked batch) says nothing: calibrate later
         self.scale, self.calibrated = self.calibrated_scale(max_grad), True
+
+    def _underflow(self, max_grad):
+        "The calibrating step was skipped for underflow: its largest |grad| (0: every one flushed) still sets the scale."
+        if self.calibrated: return
+        self.scale, self.calibrated = self.calibrated_scale(max_grad if max_grad is not None else 0.), True
 
     def _update(self, found_inf, grad_stats):
         if not self.calibrated: return self._calibrate(found_inf, grad_stats)
@@ -264,6 +283,7 @@ class GradScalerAdapter:
 SEED_LOSS_SCALE = 512.  # `MixedPrecision`'s default `loss_scale`: with `dynamic`, any other value is the starting scale
 
 def _max_value(dtype) -> float: return FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max
+def _min_normal(dtype) -> float: return FP16_TINY if dtype is None else torch.finfo(resolve_dtype(dtype)).tiny
 
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
                 max_skipped=50, dtype=None) -> LossScaler:
@@ -278,7 +298,8 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     if name == 'backoff':  # `loss_scale` other than fastai's default 512: the start; else the first step calibrates it
         calibrate = loss_scale == SEED_LOSS_SCALE
         return BackoffScaler(1. if calibrate else loss_scale, div_factor, scale_wait, min_scale=min_loss_scale,
-                             max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate, max_value=_max_value(dtype))
+                             max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate, max_value=_max_value(dtype),
+                             min_normal=_min_normal(dtype))
     if name == 'lognormal':  # starts at 2**16, within [min_loss_scale, max_loss_scale]
         return LogNormalScaler(min(max(2.**16, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
                                max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype))
@@ -473,15 +494,25 @@ def warn_all_skipped(skips:list, what:str):
                       f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or try "
                       f"`learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)
 
-def read_stats(stats:Tensor, model=None, loss:Tensor|None=None) -> tuple:
-    """The step's one host sync (after every rank's worst is taken, under DDP): `(found_inf, max |grad| or None)`.
-    With `loss` (the calibrating step), a zero max |grad| of a nonzero loss means every gradient underflowed: the
-    largest is unknown (NaN: the scaler goes up), unlike a masked batch's zero loss (0: it waits for another batch)."""
-    if loss is not None: stats = torch.cat([stats, loss.detach().as_subclass(Tensor).abs().reshape(1).to(stats)])  # fastai's TensorBase: plain
+def underflow_flag(stats:Tensor, grads:list, loss:Tensor, min_normal:float=FP16_TINY) -> Tensor:
+    """A calibrating step's `stats` (`[found, max |grad|]`) with a third entry, 1 when its gradients underflowed at the
+    scale they were made with: more than half of the nonzero `grads` (the 16-bit ones, as the backward left them) lie
+    under `min_normal` (fp16: 2^-14), where fp16 rounds to a fixed spacing of 2^-24 and flushes to zero, or every
+    gradient is zero although `loss` is not (all flushed; a masked batch's zero loss says nothing). An ordinary
+    distribution has few such values (the digits CNN's first step at scale 1: under 1%). Two counts per tensor, on the
+    device (no host sync); only the calibrating step pays them."""
+    ts, dev = _real(grads), stats.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    nonzero = sum((torch.count_nonzero(t).to(dev) for t in ts), zero)
+    small = nonzero - sum((torch.count_nonzero(t.abs() >= min_normal).to(dev) for t in ts), zero)
+    flushed = (stats[1] == 0) & (loss.detach().as_subclass(Tensor).abs().reshape(()).to(dev) != 0)  # fastai's TensorBase: plain
+    return torch.cat([stats, ((2 * small > nonzero) | flushed).to(stats.dtype).reshape(1)])
+
+def read_stats(stats:Tensor, model=None) -> tuple:
+    """The step's one host sync (after every rank's worst is taken, under DDP): `(found_inf, max |grad| or None,
+    underflow)`; `underflow` (any rank's) is read where `underflow_flag` added it, the calibrating step; else False."""
     s = reduce_max_(stats, model).tolist()
-    mx = s[1] if len(s) > 1 else None
-    if mx == 0 and loss is not None and s[2] != 0: mx = math.nan
-    return s[0] > 0, mx
+    return s[0] > 0, (s[1] if len(s) > 1 else None), len(s) > 2 and s[2] > 0
 
 def nonfinite_flags(grads:list) -> Tensor|None:
     """Whether each of `grads` (None: no grad) holds an inf/NaN, as a bool tensor on the first one's device: one
@@ -513,9 +544,13 @@ class StepRecord:
     """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all
     its fits; `fit_start` is where the current fit's steps begin), which params overflowed at the skipped ones
     (`overflows`), and the BatchNorm statistics a skipped step must not change (snapshot at each step's first
-    micro-batch, restored on a skip)."""
-    def __init__(self): self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
-    def new_fit(self): self.fit_start = len(self.skips)
+    micro-batch, restored on a skip). A step that another callback cancels is no step: nothing is recorded
+    (`cancelled`). `grad_scale`: the loss scale the grads of the step under way carry (None: none), what a fit that
+    ends before its step divides them by (`unscale_left`)."""
+    def __init__(self):
+        self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
+        self.grad_scale = None
+    def new_fit(self): self.fit_start, self.grad_scale = len(self.skips), None
     def setup(self, model): self.bn = BNStatsGuard(model)
     def teardown(self): self.bn = None
     def snapshot(self):
@@ -528,5 +563,26 @@ class StepRecord:
         if self.bn is not None:
             if skipped: self.bn.restore()
             self.bn.arm()
+
+    def cancelled(self):
+        """Another callback cancelled the step (`CancelStepException`): as in FP32, nothing happened but the forward
+        passes, whose BatchNorm statistics stay; no step is recorded. The next training batch takes a new snapshot."""
+        if self.bn is not None: self.bn.arm()
+
+    def scaled(self, scale):
+        """A backward is about to add grads multiplied by `scale` (the micro-batches of a step share one): a float, or
+        a function that reads it (GradScaler's, a host read: only a fit that ends before the step makes it)."""
+        self.grad_scale = None if scale == 1. else scale
+    def unscaled(self): "The grads carry no loss scale any more (divided by it, or cleared)."; self.grad_scale = None
+
+    def unscale_left(self, grads:list):
+        """The fit ends while `grads` carry the loss scale (a `KeyboardInterrupt` after the backward, a fit cancelled
+        before its step): divide them by it, which leaves what FP32 would hold, the grads unscaled."""
+        gs, scale = [g for g in grads if g is not None], self.grad_scale
+        if scale is not None and gs:
+            inv = 1. / float(scale() if callable(scale) else scale)
+            with torch.no_grad():
+                for ts in _by_device(gs).values(): torch._foreach_mul_(ts, inv)
+        self.grad_scale = None
     @property
     def this_fit(self) -> list: return self.skips[self.fit_start:]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, MSELossFlat, Callback
+from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, MSELossFlat, Callback, CancelStepException
 from fastai.layers import BatchNorm
 from fastai.torch_core import defaults
 import fastai.callback.schedule  # Learner.fit_one_cycle
@@ -130,6 +130,26 @@ class Inject(Callback):
         if self.where == 'grad' and self.n in self.steps:
             self.learn.model[3].weight.grad[0, 0] = self.value
         self.n += 1
+
+class CancelSteps(Callback):
+    "Cancel the optimizer steps of the training batches `iters` in `before_step` (after ours), their loss times `factor`."
+    order = 20
+    def __init__(self, iters, factor=1.): self.iters, self.factor = set(iters), factor
+    def after_loss(self):
+        if self.training and self.train_iter in self.iters: self.learn.loss_grad = self.learn.loss_grad * self.factor
+    def before_step(self):
+        if self.train_iter in self.iters: raise CancelStepException()
+
+def updates(learn, cbs=None, n_epoch=1, lr=1e-2) -> list:
+    "How much each param of `learn` moves in a quiet fit."
+    w0 = weights(learn)
+    quiet_fit(learn, n_epoch, lr=lr, cbs=cbs)
+    return [p.detach() - w for p, w in zip(learn.model.parameters(), w0)]
+
+def assert_close_updates(upd, ref, rtol=1e-2):
+    "Each param's update is `ref`'s within `rtol` (of the largest param update, for one that is near zero: a sum that cancels)."
+    top = max(r.norm() for r in ref)
+    for u, r in zip(upd, ref): assert (u - r).norm() <= rtol * max(r.norm(), .1 * top), (u, r)
 
 class StepSpy(Callback):
     """What the optimizer consumes at each step: a fastai optimizer callback put in front of the learner's (`learn.opt.cbs`,

@@ -78,6 +78,47 @@ def test_exception_mid_fit_leaves_learner_usable(mode, exc, event):
     assert len(learn.opt.state) <= len(list(learn.model.parameters()))
     assert math.isfinite(learn.validate()[0])
 
+# the FP32 params of each mode (the others are 16-bit during the fit: their grads go with the 16-bit model)
+LOSS_SCALED = {'fp16': ('to_fp16', dict(loss_scale=2.**12), 'body.1.'),
+               'fp16_keep_fp32': ('to_fp16', dict(loss_scale=2.**12, keep_fp32='classifier'), ('body.1.', 'head.')),
+               'half_storage': ('to_fp16', dict(loss_scale=2.**12, half_storage=True), 'body.1.'),
+               'native': ('to_native_fp16', dict(init_scale=2.**12), '')}
+
+@pytest.mark.parametrize('event', ['after_backward', 'before_step'])
+@pytest.mark.parametrize('mode', list(LOSS_SCALED))
+def test_an_interrupt_after_the_backward_leaves_no_loss_scaled_grad(mode, event):
+    """A Ctrl-C after the backward, before the step: the grads left on the FP32 params are FP32's for that batch, not
+    FP32's times the loss scale. Before the fix BatchNorm's (and an FP32 island's) stayed x4096, and the next FP32
+    step (`learn.opt.step()`) moved a BatchNorm weight by 6.6 instead of 2.5e-3; native's were all x65536."""
+    name, kw, fp32 = LOSS_SCALED[mode]
+    res = {}
+    for m in ('fp32', mode):
+        learn = make_learner(opt_func=SGD)
+        if m != 'fp32': getattr(learn, name)(**kw)
+        with pytest.raises(KeyboardInterrupt): fit(learn, 'fit', 1, 1e-2, cbs=Boom(KeyboardInterrupt, 0, event))
+        learn.to_fp32()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in learn.model.named_parameters()}
+        w0 = clone_state(learn.model)
+        learn.opt.step()  # what an FP32 step does with them (lr 1e-2)
+        res[m] = grads, {k: v - w0[k] for k, v in clone_state(learn.model).items() if k in grads}
+    (g32, step32), (g, step) = res['fp32'], res[mode]
+    top, top_step = max(r.abs().max() for r in g32.values()), max(r.abs().max() for r in step32.values())
+    for n, ref in g32.items():  # (the grad of the bias before BatchNorm is rounding noise: compared at the model's scale)
+        if not n.startswith(fp32): continue  # a 16-bit param's grad went with the 16-bit model
+        assert g[n] is not None and torch.allclose(g[n], ref, rtol=1e-2, atol=1e-2 * top), n
+        assert torch.allclose(step[n], step32[n], rtol=1e-2, atol=1e-2 * top_step), n
+    assert all(v is None or torch.isfinite(v).all() for v in g.values())
+
+class EarlyBoom(Boom): order = 5  # before our callbacks (10): its `after_step` raising, ours does not run
+
+def test_an_interrupt_after_the_step_finishes_it_at_the_teardown():
+    """An earlier callback's `after_step` raises: the optimizer stepped, our `after_step` did not run. The teardown
+    finishes the step: counted, its grads cleared. Before the fix it went uncounted and BatchNorm's grads stayed x4096."""
+    learn = make_learner().to_fp16(loss_scale=2.**12)
+    with pytest.raises(KeyboardInterrupt): fit(learn, 'fit', 1, 1e-2, cbs=EarlyBoom(KeyboardInterrupt, 1, 'after_step'))
+    assert learn.mixed_precision.skips == [False, False]
+    assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
+
 class FailBeforeFit(Callback):
     order = 0  # after ModelToHalf converted the model, before MixedPrecision made the masters
     def before_fit(self): raise RuntimeError('setup failed')

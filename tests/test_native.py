@@ -3,7 +3,7 @@ import pytest
 import torch
 from fastai.basics import Callback
 from fp16cb import NativeMixedPrecision
-from conftest import make_learner, quiet_fit, Record, Inject, count_host_reads, DEVICE
+from conftest import make_learner, quiet_fit, Record, Inject, count_host_reads, DEVICE, CancelSteps, updates, assert_close_updates
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -139,3 +139,14 @@ def test_native_save_between_step_and_update_keeps_the_step(tmp_path):
     rec = Record(after_step=lambda l: l.native_mixed_precision.loss_scale)
     quiet_fit(learn, 1, lr=1e-3, cbs=[save, rec])
     assert rec.log['after_step'] == [2.**4, 2.**6, 2.**6, 2.**8]  # as without the saves (test_native_growth)
+
+def test_native_a_step_another_callback_cancels_is_no_step():
+    """A `CancelStepException` from a later callback's `before_step` (after GradScaler.step): as in FP32 nothing moves,
+    and GradScaler.update is not called for it. Before the fix each cancelled step counted as a clean step (recorded,
+    and the scale grew after `growth_interval` of them)."""
+    cancelled = {1, 2, 3, 5}  # of 8 batches: 0, 4, 6 and 7 are stepped
+    ref = updates(make_learner(n_train=16 * 8), CancelSteps(cancelled))
+    learn = make_learner(n_train=16 * 8).to_native_fp16(init_scale=2.**8, growth_interval=2)
+    assert_close_updates(updates(learn, CancelSteps(cancelled)), ref)
+    mp = learn.native_mixed_precision
+    assert mp.scales == [2.**8, 2.**8, 2.**9, 2.**9] and mp.skips == [False] * 4 and mp.loss_scale == 2.**10

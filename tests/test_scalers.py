@@ -4,12 +4,12 @@ import math, random, warnings
 import pytest, torch
 from torch import nn
 from hypothesis import given, settings, strategies as st
-from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, set_seed, Callback
+from fastai.basics import Learner, DataLoaders, BCEWithLogitsLossFlat, MSELossFlat, set_seed, Callback
 from fp16cb import StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError, MixedPrecision
 from fp16cb.scaling import make_scaler, FP16_MAX
-from fp16cb.scaling import OverflowCheck
+from fp16cb.scaling import OverflowCheck, underflow_flag
 from fp16cb.demos.experiments import make_learner as digits_learner, train
-from conftest import DEVICE, quiet_fit, count_host_reads, StepSpy
+from conftest import DEVICE, quiet_fit, count_host_reads, StepSpy, CancelSteps, updates, assert_close_updates
 from conftest import make_learner as synth_learner  # conftest's two-group regression (`make_learner` here: a classifier)
 
 warnings.filterwarnings('ignore', message='(fp16|bf16) training on the CPU')
@@ -278,6 +278,36 @@ def test_calibration_keeps_one_host_read_per_step_and_the_first_step(monkeypatch
     assert mp.skips == [False] and mp.scaler.calibrated and len(calls) == 1
     assert not torch.equal(w0, learn.model[3].weight)  # the calibrating step was applied
 
+class TinyLoss:
+    "MSE times 1e-6: gradients of 1e-7 to 1e-5, under fp16's smallest normal (2^-14) at scale 1, flushed under 2^-25."
+    def __init__(self): self.mse = MSELossFlat()
+    def __call__(self, pred, targ): return self.mse(pred, targ) * 1e-6
+
+def _tiny(learn):
+    learn.loss_func = TinyLoss()
+    return learn
+
+def test_a_calibrating_step_whose_gradients_underflow_is_skipped():
+    """Before the fix the calibrating step (scale 1) was applied with its gradients flushed or rounded coarsely in
+    fp16: its update was 40-100% off FP32's. Now it is skipped (and counted), the next step runs at the scale it set,
+    and the updates are FP32's from there (an FP32 fit without that first step). bf16 (FP32's range) never underflows."""
+    ref = updates(_tiny(synth_learner(n_train=64)), CancelSteps({0}), lr=1e4)
+    learn = _tiny(synth_learner(n_train=64)).to_fp16()
+    assert_close_updates(updates(learn, lr=1e4), ref)
+    mp = learn.mixed_precision
+    assert mp.skips == [True, False, False, False] and mp.n_skipped == 1 and mp.scales == [1.] + [2.**24] * 3
+    learn = _tiny(synth_learner(n_train=64)).to_bf16(dynamic=True)
+    quiet_fit(learn, 1, lr=1e4)
+    assert learn.mixed_precision.skips == [False] * 4 and learn.mixed_precision.scaler.calibrated
+
+def test_underflow_flag_counts_the_small_nonzero_gradients():
+    h = lambda *v: torch.tensor(v, dtype=torch.float16, device=DEVICE)
+    one = torch.ones((), device=DEVICE)
+    def flag(grads, mx, loss=one): return underflow_flag(torch.tensor([0., mx], device=DEVICE), grads, loss).tolist()
+    assert flag([h(1e-6, -3e-5, 0., 0.), h(.5)], .5) == [0., .5, 1.]  # 2 of the 3 nonzero ones under 2^-14
+    assert flag([h(1e-6, 0., .01), h(-.5)], .5) == [0., .5, 0.]  # 1 of 3: an ordinary distribution's tail
+    assert flag([h(0., 0.)], 0.)[2] == 1. and flag([h(0., 0.)], 0., one * 0)[2] == 0.  # all flushed; a masked batch
+
 class _StopAfter(Callback):
     order = 30
     def __init__(self, n): self.n = n
@@ -291,3 +321,20 @@ def test_explicit_loss_scale_starts_the_dynamic_scale():
     quiet_fit(learn, 1, lr=1e-2)
     mp = learn.mixed_precision
     assert mp.scales[0] == 1024. and mp.scaler.calibrated
+
+# ---------- a step that another callback cancels is no step ----------
+@pytest.mark.parametrize('scaler', ['backoff', 'lognormal', 'static'])
+def test_a_step_another_callback_cancels_changes_nothing(scaler):
+    """A `CancelStepException` from a later callback's `before_step`: FP32 changes nothing, so neither do we: no weight
+    moves and the scaler sees nothing of the step (torch's GradScaler.update is never called for it either). Before
+    the fix each cancelled step counted as a clean step and a LogNormal observation: the tiny gradients of the
+    cancelled batches pulled the scale up until the real steps overflowed and were skipped (FP32 applies them)."""
+    cancelled = set(range(1, 17)) | set(range(18, 24, 2))  # 24 batches; 0, 17, 19, 21, 23 are stepped
+    kw = {'backoff': {}, 'lognormal': dict(scaler=LogNormalScaler(2.**8)), 'static': dict(scaler='static')}[scaler]
+    ref = updates(synth_learner(n_train=16 * 24), CancelSteps(cancelled, 1e-6))
+    learn = synth_learner(n_train=16 * 24).to_fp16(**kw)
+    assert_close_updates(updates(learn, CancelSteps(cancelled, 1e-6)), ref)
+    mp, n = learn.mixed_precision, 24 - len(cancelled)
+    assert len(mp.scales) == len(mp.skips) == mp.scaler.n_steps == n and mp.n_skipped == 0
+    if scaler == 'lognormal': assert mp.scaler.n_obs == n
+    if scaler == 'backoff': assert mp.scaler.clean_in_a_row == n - 1  # the calibrating step, then n - 1 clean ones

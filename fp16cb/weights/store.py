@@ -44,6 +44,7 @@ class WeightStore:
       step never holds a full-size FP32 copy of them (`lift_chunk`).
     What must hold during a fit: the model's params are the store's (`check_linked`, every step, O(buffers))."""
     flat = False
+    checked = ()  # the grads the last `prepare_grads` checked, as the backward left them (16-bit, loss-scaled)
     master_pgs = None  # FP32 masters per group (None: this store has none)
     lift_chunk = 2**22  # at most this many elements (16 MiB) of grads are in FP32 at once during a step (or one param, if larger)
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
@@ -76,7 +77,7 @@ class WeightStore:
         if self.in_backward: return self._found_in_backward()
         for p in self.sparse:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
-        grads = self._grads_to_check()
+        grads = self.checked = self._grads_to_check()
         if not grads: return None
         self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
         stats = self.check(grads, 1., with_max=with_max)
