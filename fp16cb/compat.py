@@ -6,6 +6,7 @@ matrix trains every cell it declares supported against FP32 fastai and expects e
 
 A new mode, optimizer kind or context adds its row here first."""
 from __future__ import annotations
+import re
 from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
@@ -128,6 +129,12 @@ class Rule:
 
     def message(self, f:Facts) -> str:
         return self.sentence(f) if callable(self.sentence) else self.sentence.format(**vars(f))
+
+    def said_in(self, text:str, f:Facts) -> bool:
+        "Whether `text` says this rule's sentence for `f` (a field known only when it happens, a param's name, may differ)."
+        if callable(self.sentence): return self.message(f) in text
+        parts = re.split(r'\{\w+\}', self.sentence)
+        return re.search('.*'.join(map(re.escape, parts)), text, re.S) is not None
 
 _SIB = "step_in_backward=True steps each param as soon as the backward has its grad: "
 _SIB_USE = (" It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, flat_master=False), "

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from fastai.basics import Learner, DataLoaders, SGD, CrossEntropyLossFlat, Callback
 from fastai.callback.channelslast import ChannelsLast
 
-import fp16cb.scaling as overflow
+import fp16cb.scaling.check as overflow
 from fp16cb.scaling import OverflowCheck, check_and_unscale_
 from fp16cb.weights import dense_strides, flat_views
 from conftest import make_learner, quiet_fit, seed_all

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import quiet_fit
+from fp16cb import compat
 from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict, refused_at_setup, run,
                     fp32_reference, rel_errors, untouched, changed, ddp_build, snapshot, finish)
 
@@ -66,7 +67,8 @@ def test_refused_cell_raises_its_sentence_before_any_step(mode, opt, ctx):
     if got.error is None:
         diff = differences(got, fp32_reference(mode, opt, ctx), tolerance(mode))
         pytest.fail(f"not refused: it trained {got.n_steps} steps, {'; '.join(diff) or 'as FP32 does'}")
-    assert why in str(got.error), str(got.error)
+    rule, facts = compat.refusal(compat.Facts.of_cell(mode, opt, ctx)), compat.Facts.of_cell(mode, opt, ctx)
+    assert why and rule.said_in(str(got.error), facts), str(got.error)
     if refused_at_setup(mode, opt, ctx):  # else refused when a step does what cannot be kept (the weights moved)
         moved = changed(got, list(got.params))
         assert got.n_steps == 0 and not moved, f"refused after {got.n_steps} steps; moved: {moved}"
