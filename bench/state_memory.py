@@ -42,13 +42,21 @@ def live_storages() -> dict:
 class StateBytes(Callback):
     "Counts the live storages at `after_step` (after the optimizer step, before `zero_grad`), the batch and `baseline` excluded."
     order = -100  # before every other after_step: nothing of ours has run yet
-    def __init__(self, baseline:dict): self.baseline, self.counts = baseline, []
+    def __init__(self, baseline:dict): self.baseline, self.counts, self.scratch = baseline, [], []
     def after_step(self):
         if not self.training: return
         batch = {t.untyped_storage().data_ptr() for t in (*self.learn.xb, *self.learn.yb, self.learn.pred, self.learn.loss,
                                                           self.learn.loss_grad) if isinstance(t, torch.Tensor)}
-        live = live_storages()
-        self.counts.append(sum(n for k, n in live.items() if k not in self.baseline and k not in batch))
+        live, scratch = live_storages(), _scratch(self.learn)
+        self.counts.append(sum(n for k, n in live.items() if k not in self.baseline and k not in batch and k not in scratch))
+        self.scratch.append(sum(scratch.values()))
+
+def _scratch(learn) -> dict:
+    """`{data_ptr: nbytes}` of the weight store's scratch: the FP32 memory one chunk of grads is lifted into during the
+    step, kept between steps (at most `WeightStore.lift_chunk` elements), reported apart from the training state."""
+    store = getattr(getattr(learn, 'mixed_precision', None), 'store', None)
+    bufs = getattr(getattr(store, 'scratch', None), 'bufs', {})
+    return {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in bufs.values()}
 
 def _mlp(width:int) -> nn.Module:
     return nn.Sequential(nn.Linear(width // 4, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
@@ -87,17 +95,19 @@ def state_learner(mode:str, opt:str, width:int=2048, bs:int=8, n_batches:int=2, 
     sb = StateBytes(baseline)
     return learn, sb, sum(p.numel() for p in model.parameters())
 
-def measure(width:int=2048, modes=None, opts=None) -> dict:
-    "`{opt: {mode: bytes/param at the step peak}}` (the largest over a fit's steps)."
-    res = {}
+def measure(width:int=2048, modes=None, opts=None, with_scratch:bool=False) -> dict:
+    """`{opt: {mode: bytes/param at the step peak}}` (the largest over a fit's steps); `with_scratch`: also `{opt: {mode:
+    bytes of the lift's scratch}}`, kept apart."""
+    res, scratch = {}, {}
     for opt in opts or OPTIMIZERS:
         for mode in modes or MODES:
             if not supported(mode, opt): continue
             learn, sb, n = state_learner(mode, opt, width)
             with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=sb)
             res.setdefault(opt, {})[mode] = max(sb.counts) / n
+            scratch.setdefault(opt, {})[mode] = max(sb.scratch)
             del learn, sb; gc.collect()
-    return res
+    return (res, scratch) if with_scratch else res
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -106,7 +116,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings('ignore')  # fastai's AMP on a CPU, fp16 on a CPU: known, and not what is measured
-    res = measure(args.width)
+    res, scratch = measure(args.width, with_scratch=True)
     n = sum(q.numel() for q in _mlp(args.width).parameters())
     print(f"Training state at the step peak, bytes/param; MLP of {n/1e6:.1f}M params; CPU: {cpu_capability()}; "
           f"torch {torch.__version__}")
@@ -116,9 +126,11 @@ def main(argv=None):
         t, vals = TARGETS.get(mode), [res[o].get(mode) for o in opts]
         met = '' if t is None else f"   <= {t}: " + ('met' if all(v <= t + SLACK for v in vals if v is not None) else 'NOT met')
         print(f"{mode:<38}" + ''.join(f"{v:>14.2f}" if v is not None else f"{'-':>14}" for v in vals) + met)
+    most = max(v for r in scratch.values() for v in r.values())
+    print(f"plus the lift's scratch, one chunk of FP32 grads kept between steps: at most {most/2**20:.1f} MiB")
     if args.json:
         date = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
-        with open(args.json, 'w') as f: json.dump({'date': date, 'width': args.width, 'n_params': n, 'bytes_per_param': res,
+        with open(args.json, 'w') as f: json.dump({'date': date, 'width': args.width, 'n_params': n, 'bytes_per_param': res, 'scratch_bytes': scratch,
                                                    'cpu': cpu_capability(), 'torch': torch.__version__}, f, indent=1)
 
 if __name__ == '__main__': main()

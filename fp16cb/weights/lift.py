@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .layout import flat_views, split_like
 
-__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'LiftPlan', 'lift_chunks']
+__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'lift_chunks']
 
 _grad_of = operator.attrgetter('grad')
 
@@ -139,17 +139,31 @@ def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
     return runs
 
 
+class Scratch:
+    """The FP32 memory the lift writes a chunk's grads into: one buffer per device, the size of the largest chunk, made
+    at the first lift and kept for the fit (reused by every chunk of every step: no allocation, no page faults in the
+    step; on a CPU, glibc would otherwise hand a freed buffer back to the system and fault it in again each step)."""
+    def __init__(self, sizes:dict): self.sizes, self.bufs = sizes, {}  # {device: elements}
+    def __call__(self, device, n:int) -> Tensor:
+        "`n` elements of the device's buffer (made at its first use, `sizes[device]` large)."
+        buf = self.bufs.get(device)
+        if buf is None or buf.numel() < n:
+            buf = self.bufs[device] = torch.empty(max(n, self.sizes.get(device, 0)), dtype=torch.float32, device=device)
+        return buf[:n]
+    def nbytes(self) -> int: return sum(b.numel() * b.element_size() for b in self.bufs.values())
+    def release(self): self.bufs = {}
+
 class LiftPlan:
-    """How one chunk's masters get their FP32 grads, made once: an FP32 scratch buffer viewed as each master's grad,
-    whose memory is given back between steps (`resize_(0)` of its storage, as FSDP frees its flat buffers: the views
-    stay, the bytes go), and the 16-bit grads copied from. Valid while those are still the params' grads."""
-    def __init__(self, items:list):
+    """How one chunk's masters get their FP32 grads, made once: a part of the store's `Scratch` viewed as each master's
+    grad, and the 16-bit grads copied from (coalesced: one copy per contiguous run). Valid while those are still the
+    params' grads."""
+    def __init__(self, items:list, scratch:Scratch):
         # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per buffer
         items = sorted([it for it in items if it[2] is not None], key=lambda it: _region(it[2][0][0].grad)[:2])
         self.items = [(m, gi) for m, gi, _ in items]
         self.objs, pairs, self.groups = [], [], {}
-        scratch = torch.empty(sum(m.numel() for m, _ in self.items), dtype=torch.float32, device=self.items[0][0].device)
-        self.views = flat_views(scratch, [m for m, _ in self.items])
+        buf = scratch(self.items[0][0].device, sum(m.numel() for m, _ in self.items))
+        self.views = flat_views(buf, [m for m, _ in self.items])
         for (m, gi, sources), v in zip(items, self.views):
             for o, off in sources:
                 g = o.grad
@@ -158,28 +172,23 @@ class LiftPlan:
             self.groups.setdefault(gi, []).append(v)
         self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
         self.dsts, self.copy_srcs = _coalesce(pairs)
-        self.storage = scratch.untyped_storage()
-        self.nbytes = self.storage.nbytes()
-        self.storage.resize_(0)
 
     @classmethod
-    def make(cls, items:list):
+    def make(cls, items:list, scratch:Scratch):
         "The plan of `items`, or None when it has no master or one of their sources has no grad now."
         objs = [o for _, _, sources in items if sources is not None for o, _ in sources]
-        return cls(items) if objs and all(o.grad is not None for o in objs) else None
+        return cls(items, scratch) if objs and all(o.grad is not None for o in objs) else None
 
     def valid(self) -> bool: return all(map(operator.is_, map(_grad_of, self.objs), self.srcs))
 
     def lift(self) -> dict:
-        "The scratch's memory back, the 16-bit grads copied in (one fused copy), each master's grad its view: `{group: views}`."
-        self.storage.resize_(self.nbytes)
+        "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: views}`."
         torch._foreach_copy_(self.dsts, self.copy_srcs)
         for (m, _), v in zip(self.items, self.views): m.grad = v
         return self.groups
 
     def free(self):
         for m, _ in self.items: m.grad = None
-        self.storage.resize_(0)
 
 def _region(t:Tensor) -> tuple:
     "`(storage, first element, element count, strides)` of the dense tensor `t` (a grad view, a scratch view)."

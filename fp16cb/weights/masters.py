@@ -9,7 +9,7 @@ from fastai.optimizer import OptimWrapper
 from .layout import split_like
 from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state
-from .lift import LiftPlan, lift_chunks, storage_runs, flat_runs
+from .lift import Scratch, LiftPlan, lift_chunks, storage_runs, flat_runs
 from .store import WeightStore, check_same_kind
 from ..compat import Facts, check, STEP
 
@@ -47,6 +47,11 @@ class FP32Masters(WeightStore):
         sources = self._sources()
         self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
+        sizes = {}  # the largest chunk of masters per device: the scratch the lift writes into
+        for c in self._chunks:
+            n = sum(p.numel() for p, _, src in c if src is not None)
+            if n: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
+        self.scratch = Scratch(sizes)
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing = []
@@ -141,9 +146,9 @@ class FP32Masters(WeightStore):
         has a grad)."""
         plan = self._plans.get(id(chunk))
         if plan is not None and plan.valid(): return plan
-        plan = self._plans[id(chunk)] = LiftPlan.make(chunk)
+        plan = self._plans[id(chunk)] = LiftPlan.make(chunk, self.scratch)
         if plan is not None: return plan
-        return LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])])
+        return LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])], self.scratch)
 
     def _drop(self, chunk:list):
         "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
@@ -189,6 +194,8 @@ class FP32Masters(WeightStore):
 
     def restore(self):
         for r in self.runs: r.release()
+        self._plans, self._lifting = {}, {}
+        self.scratch.release()
         super().restore()
         self._point_opt(to_model=True)
 
