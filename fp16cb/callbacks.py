@@ -10,7 +10,8 @@ from fastai.callback.core import CancelStepException
 from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
 from .scaling import StaticScaler, make_scaler, check_positive, read_stats, StepRecord, lr_find_stops_on, warn_all_skipped, is_ddp, syncs
-from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
+from .monitor import (add_precision_metrics, remove_precision_metrics, hide_precision_metrics, show_precision_metrics,
+                      scale_health)
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
 from .policy import PrecisionPolicy, policy_report
@@ -297,6 +298,15 @@ class MixedPrecision(SessionCallback):
         return mth.policy_report(leaves=leaves)
 
     # -- the lifecycle (called by the session)
+    def before_fit(self):
+        nested = self.session.in_fit and self.session.is_active(self)  # a `validate`/`get_preds` inside the fit
+        super().before_fit()
+        if nested: self._hidden = hide_precision_metrics(self.learn)  # its result as in FP32: no loss-scale columns
+
+    def after_fit(self):
+        super().after_fit()
+        show_precision_metrics(self.learn, self.__dict__.pop('_hidden', None))
+
     def setup(self):
         "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
         _reject_gradient_clip(self.learn)
