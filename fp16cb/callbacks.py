@@ -14,7 +14,7 @@ from .monitor import (add_precision_metrics, remove_precision_metrics, hide_prec
                       scale_health)
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
-from .policy import PrecisionPolicy, policy_report
+from .policy import PrecisionPolicy, policy_report, uncompiled
 from .distributed import rewrap, patch_fastai
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device', 'to_half']
@@ -41,7 +41,7 @@ class IslandHooks:
         self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
         self._fp32_of = {}  # id(16-bit island output) -> its FP32 value, for the current forward
         for name, m, fp32 in islands:
-            if m is model: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
+            if m is uncompiled(model): continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
             inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
             self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
             self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))

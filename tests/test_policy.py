@@ -230,3 +230,36 @@ def test_module_override_inside_a_kept_subtree():
     assert all(d == torch.float32 for d in _dtypes(m).values())
     m.encoder.proj.fp16cb_dtype = torch.float32  # FP32 inside a 16-bit region still keeps it
     assert set(_kept_names(PrecisionPolicy(), m)) == {'encoder.proj', 'encoder.norm'}
+
+# ---- a compiled model: names as on the original one -------------------------------------------------------------------
+def _layered():
+    return _named(layer3=nn.Linear(4, 8), layer4=_named(a=nn.Linear(8, 8), norm=nn.LayerNorm(8), b=nn.Linear(8, 8)),
+                  head=nn.Linear(8, 1))
+
+@pytest.mark.parametrize('spec', ['layer4.*', 'layer4', 'layer4.norm', 'head', 'classifier', 're:layer4\\.[ab]', 'norm'])
+@pytest.mark.parametrize('compiled', ['model', 'submodule'])
+def test_keep_fp32_names_on_a_compiled_model(spec, compiled):
+    """Before the fix: the modules of `torch.compile(model)` sit under `_orig_mod`, so `keep_fp32='layer4.*'` matched
+    nothing (a warning) and a plain word was an error. Names resolve as on the original model, the report shows them."""
+    m = _layered()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # it matches on the original model
+        expected = _kept_names(PrecisionPolicy(spec), m)
+        rows = ModelToHalf(keep_fp32=spec).policy_report(m).drop(columns='type')
+        if compiled == 'model': m = torch.compile(m, backend='aot_eager')
+        else: m.layer4 = torch.compile(m.layer4, backend='aot_eager')
+        assert _kept_names(PrecisionPolicy(spec), m) == expected
+        assert ModelToHalf(keep_fp32=spec).policy_report(m).drop(columns='type').equals(rows)
+
+def test_keep_fp32_on_a_compiled_model_through_a_learner():
+    "`learn.model = torch.compile(model)`, then `to_bf16(keep_fp32='1')`: module '1' stays FP32 during the fit."
+    m = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        learn, cb = _setup(torch.compile(m, backend='aot_eager'), keep_fp32='1')
+    try:
+        assert {n: d for n, d in _dtypes(m).items()} == {'0.weight': torch.bfloat16, '0.bias': torch.bfloat16,
+            '1.weight': torch.float32, '1.bias': torch.float32, '2.weight': torch.bfloat16, '2.bias': torch.bfloat16}
+        assert len(cb.islands.handles) == 3  # the island's two casts, and the model's output hook
+    finally: cb.teardown()
+    assert all(d == torch.float32 for d in _dtypes(m).values())
