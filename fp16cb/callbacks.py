@@ -36,16 +36,19 @@ class IslandHooks:
     """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
     its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
     an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
-    not their 16-bit rounding). `n_casts` counts the casts."""
+    not their 16-bit rounding). The hooks trace into one graph under `torch.compile` (`fullgraph=True` included): no
+    `id()`, nothing read that changes between calls. `n_casts` counts the casts of eager forwards (a compiled
+    forward's casts are in its graph; counting them there would make dynamo compile it again at every call)."""
     def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
         self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
-        self._fp32_of = {}  # id(16-bit island output) -> its FP32 value, for the current forward
+        self._outs = []  # `(16-bit output, its FP32 value)` of each FP32 island run in the current forward
+        root = uncompiled(model)  # a compiled model's hooks go on the module it compiles: traced in its graph
         for name, m, fp32 in islands:
-            if m is uncompiled(model): continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
+            if m is root: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
             inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
             self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
             self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
-        if self.handles: self.handles.append(model.register_forward_hook(self._model_out))
+        if self.handles: self.handles.append(root.register_forward_hook(self._model_out))
 
     def _count(self, b) -> int:
         if isinstance(b, torch.Tensor): return int(torch.is_floating_point(b))
@@ -53,28 +56,34 @@ class IslandHooks:
         if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
         return 0
 
+    def _counted(self, *bs):
+        if not torch.compiler.is_compiling(): self.n_casts += sum(self._count(b) for b in bs)
+
     def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
-        self.n_casts += self._count(args) + self._count(kwargs)
+        self._counted(args, kwargs)
         return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
     def _cast_out(self, module, args, out, dtype:torch.dtype):
         if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
-            self.n_casts += 1
+            self._counted(out)
             res = out.to(dtype)
-            if out.dtype == torch.float32: self._fp32_of[id(res)] = (res, out)
+            if out.dtype == torch.float32: self._outs.append((res, out))
             return res
-        self.n_casts += self._count(out)
+        self._counted(out)
         return cast_floats(out, dtype)
 
     def _model_out(self, module, args, out):
         "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
-        fp32, self._fp32_of = self._fp32_of, {}
-        rec = fp32.get(id(out)) if isinstance(out, torch.Tensor) else None
-        return rec[1] if rec is not None and rec[0] is out else None
+        outs = list(self._outs)
+        self._outs.clear()
+        for res, fp32 in outs:
+            if res is out: return fp32
+        return None
 
     def remove(self):
         for h in self.handles: h.remove()
-        self.handles, self._fp32_of = [], {}
+        self.handles = []
+        self._outs.clear()
 
 def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
     """Convert `model` in place, for good, as `ModelToHalf` does for a fit (a copy's: nothing to tear down): `policy`'s
