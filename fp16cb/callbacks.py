@@ -36,9 +36,8 @@ class IslandHooks:
     """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
     its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
     an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
-    not their 16-bit rounding). The hooks trace into one graph under `torch.compile` (`fullgraph=True` included): no
-    `id()`, nothing read that changes between calls. `n_casts` counts the casts of eager forwards (a compiled
-    forward's casts are in its graph; counting them there would make dynamo compile it again at every call)."""
+    not their 16-bit rounding). Under `torch.compile` the hooks trace into the model's graph (`fullgraph=True` too).
+    `n_casts` counts the casts of eager forwards (counted in a graph, it would make dynamo compile it again)."""
     def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
         self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
         self._outs = []  # `(16-bit output, its FP32 value)` of each FP32 island run in the current forward
@@ -118,6 +117,13 @@ class ModelToHalf(SessionCallback):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
         self.originals, self.masters, self._hook, self.islands = None, {}, None, None
 
+    def check_model(self, model:nn.Module):
+        """`keep_fp32` on `model`, when it is first known (`to_fp16()`, else the fit's set-up): a typo raises, a name that
+        matches no module warns, once (not again at each fit)."""
+        self.policy.check(model)
+        warned = self.__dict__.setdefault('_warned', set())  # the names warned of already
+        warned.update(self.policy.warn_unmatched(model, skip=warned))
+
     @property
     def converted(self) -> bool:
         "Whether the model is in 16-bit now (set up by the session for a fit, until its end)."
@@ -129,7 +135,8 @@ class ModelToHalf(SessionCallback):
         model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
         if device is not None: model.to(device)
         warn_slow_half(self.dtype, model_device(model))
-        res = self.policy.resolve(model)
+        self.check_model(model)
+        res = self.policy.resolve(model, warn=False)
         self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype

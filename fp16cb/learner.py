@@ -92,7 +92,7 @@ def to_fp16(self:Learner, **kwargs):
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
     half = ModelToHalf(dtype, keep_fp32=keep_fp32)
-    if getattr(self, 'model', None) is not None: half.policy.check(self.model)  # a typo in keep_fp32 fails here, not in fit
+    if getattr(self, 'model', None) is not None: half.check_model(self.model)  # a typo fails here, not in fit; no match warns here
     return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch

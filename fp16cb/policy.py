@@ -195,12 +195,23 @@ class PrecisionPolicy:
         warnings.warn(f"keep_fp32: {spec!r} matches no module of the model, so it keeps nothing FP32 ({seen}); "
                       "fix the name, or see `policy_report()` for the names", UserWarning, stacklevel=user_stacklevel())
 
+    def warn_unmatched(self,
+        model:nn.Module, # the model the names are matched against
+        skip=(), # the specs not to warn of (warned of already)
+    ) -> list:
+        "Warn of each name spec (glob, regex) that matches no module of `model`; the specs warned of."
+        named, res = list(named_modules(model)), []
+        for mt in self.matchers:
+            if not mt.by_name or mt.spec in skip or any(mt.test(n, m, model) for n, m in named): continue
+            self._warn_unmatched(mt.spec, [n for n, _ in named if n])
+            res.append(mt.spec)
+        return res
+
     def _spec_reasons(self, model:nn.Module) -> dict:
-        "`{id(module): label}` of the modules a spec keeps by itself (the first that does), warning of unmatched names."
+        "`{id(module): label}` of the modules a spec keeps by itself (the first that does)."
         named, res = list(named_modules(model)), {}
         for mt in self.matchers:
             hits = {id(m): mt.label for n, m in named if mt.test(n, m, model)}
-            if mt.by_name and not hits: self._warn_unmatched(mt.spec, [n for n, _ in named if n])
             if mt.by_name: _keep_parents(model, hits, mt.label)
             for k, v in hits.items(): res.setdefault(k, v)
         return res
@@ -213,12 +224,16 @@ class PrecisionPolicy:
             raise ValueError(f"{name or 'the model'}.{_ATTR} = {dt!r}: expected torch.float32, torch.float16 or torch.bfloat16")
         return dt
 
-    def resolve(self, model:nn.Module) -> Resolved:
+    def resolve(self,
+        model:nn.Module, # the model (compiled or not)
+        warn:bool=True, # warn of the names that match no module (False: the caller did, once)
+    ) -> Resolved:
         """The modules of `model` kept FP32 (whole subtrees, less those that carry a 16-bit `fp16cb_dtype`; and any
         module holding a tensor tied to a kept one). A compiled model (or submodule) is resolved as its original module,
         with the same names; its wrapper is kept with it."""
         wrapped, model = model, uncompiled(model)
         self.check(model)
+        if warn: self.warn_unmatched(model)
         names = {id(m): n for n, m in named_modules(model, remove_duplicate=False)}
         by_spec, kept = self._spec_reasons(model), {}
         def visit(name, m, inherited):

@@ -8,7 +8,7 @@ from fastai.layers import BatchNorm
 
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
 from fp16cb.policy import PrecisionPolicy, CATEGORIES
-from conftest import make_learner, quiet_fit
+from conftest import make_learner, quiet_fit, Record
 
 class Probe(nn.Module):
     "Records the dtype of what it is given; returns it unchanged."
@@ -186,6 +186,36 @@ def test_keep_fp32_name_that_matches_nothing_warns_with_the_closest_names(spec, 
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # a name that matches warns nothing
         PrecisionPolicy('encoder.norm*', 'norm', nn.LayerNorm).resolve(_encoder_model())
+
+def _unmatched(ws) -> list:
+    "The matches-nothing warnings of `ws`."
+    return [w for w in ws if 'matches no module' in str(w.message)]
+
+@pytest.fixture
+def every_warning(recwarn):
+    "`recwarn` showing every warning, a repeat from the same line too (Python's default shows it once)."
+    warnings.simplefilter('always')
+    return recwarn
+
+def test_keep_fp32_name_that_matches_nothing_warns_once_at_the_call(every_warning, tmp_path):
+    """Before the fix: nothing at `to_bf16(...)`, then the same warning at every fit (its set-up). Now once, at the
+    call that names the model's modules; the fits (and a pause mid-fit, as `learn.load` makes) say nothing more."""
+    learn = make_learner(model=_encoder_model(), splitter=lambda m: [list(m.parameters())], path=tmp_path)
+    learn.to_bf16(keep_fp32=['layer4.*', 'norm'])
+    assert len(_unmatched(every_warning)) == 1 and every_warning.list[0].filename == __file__  # at the user's line
+    every_warning.clear()
+    quiet_fit(learn, 1); learn.save('w'); quiet_fit(learn, 1, cbs=Record(after_epoch=lambda l: l.load('w')))
+    assert _unmatched(every_warning) == []
+
+def test_keep_fp32_name_that_matches_nothing_warns_once_at_the_first_fit(every_warning):
+    "A `ModelToHalf` added by hand knows the model at the fit's set-up: it warns there, at the first fit only."
+    learn = make_learner(model=_encoder_model(), splitter=lambda m: [list(m.parameters())])
+    learn.add_cbs([ModelToHalf(torch.bfloat16, keep_fp32='encoder.nrm'), MixedPrecision(dtype=torch.bfloat16)])
+    assert _unmatched(every_warning) == []
+    quiet_fit(learn, 1)
+    assert len(_unmatched(every_warning)) == 1
+    quiet_fit(learn, 1)
+    assert len(_unmatched(every_warning)) == 1
 
 def test_glob_matching_every_child_keeps_the_parent_one_island():
     "keep_fp32='layer4.*' (the README's example): layer4 is kept too, so its blocks form one island, not one each."
