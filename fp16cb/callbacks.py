@@ -12,10 +12,11 @@ from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
 from .compat import Facts, check, learner_facts, float64_layers, OPTIONS, FIT, BATCH, STEP
 from .scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
-from .monitor import add_precision_metrics, remove_precision_metrics, scale_health
+from .monitor import (add_precision_metrics, remove_precision_metrics, hide_precision_metrics, show_precision_metrics,
+                      scale_health)
 from .session import SessionCallback
 from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
-from .policy import PrecisionPolicy, policy_report
+from .policy import PrecisionPolicy, policy_report, uncompiled
 from .distributed import rewrap, patch_fastai
 
 __all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device', 'to_half']
@@ -37,16 +38,18 @@ class IslandHooks:
     """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
     its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
     an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
-    not their 16-bit rounding). `n_casts` counts the casts."""
+    not their 16-bit rounding). Under `torch.compile` the hooks trace into the model's graph (`fullgraph=True` too).
+    `n_casts` counts the casts of eager forwards (counted in a graph, it would make dynamo compile it again)."""
     def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
         self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
-        self._fp32_of = {}  # id(16-bit island output) -> its FP32 value, for the current forward
+        self._outs = []  # `(16-bit output, its FP32 value)` of each FP32 island run in the current forward
+        root = uncompiled(model)  # a compiled model's hooks go on the module it compiles: traced in its graph
         for name, m, fp32 in islands:
-            if m is model: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
+            if m is root: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
             inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
             self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
             self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
-        if self.handles: self.handles.append(model.register_forward_hook(self._model_out))
+        if self.handles: self.handles.append(root.register_forward_hook(self._model_out))
 
     def _count(self, b) -> int:
         if isinstance(b, torch.Tensor): return int(torch.is_floating_point(b))
@@ -54,28 +57,34 @@ class IslandHooks:
         if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
         return 0
 
+    def _counted(self, *bs):
+        if not torch.compiler.is_compiling(): self.n_casts += sum(self._count(b) for b in bs)
+
     def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
-        self.n_casts += self._count(args) + self._count(kwargs)
+        self._counted(args, kwargs)
         return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
     def _cast_out(self, module, args, out, dtype:torch.dtype):
         if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
-            self.n_casts += 1
+            self._counted(out)
             res = out.to(dtype)
-            if out.dtype == torch.float32: self._fp32_of[id(res)] = (res, out)
+            if out.dtype == torch.float32: self._outs.append((res, out))
             return res
-        self.n_casts += self._count(out)
+        self._counted(out)
         return cast_floats(out, dtype)
 
     def _model_out(self, module, args, out):
         "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
-        fp32, self._fp32_of = self._fp32_of, {}
-        rec = fp32.get(id(out)) if isinstance(out, torch.Tensor) else None
-        return rec[1] if rec is not None and rec[0] is out else None
+        outs = list(self._outs)
+        self._outs.clear()
+        for res, fp32 in outs:
+            if res is out: return fp32
+        return None
 
     def remove(self):
         for h in self.handles: h.remove()
-        self.handles, self._fp32_of = [], {}
+        self.handles = []
+        self._outs.clear()
 
 def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
     """Convert `model` in place, for good, as `ModelToHalf` does for a fit (a copy's: nothing to tear down): `policy`'s
@@ -98,6 +107,14 @@ class ModelToHalf(SessionCallback):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
         self.originals, self.masters, self._hook, self.islands = None, {}, None, None
 
+    def check_model(self, model:nn.Module):
+        """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the declaration
+        of what combines); in `keep_fp32` a typo raises, a name that matches no module warns, once (not again at each fit)."""
+        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model)), FIT)
+        self.policy.check(model)
+        warned = self.__dict__.setdefault('_warned', set())  # the names warned of already
+        warned.update(self.policy.warn_unmatched(model, skip=warned))
+
     @property
     def converted(self) -> bool:
         "Whether the model is in 16-bit now (set up by the session for a fit, until its end)."
@@ -109,8 +126,8 @@ class ModelToHalf(SessionCallback):
         model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
         if device is not None: model.to(device)
         warn_slow_half(self.dtype, model_device(model))
-        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model)), FIT)  # before the model is converted
-        res = self.policy.resolve(model)
+        self.check_model(model)  # before the model is converted
+        res = self.policy.resolve(model, warn=False)
         self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
@@ -284,6 +301,15 @@ class MixedPrecision(SessionCallback):
         return mth.policy_report(leaves=leaves)
 
     # -- the lifecycle (called by the session)
+    def before_fit(self):
+        nested = self.session.in_fit and self.session.is_active(self)  # a `validate`/`get_preds` inside the fit
+        super().before_fit()
+        if nested: self._hidden = hide_precision_metrics(self.learn)  # its result as in FP32: no loss-scale columns
+
+    def after_fit(self):
+        super().after_fit()
+        show_precision_metrics(self.learn, self.__dict__.pop('_hidden', None))
+
     def setup(self):
         "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
         self._fit_facts = learner_facts(self.learn, self.facts)

@@ -3,9 +3,10 @@ keyed as for the model's own params (even mid-fit, when the model is 16-bit and 
 so the file also loads into a plain FP32 learner; with the optimizer state it keeps the precision callbacks' state
 (loss scaler, GradScaler). Mid-fit, `learn.save` reads the FP32 view of the weight store and leaves the 16-bit model
 and its storages as they are. `learn.load` restores all of it, before, during or after a fit. `learn.save` (hence
-`SaveModelCallback`) writes atomically: a write that fails part-way keeps the previous file (`export`: see `export`)."""
+`SaveModelCallback`) writes atomically: a write that fails part-way keeps the previous file (`export`: see `export`);
+a symlink stays a symlink (the file it points to is replaced), and a device or a FIFO is written through, not replaced."""
 from __future__ import annotations
-import os, uuid, warnings
+import os, stat, uuid, warnings
 from contextlib import contextmanager
 from pathlib import Path
 import cloudpickle
@@ -43,12 +44,22 @@ def _target(path:Path) -> Path:
                                        "point the link at a file, or remove it")
     return res
 
+def _written_through(path:Path) -> bool:
+    "Whether `path` exists and is not a regular file (a device such as /dev/null, a FIFO): it is written to, never replaced."
+    try: return not stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError: return False
+
 @contextmanager
 def atomic_write(
     path, # the file to (over)write: it changes only once the whole new content is on disk (a symlink: the file it points to)
 ):
-    "Yield a binary file opened on a temporary file next to `path`; on success it is flushed, fsynced and renamed over `path`."
+    """Yield a binary file opened on a temporary file next to `path`; on success it is flushed, fsynced and renamed over
+    `path`. A symlink stays: the file it points to is replaced. What is not a regular file (a device, a FIFO) is opened
+    and written through, as `torch.save` does: it cannot be replaced atomically, and must not be replaced at all."""
     path = _target(Path(path))  # a symlink is kept: the temporary file goes next to its target, and replaces that
+    if _written_through(path):
+        with open(path, 'wb') as f: yield f
+        return
     tmp = path.with_name(f'.{path.name}.{uuid.uuid4().hex[:12]}.tmp')  # same folder: `os.replace` is a rename
     try:
         with open(tmp, 'xb') as f:
@@ -138,7 +149,7 @@ def save(self:Learner,
     return file
 
 def save_atomic(obj, file, **kwargs):
-    "`torch.save(obj, file)`, atomically when `file` is a path (a file object is written as it is)."
+    "`torch.save(obj, file)`, atomically when `file` is a regular file or a new path (a file object, a device or a FIFO: written through)."
     if not isinstance(file, (str, Path)): return torch.save(obj, file, **kwargs)
     with atomic_write(file) as f: torch.save(obj, f, **kwargs)
 

@@ -222,7 +222,8 @@ from .policy import PrecisionPolicy
 def _precision_of(learn) -> tuple:
     """`(Precision, scale_of, floor, label, half_storage)` of the learner's precision callbacks (`to_fp16()`'s defaults
     when it has none): `scale_of(max |FP32 grad|)` is the loss scale that precision would use for these batches, `floor`
-    the lowest it can go to (a dynamic scale backs off from gradients that overflow above it)."""
+    the lowest it can go to (a dynamic scale backs off from gradients that overflow above it), `half_storage` how
+    16-bit storage rounds the updated weights: 'stochastic' or 'nearest' (None: FP32 masters)."""
     from .callbacks import MixedPrecision, ModelToHalf
     from .native import NativeMixedPrecision
     from .scaling import BackoffScaler
@@ -233,7 +234,7 @@ def _precision_of(learn) -> tuple:
         on = nat.enabled and nat.dtype == torch.float16
         scale = nat.loss_scale if nat.scaler is not None else nat.init_scale if on else 1.
         return (Precision(nat.dtype, autocast=True), (lambda g: scale), min(scale, 1.),
-                f"to_native_{'fp16' if nat.dtype == torch.float16 else 'bf16'}()", False)
+                f"to_native_{'fp16' if nat.dtype == torch.float16 else 'bf16'}()", None)
     if mp is None: mp, label = MixedPrecision(), "to_fp16() (the learner has no precision set: fp16cb's default)"
     else: label = f"to_{'bf16' if mp.dtype == torch.bfloat16 else 'fp16'}()"
     mth = next((cb for cb in cbs if isinstance(cb, ModelToHalf)), None)
@@ -241,7 +242,7 @@ def _precision_of(learn) -> tuple:
     sc = mp.scaler
     calibrating = isinstance(sc, BackoffScaler) and not sc.calibrated
     return (Precision(mp.dtype, policy), (sc.calibrated_scale if calibrating else (lambda g: sc.scale)),
-            min(sc.floor, sc.scale), label, mp.half_storage)
+            min(sc.floor, sc.scale), label, ('stochastic' if mp.stochastic_rounding else 'nearest') if mp.half_storage else None)
 
 def _lrs(learn, model) -> dict:
     "`{param name: lr}`: the optimizer's per group, else the learner's `lr`."
@@ -401,6 +402,10 @@ def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage) ->
                 f"(dynamic) loss scale" + (", or `learn.to_bf16()`" if bf16 else '') + " keeps them.")
     sw = df['swallowed'].fillna(0.)
     if half_storage and len(sw) and sw.max() > .1:
+        if half_storage == 'stochastic':  # already on: only FP32 masters would do more
+            return (f"swallowed: rounded to nearest, 16-bit storage would round {sw.max():.0%} of the updates of "
+                    f"{sw.idxmax()!r} to nothing; stochastic rounding (on) keeps them on average only, with noise: FP32 "
+                    "master weights (half_storage=False) keep them exactly.")
         return (f"swallowed: 16-bit storage rounds {sw.max():.0%} of the updates of {sw.idxmax()!r} to nothing: keep FP32 "
                 "master weights (half_storage=False), or stochastic_rounding=True.")
     return (f"safe: no overflow, no underflow over 1% at loss scale {scale:g}"

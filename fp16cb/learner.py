@@ -10,7 +10,6 @@ from fastcore.meta import delegates
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
-from .compat import Facts, check, float64_layers, FIT
 
 from .session import session_of
 
@@ -93,9 +92,7 @@ def to_fp16(self:Learner, **kwargs):
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
     half = ModelToHalf(dtype, keep_fp32=keep_fp32)
-    if getattr(self, 'model', None) is not None:  # a typo in keep_fp32, a float64 model: fail here, not in fit
-        half.policy.check(self.model)
-        check(Facts(dtype=half.dtype, float64_layers=float64_layers(self.model)), FIT)
+    if getattr(self, 'model', None) is not None: half.check_model(self.model)  # a typo, a float64 model fail here, not in fit
     return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
 @patch

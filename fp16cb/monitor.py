@@ -1,13 +1,15 @@
 """The current loss scale and the count of skipped steps as columns of fastai's Recorder (no extra host sync): printed
 in the table of a fit with a dynamic scale (a static one, or bf16 at scale 1, would only repeat a constant), then
-taken out of `learn.recorder.values` at the end of the fit, so that what plots the user's metrics sees only those.
+taken out of `learn.recorder.values` at the end of the fit, so that what plots the user's metrics sees only those;
+a `learn.validate()` inside the fit (from a callback) returns the loss and the user's metrics only, as in FP32.
 The per-step history stays in the callback (`scales`, `skips`; `plot_loss_scale`). Also the health of the loss
 scale: warnings (once each) when it sits at its floor or many steps are skipped, at the end of each epoch."""
 from __future__ import annotations
 import warnings
 from fastai.learner import Metric
 
-__all__ = ['PrecisionValue', 'add_precision_metrics', 'remove_precision_metrics', 'COLUMNS', 'scale_health']
+__all__ = ['PrecisionValue', 'add_precision_metrics', 'remove_precision_metrics', 'hide_precision_metrics',
+           'show_precision_metrics', 'COLUMNS', 'scale_health']
 
 COLUMNS = ('loss_scale', 'n_skipped')
 
@@ -45,6 +47,24 @@ def remove_precision_metrics(learn,
     learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
     rec = getattr(learn, 'recorder', None)
     if rec is not None and fit_ends: _strip_recorder(rec)
+
+def hide_precision_metrics(learn) -> tuple|None:
+    """For a `validate`/`get_preds` run inside a fit: take the columns out of the metrics, so that it returns what it
+    does in FP32 fastai (`loss, acc = learn.validate()`); what `show_precision_metrics` puts back (None: nothing hidden)."""
+    mets = list(learn.metrics)
+    if not any(isinstance(m, PrecisionValue) for m in mets): return None
+    rec = getattr(learn, 'recorder', None)
+    names = getattr(rec, 'metric_names', None)
+    learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
+    return mets, names
+
+def show_precision_metrics(learn, hidden:tuple|None):
+    "After that run: the fit's columns back in the metrics, and the Recorder's names of the fit's table."
+    if hidden is None: return
+    mets, names = hidden
+    learn.metrics = mets
+    rec = getattr(learn, 'recorder', None)
+    if rec is not None and names is not None: rec.metric_names = names  # the nested run's `before_fit` set its own
 
 def add_precision_metrics(learn, cb):
     "Show `cb.loss_scale` and `cb.n_skipped` as the Recorder columns `loss_scale` and `n_skipped` when the scale is dynamic."

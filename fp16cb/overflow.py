@@ -16,7 +16,7 @@ from torch import nn, Tensor
 
 from .dtypes import has_fast_half_math, model_device, user_stacklevel
 from .callbacks import cast_floats, to_half
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, is_compiled, uncompiled
 from .scaling import is_ddp, syncs, LossScaleError
 
 __all__ = ['INPUTS', 'LOSS', 'MODEL', 'unwrap', 'bare_copy', 'rng_state', 'same_rng', 'Precision', 'Run', 'run_batch',
@@ -31,7 +31,10 @@ def shown(name:str) -> str:
     "A module's name as messages show it: quoted; the model itself is '(model)'."
     return MODEL if name == '' else name if name in (INPUTS, LOSS) else repr(name)
 
-def unwrap(model:nn.Module) -> nn.Module: return model.module if is_ddp(model) else model
+def unwrap(model:nn.Module) -> nn.Module:
+    "The module a DDP wrapper or `torch.compile` wraps (the copies run eagerly, named as the original model)."
+    while is_ddp(model) or is_compiled(model): model = model.module if is_ddp(model) else uncompiled(model)
+    return model
 
 # ---- copies of the model, the RNG
 def bare_copy(

@@ -5,18 +5,45 @@ NVCaffe lets a layer choose its math (NVIDIA's "Training with mixed precision" s
 own choice (`module.fp16cb_dtype = torch.float32`). Casts go only where a kept subtree (an *island*) meets the 16-bit
 rest: its floating inputs cast up once, its outputs back once; nothing is cast inside an island."""
 from __future__ import annotations
-import difflib, fnmatch, re, warnings
+import difflib, fnmatch, re, sys, warnings
 from typing import NamedTuple
 import torch
 from torch import nn
 
 from .dtypes import user_stacklevel
 
-__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'policy_report']
+__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'policy_report', 'is_compiled', 'uncompiled', 'named_modules']
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
 if hasattr(nn, 'RMSNorm'): _NORMS += (nn.RMSNorm,)
 _SOFTMAX = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
+
+# ---- names as on the original model: a `torch.compile` wrapper holds its module under `_orig_mod`
+def is_compiled(m) -> bool:
+    "Whether `m` is a `torch.compile` wrapper (an `OptimizedModule`: the module it compiles is its `_orig_mod`)."
+    ef = sys.modules.get('torch._dynamo.eval_frame')  # loaded as soon as anything is compiled
+    return ef is not None and isinstance(m, ef.OptimizedModule)
+
+def uncompiled(m:nn.Module) -> nn.Module:
+    "The module a `torch.compile` wrapper compiles (`m` itself when it is not one)."
+    while is_compiled(m): m = m._orig_mod
+    return m
+
+def _children(name:str, m:nn.Module):
+    "`(qualified name, child)` of `m`'s children; a compiled child is its original module."
+    for cn, c in m.named_children(): yield (f"{name}.{cn}" if name else cn), uncompiled(c)
+
+def named_modules(model:nn.Module, remove_duplicate:bool=True):
+    """`model.named_modules()` with the names of the original modules: those of compiled ones (the model itself, or
+    a submodule) without `_orig_mod`, so that `keep_fp32='layer4.*'` means the same on `torch.compile(model)`."""
+    seen = set()
+    def walk(name, m):
+        if remove_duplicate:
+            if id(m) in seen: return
+            seen.add(id(m))
+        yield name, m
+        for cn, c in _children(name, m): yield from walk(cn, c)
+    yield from walk('', uncompiled(model))
 
 # the tests of the categories, `(name, module, model) -> bool`: module-level functions, so that a policy pickles
 def _is_batchnorm(name:str, m:nn.Module, model:nn.Module) -> bool: return isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -28,7 +55,7 @@ def _is_classifier(name:str, m:nn.Module, model:nn.Module) -> bool: return name 
 def _last_layer_name(model:nn.Module):
     "The name of the last (in registration order) Linear or Conv layer: the model's final classifier."
     res = None
-    for n, m in model.named_modules():
+    for n, m in named_modules(model):
         if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)): res = n
     return res
 
@@ -89,7 +116,7 @@ def _keep_parents(model:nn.Module, hits:dict, label:str):
     """Add to `hits` the modules whose children (two or more) a name spec all keeps: `'layer4.*'` keeps `layer4` too,
     so that its blocks are one FP32 island (their activations stay FP32 between them), not one island each."""
     def covered(m) -> bool:
-        kids = [covered(c) for c in m.children()]  # all of them, first: nested parents are kept too
+        kids = [covered(uncompiled(c)) for c in m.children()]  # all of them, first: nested parents are kept too
         if id(m) in hits: return True
         if len(kids) >= 2 and all(kids): hits[id(m)] = f"{label} (all its children)"
         return id(m) in hits
@@ -150,7 +177,7 @@ class PrecisionPolicy:
 
     def check(self, model:nn.Module):
         "`ValueError` for a plain word of `keep_fp32` that is neither a category nor a module of `model` (a typo)."
-        names = [n for n, _ in model.named_modules() if n]
+        names = [n for n, _ in named_modules(model) if n]
         for mt in self.matchers:
             if not (mt.by_name and _is_word(mt.spec)) or mt.spec in names: continue
             close = _closest(mt.spec, list(CATEGORIES) + names)
@@ -168,12 +195,23 @@ class PrecisionPolicy:
         warnings.warn(f"keep_fp32: {spec!r} matches no module of the model, so it keeps nothing FP32 ({seen}); "
                       "fix the name, or see `policy_report()` for the names", UserWarning, stacklevel=user_stacklevel())
 
+    def warn_unmatched(self,
+        model:nn.Module, # the model the names are matched against
+        skip=(), # the specs not to warn of (warned of already)
+    ) -> list:
+        "Warn of each name spec (glob, regex) that matches no module of `model`; the specs warned of."
+        named, res = list(named_modules(model)), []
+        for mt in self.matchers:
+            if not mt.by_name or mt.spec in skip or any(mt.test(n, m, model) for n, m in named): continue
+            self._warn_unmatched(mt.spec, [n for n, _ in named if n])
+            res.append(mt.spec)
+        return res
+
     def _spec_reasons(self, model:nn.Module) -> dict:
-        "`{id(module): label}` of the modules a spec keeps by itself (the first that does), warning of unmatched names."
-        named, res = list(model.named_modules()), {}
+        "`{id(module): label}` of the modules a spec keeps by itself (the first that does)."
+        named, res = list(named_modules(model)), {}
         for mt in self.matchers:
             hits = {id(m): mt.label for n, m in named if mt.test(n, m, model)}
-            if mt.by_name and not hits: self._warn_unmatched(mt.spec, [n for n, _ in named if n])
             if mt.by_name: _keep_parents(model, hits, mt.label)
             for k, v in hits.items(): res.setdefault(k, v)
         return res
@@ -186,20 +224,29 @@ class PrecisionPolicy:
             raise ValueError(f"{name or 'the model'}.{_ATTR} = {dt!r}: expected torch.float32, torch.float16 or torch.bfloat16")
         return dt
 
-    def resolve(self, model:nn.Module) -> Resolved:
+    def resolve(self,
+        model:nn.Module, # the model (compiled or not)
+        warn:bool=True, # warn of the names that match no module (False: the caller did, once)
+    ) -> Resolved:
         """The modules of `model` kept FP32 (whole subtrees, less those that carry a 16-bit `fp16cb_dtype`; and any
-        module holding a tensor tied to a kept one)."""
+        module holding a tensor tied to a kept one). A compiled model (or submodule) is resolved as its original module,
+        with the same names; its wrapper is kept with it."""
+        wrapped, model = model, uncompiled(model)
         self.check(model)
-        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        if warn: self.warn_unmatched(model)
+        names = {id(m): n for n, m in named_modules(model, remove_duplicate=False)}
         by_spec, kept = self._spec_reasons(model), {}
         def visit(name, m, inherited):
             dt = self._override(name, m)
             reason = (inherited or by_spec.get(id(m))) if dt is None else (f"{_ATTR}=float32" if dt == torch.float32 else None)
             if reason is not None: kept[id(m)] = reason
-            for cn, c in m.named_children():
-                visit(f"{name}.{cn}" if name else cn, c, f"inside {name or 'the model'}" if reason else None)
+            for cn, c in _children(name, m): visit(cn, c, f"inside {name or 'the model'}" if reason else None)
         visit('', model, None)
         self._pull_tied(model, kept, names)
+        for w in wrapped.modules():  # the compiled wrappers: named and kept as the modules they compile
+            if is_compiled(w):
+                names[id(w)] = names.get(id(uncompiled(w)), '')
+                if id(uncompiled(w)) in kept: kept[id(w)] = kept[id(uncompiled(w))]
         return Resolved(kept, self._islands(model, kept), names)
 
     def _pull_tied(self, model, kept:dict, names:dict):
@@ -208,7 +255,7 @@ class PrecisionPolicy:
         while changed:
             changed = False
             owners = {}
-            for n, m in model.named_modules(remove_duplicate=False):
+            for n, m in named_modules(model, remove_duplicate=False):
                 for t in list(m._parameters.values()) + list(m._buffers.values()):
                     if t is not None: owners.setdefault(id(t), []).append((n, m))
             for mods in owners.values():
@@ -226,7 +273,7 @@ class PrecisionPolicy:
         def visit(name, m, parent_kept):
             fp32 = id(m) in kept
             if fp32 != parent_kept and not (fp32 and _native_leaf(m)): res.append(Island(name, m, fp32))
-            for cn, c in m.named_children(): visit(f"{name}.{cn}" if name else cn, c, fp32)
+            for cn, c in _children(name, m): visit(cn, c, fp32)
         visit('', model, False)
         return res
 
@@ -247,7 +294,7 @@ def policy_report(model:nn.Module, policy:PrecisionPolicy, dtype:torch.dtype, le
     """Each module of `model` (`leaves`: the modules without children, and the islands) with its storage dtype (its own
     params, during a fit), compute dtype, the casts inserted at its edges and why it is FP32: a pandas DataFrame."""
     import pandas as pd
-    res = policy.resolve(model)
+    res, model = policy.resolve(model), uncompiled(model)
     islands, rows, seen = {id(i.module): i for i in res.islands}, [], set()
     def visit(name, m, parent_kept):
         if id(m) in seen: return
@@ -259,7 +306,7 @@ def policy_report(model:nn.Module, policy:PrecisionPolicy, dtype:torch.dtype, le
             rows.append(dict(module=name or '(model)', type=type(m).__name__, storage=_storage(m, dtype, kept),
                              compute=compute, casts=_casts(island, dtype) if m is not model else '-',
                              fp32_because=res.kept.get(id(m), '-')))
-        for cn, c in m.named_children(): visit(f"{name}.{cn}" if name else cn, c, kept)
+        for cn, c in _children(name, m): visit(cn, c, kept)
     visit('', model, False)
     return pd.DataFrame(rows, columns=['module', 'type', 'storage', 'compute', 'casts', 'fp32_because'])
 

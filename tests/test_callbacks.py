@@ -244,6 +244,39 @@ def test_validate_returns_only_loss_and_metrics():
     with learn.no_bar(), learn.no_logging(): res = learn.validate()
     assert len(res) == 2 and 'loss_scale' not in learn.recorder.metric_names
 
+class _ValidateEachEpoch(Callback):
+    "Calls `learn.validate()` at the end of each epoch (after the Recorder logged it), as a user's callback may."
+    order = 60
+    def __init__(self): self.results, self.rows, self.names, self.busy = [], [], [], False
+    def after_epoch(self):
+        if self.busy: return  # the `after_epoch` of validate() itself
+        self.rows.append((list(self.recorder.metric_names), list(self.recorder.log)))  # the row the fit's table printed
+        self.busy = True
+        try: loss, metric = self.learn.validate()  # two values: the validation loss and the one metric
+        finally: self.busy = False
+        self.results.append((loss, metric))
+        self.names.append(list(self.recorder.metric_names))  # the fit's names again, for its next epoch
+
+def test_validate_inside_a_fit_returns_only_loss_and_metrics():
+    """Before the fix: `learn.validate()` from a callback of a `to_fp16` fit returned `loss_scale` and `n_skipped` too,
+    so `loss, acc = learn.validate()` failed. It returns what it does in FP32; the fit's table keeps the two columns."""
+    runs = {}
+    for mode in ('fp32', 'fp16'):
+        learn = make_learner(metrics=mae)
+        if mode == 'fp16': learn.to_fp16(**NO_OVERFLOW)
+        v = _ValidateEachEpoch()
+        quiet_fit(learn, 2, lr=1e-2, cbs=v)
+        runs[mode] = (learn, v)
+    (l32, v32), (l16, v16) = runs['fp32'], runs['fp16']
+    assert [len(r) for r in v16.results] == [len(r) for r in v32.results] == [2, 2]
+    assert [len(r) for r in l16.recorder.values] == [len(r) for r in l32.recorder.values]
+    assert len(l16.final_record) == len(l32.final_record)
+    names32 = v32.rows[0][0]
+    names16 = names32[:-1] + ['loss_scale', 'n_skipped', names32[-1]]  # the fit's table: the two columns before 'time'
+    assert [n for n, _ in v16.rows] == v16.names == [names16] * 2
+    assert all(len(row) == len(names16) for _, row in v16.rows)  # and each printed row their values
+    assert list(l16.recorder.metric_names) == names32  # after the fit: the user's columns only
+
 # ---- bad arguments -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kwargs,name', [

@@ -344,3 +344,73 @@ def test_learn_save_writes_through_a_symlink(tmp_path):
     assert link.is_symlink()
     sd = torch.load(target, weights_only=False)
     for k, v in learn.model.state_dict().items(): assert torch.equal(sd['model'][k], v), k
+
+# ---- a path that is not a regular file (a device, a FIFO) is written through, never replaced --------------------------
+def _read_fifo(path):
+    """Start a thread reading the FIFO `path` to its end (a FIFO's writer waits for a reader); returns `received()`: the
+    bytes it read (None if nothing was written to the FIFO: the waiting reader is then released)."""
+    import threading
+    got = []
+    t = threading.Thread(target=lambda: got.append(open(path, 'rb').read()), daemon=True)
+    t.start()
+    def received():
+        t.join(5)
+        if t.is_alive(): open(path, 'wb').close(); t.join(5)  # nobody wrote: end the reader's wait
+        return got[0] if got and got[0] else None
+    return received
+
+def _fifo(tmp_path, name='pipe'):
+    if not hasattr(os, 'mkfifo'): pytest.skip('no FIFOs on this platform')
+    path = tmp_path/name
+    os.mkfifo(path)
+    return path
+
+def _is_fifo(path) -> bool:
+    import stat
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+@pytest.mark.parametrize('through_link', [False, True])
+def test_atomic_write_onto_a_fifo_writes_through_it(tmp_path, through_link):
+    "Before the fix: the FIFO (as `/dev/null`) was replaced by a regular file holding the bytes, and its reader got nothing."
+    from fp16cb.checkpoint import atomic_write
+    fifo = _fifo(tmp_path)
+    path = tmp_path/'link.pth' if through_link else fifo
+    if through_link: os.symlink(fifo, path)
+    received = _read_fifo(fifo)
+    with atomic_write(path) as f: f.write(b'checkpoint bytes')
+    assert received() == b'checkpoint bytes' and _is_fifo(fifo) and path.is_symlink() == through_link
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({'pipe', path.name})  # no temporary file left
+
+def test_atomic_write_onto_a_character_device_keeps_the_device(tmp_path):
+    "A node of the null device made here (as root): written through as `torch.save` does, the node stays a device."
+    import stat
+    from fp16cb.checkpoint import atomic_write
+    dev = tmp_path/'null'
+    try: os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # the null device's numbers on Linux
+    except (OSError, AttributeError): pytest.skip('cannot make a device node here (not root, or not Linux)')
+    link = tmp_path/'models'/'best.pth'
+    link.parent.mkdir(); os.symlink(dev, link)
+    for path in (dev, link):
+        with atomic_write(path) as f: f.write(b'discarded')
+        assert stat.S_ISCHR(os.lstat(dev).st_mode) and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['models', 'null'] and os.listdir(link.parent) == ['best.pth']
+
+def test_learn_save_and_export_onto_a_fifo(tmp_path):
+    "A save mid-fit onto `models/best.pth -> a FIFO`, and `export` onto a FIFO: the FIFO gets the file, and stays."
+    learn = make_learner(path=tmp_path).to_fp16(max_loss_scale=2.**8)
+    fifo = _fifo(tmp_path)
+    (tmp_path/'models').mkdir(); os.symlink(fifo, tmp_path/'models'/'best.pth')
+    received = _read_fifo(fifo)
+    fit(learn, 1, cbs=SaveAt(0, 'best'))  # at the end of the epoch: the FP32 masters of the fit's end
+    data = received()
+    assert data and _is_fifo(fifo) and (tmp_path/'models'/'best.pth').is_symlink()
+    sd = torch.load(io.BytesIO(data), weights_only=False)
+    for k, v in learn.model.state_dict().items(): assert torch.equal(sd['model'][k], v), k
+    received = _read_fifo(fifo)
+    learn.export(fifo)
+    data = received()
+    assert data and _is_fifo(fifo) and sorted(p.name for p in tmp_path.iterdir()) == ['models', 'pipe']
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        new = torch.load(io.BytesIO(data), weights_only=False)
+    for a, b in zip(weights(new), weights(learn)): assert torch.equal(a, b)

@@ -1,10 +1,12 @@
 """A compiled model (`learn.model = torch.compile(model)`) under `to_bf16`/`to_fp16`, with FP32 masters (flat or not,
 dynamic loss scale) and with 16-bit storage: no graph break caused by us, no recompilation after the first epoch
 (validation, a save in the middle of a fit, `SaveModelCallback`, `to_fp32()` and back included), and the same weights
-and loss scales as eager. dynamo's `aot_eager` backend needs no C++ compiler."""
+and loss scales as eager; `keep_fp32` islands trace into the model's graphs (`fullgraph=True` too). dynamo's
+`aot_eager` backend needs no C++ compiler."""
 from pathlib import Path
 import pytest
 import torch
+from torch import nn
 from fastai.callback.tracker import SaveModelCallback
 
 from conftest import make_learner, quiet_fit, weights
@@ -63,3 +65,30 @@ def test_compiled_model_compiles_once_and_trains_as_eager(case, tmp_path):
     assert mpc.scales == mp.scales and mpc.skips == mp.skips and len(mp.skips) == 8  # same loss scales, same skips
     if case == 'fp16': assert mp.scales[-1] > 1 and not any(mp.skips)  # calibrated from the first step
     if case == 'fp16-overflow': assert any(mp.skips) and not all(mp.skips) and mp.scales[-1] < 2.**16
+
+@pytest.mark.parametrize('fullgraph', [True, False])
+def test_fp32_islands_compile_into_the_models_graphs(fullgraph, tmp_path):
+    """`keep_fp32` islands on a compiled model: their casts trace into the model's graphs, even with `fullgraph=True`.
+    Before the fix: the island hooks kept a dict keyed by `id()` of the islands' outputs (to give the model's FP32
+    output back), which dynamo cannot trace: `fullgraph=True` failed at the first fit, and without it the model split
+    into more graphs and a hook recompiled. The FP32 output of the classifier kept FP32 is still given back exactly."""
+    dynamo.reset(); counters.clear()
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    learn = make_learner(model=model, splitter=lambda m: [list(m.parameters())])
+    learn.model, learn.path = torch.compile(learn.model, backend='aot_eager', fullgraph=fullgraph), tmp_path
+    learn.to_bf16(keep_fp32=['norm', 'classifier'])  # an island inside the model, and one whose output is the model's
+    quiet_fit(learn, 1)
+    first = _graphs()  # a training and a validation graph
+    assert 1 <= first <= 2 and not _breaks(), dict(counters)
+    with _no_recompile(): quiet_fit(learn, 2); learn.validate()
+    assert _graphs() == first and not _breaks()
+    cb = learn.model_to_half
+    cb.setup()  # the 16-bit model of a fit, its island hooks on
+    try:
+        assert [p.dtype for p in model.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2 + [torch.float32] * 2
+        learn.model.eval()
+        x = torch.randn(5, 4)
+        with torch.no_grad(): out, eager = learn.model(x), model(x.to(torch.bfloat16))  # compiled, and eager
+        assert out.dtype == torch.float32 and torch.equal(out, eager)  # the classifier's FP32 output, as eager gives it
+        assert not torch.equal(out, out.to(torch.bfloat16).float())  # not its 16-bit rounding
+    finally: cb.teardown()

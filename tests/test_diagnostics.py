@@ -384,6 +384,16 @@ def test_precision_check_measures_underflow_and_swallowed_updates():
     df = slow.precision_check(n_batches=2, plot=False)
     assert df.loc['0', 'swallowed'] == 1. and df.loc['1', 'swallowed'] < 1. and df.attrs['advice'].startswith('swallowed')
 
+@pytest.mark.parametrize('sr', [True, False])
+def test_precision_check_advice_takes_the_current_settings_into_account(sr):
+    """Before the fix: with `half_storage=True` (stochastic rounding on by default), the advice for swallowed updates
+    was `stochastic_rounding=True`, already set. The advice names only what would change something."""
+    slow = synth_learner().to_fp16(half_storage=True, stochastic_rounding=sr)
+    slow.lr = 1e-9  # updates far under half a 16-bit spacing of the weights
+    advice = slow.precision_check(n_batches=2, plot=False).attrs['advice']
+    assert advice.startswith('swallowed') and 'half_storage=False' in advice
+    assert ('stochastic_rounding=True' in advice) == (not sr)
+
 def test_precision_check_plots():
     from fp16cb import precision_check, plot_precision_check
     df = precision_check(make_learner(model=amplified()), n_batches=2)  # plot=True by default, as lr_find

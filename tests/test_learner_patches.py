@@ -104,6 +104,34 @@ def test_to_fp32_after_interrupted_fit_restores_fp32():
     quiet_fit(learn, 1, lr=1e-2)  # and it trains in FP32
     assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in learn.model.parameters())
 
+@pytest.mark.parametrize('how', ['instance', 'class', 'remove_cbs'])
+@pytest.mark.parametrize('which', [ModelToHalf, MixedPrecision])
+def test_removing_either_precision_callback_restores_the_fp32_learner(which, how):
+    """Before the fix: `learn.remove_cb(MixedPrecision)` left `ModelToHalf`, so the next fit trained a pure 16-bit model
+    (no masters, no loss scaling). Removing either callback of a `to_fp16` setup removes both, as `to_fp32()` does."""
+    learn = make_learner().to_fp16(max_loss_scale=2.**8)
+    quiet_fit(learn, 1, lr=1e-2)
+    cb = next(c for c in learn.cbs if isinstance(c, which))
+    if how == 'instance': learn.remove_cb(cb)
+    elif how == 'class': learn.remove_cb(which)
+    else: learn.remove_cbs([cb])
+    assert learn.precision_callbacks() == [] and cb.learn is None
+    assert not hasattr(learn, 'model_to_half') and not hasattr(learn, 'mixed_precision')
+    dt = Record(after_pred=lambda l: {p.dtype for p in l.model.parameters()})
+    quiet_fit(learn, 1, lr=1e-2, cbs=dt)
+    assert dt.log['after_pred'] == [{torch.float32}]*4  # it trains in FP32
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in learn.model.parameters())
+
+def test_removing_a_precision_callback_mid_fit_goes_on_in_fp32():
+    "A callback removing `MixedPrecision` after the first epoch: the rest of the fit trains the FP32 model."
+    learn = make_learner().to_fp16(max_loss_scale=2.**8)
+    def drop(l):
+        if l.epoch == 0: l.remove_cb(MixedPrecision)
+    dt = Record(after_pred=lambda l: {p.dtype for p in l.model.parameters()}, after_epoch=drop)
+    quiet_fit(learn, 2, lr=1e-2, cbs=dt)
+    assert dt.log['after_pred'] == [{torch.float16, torch.float32}]*4 + [{torch.float32}]*4
+    assert learn.precision_callbacks() == [] and all(p.dtype == torch.float32 for p in learn.model.parameters())
+
 def test_signatures_show_the_callback_arguments():
     import inspect
     for name, args in [('to_fp16', ['loss_scale', 'flat_master', 'dynamic', 'max_loss_scale', 'div_factor', 'scale_wait', 'clip']),

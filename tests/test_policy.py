@@ -8,7 +8,7 @@ from fastai.layers import BatchNorm
 
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
 from fp16cb.policy import PrecisionPolicy, CATEGORIES
-from conftest import make_learner, quiet_fit
+from conftest import make_learner, quiet_fit, Record
 
 class Probe(nn.Module):
     "Records the dtype of what it is given; returns it unchanged."
@@ -187,6 +187,36 @@ def test_keep_fp32_name_that_matches_nothing_warns_with_the_closest_names(spec, 
         warnings.simplefilter('error')  # a name that matches warns nothing
         PrecisionPolicy('encoder.norm*', 'norm', nn.LayerNorm).resolve(_encoder_model())
 
+def _unmatched(ws) -> list:
+    "The matches-nothing warnings of `ws`."
+    return [w for w in ws if 'matches no module' in str(w.message)]
+
+@pytest.fixture
+def every_warning(recwarn):
+    "`recwarn` showing every warning, a repeat from the same line too (Python's default shows it once)."
+    warnings.simplefilter('always')
+    return recwarn
+
+def test_keep_fp32_name_that_matches_nothing_warns_once_at_the_call(every_warning, tmp_path):
+    """Before the fix: nothing at `to_bf16(...)`, then the same warning at every fit (its set-up). Now once, at the
+    call that names the model's modules; the fits (and a pause mid-fit, as `learn.load` makes) say nothing more."""
+    learn = make_learner(model=_encoder_model(), splitter=lambda m: [list(m.parameters())], path=tmp_path)
+    learn.to_bf16(keep_fp32=['layer4.*', 'norm'])
+    assert len(_unmatched(every_warning)) == 1 and every_warning.list[0].filename == __file__  # at the user's line
+    every_warning.clear()
+    quiet_fit(learn, 1); learn.save('w'); quiet_fit(learn, 1, cbs=Record(after_epoch=lambda l: l.load('w')))
+    assert _unmatched(every_warning) == []
+
+def test_keep_fp32_name_that_matches_nothing_warns_once_at_the_first_fit(every_warning):
+    "A `ModelToHalf` added by hand knows the model at the fit's set-up: it warns there, at the first fit only."
+    learn = make_learner(model=_encoder_model(), splitter=lambda m: [list(m.parameters())])
+    learn.add_cbs([ModelToHalf(torch.bfloat16, keep_fp32='encoder.nrm'), MixedPrecision(dtype=torch.bfloat16)])
+    assert _unmatched(every_warning) == []
+    quiet_fit(learn, 1)
+    assert len(_unmatched(every_warning)) == 1
+    quiet_fit(learn, 1)
+    assert len(_unmatched(every_warning)) == 1
+
 def test_glob_matching_every_child_keeps_the_parent_one_island():
     "keep_fp32='layer4.*' (the README's example): layer4 is kept too, so its blocks form one island, not one each."
     seen = []
@@ -230,3 +260,36 @@ def test_module_override_inside_a_kept_subtree():
     assert all(d == torch.float32 for d in _dtypes(m).values())
     m.encoder.proj.fp16cb_dtype = torch.float32  # FP32 inside a 16-bit region still keeps it
     assert set(_kept_names(PrecisionPolicy(), m)) == {'encoder.proj', 'encoder.norm'}
+
+# ---- a compiled model: names as on the original one -------------------------------------------------------------------
+def _layered():
+    return _named(layer3=nn.Linear(4, 8), layer4=_named(a=nn.Linear(8, 8), norm=nn.LayerNorm(8), b=nn.Linear(8, 8)),
+                  head=nn.Linear(8, 1))
+
+@pytest.mark.parametrize('spec', ['layer4.*', 'layer4', 'layer4.norm', 'head', 'classifier', 're:layer4\\.[ab]', 'norm'])
+@pytest.mark.parametrize('compiled', ['model', 'submodule'])
+def test_keep_fp32_names_on_a_compiled_model(spec, compiled):
+    """Before the fix: the modules of `torch.compile(model)` sit under `_orig_mod`, so `keep_fp32='layer4.*'` matched
+    nothing (a warning) and a plain word was an error. Names resolve as on the original model, the report shows them."""
+    m = _layered()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # it matches on the original model
+        expected = _kept_names(PrecisionPolicy(spec), m)
+        rows = ModelToHalf(keep_fp32=spec).policy_report(m).drop(columns='type')
+        if compiled == 'model': m = torch.compile(m, backend='aot_eager')
+        else: m.layer4 = torch.compile(m.layer4, backend='aot_eager')
+        assert _kept_names(PrecisionPolicy(spec), m) == expected
+        assert ModelToHalf(keep_fp32=spec).policy_report(m).drop(columns='type').equals(rows)
+
+def test_keep_fp32_on_a_compiled_model_through_a_learner():
+    "`learn.model = torch.compile(model)`, then `to_bf16(keep_fp32='1')`: module '1' stays FP32 during the fit."
+    m = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        learn, cb = _setup(torch.compile(m, backend='aot_eager'), keep_fp32='1')
+    try:
+        assert {n: d for n, d in _dtypes(m).items()} == {'0.weight': torch.bfloat16, '0.bias': torch.bfloat16,
+            '1.weight': torch.float32, '1.bias': torch.float32, '2.weight': torch.bfloat16, '2.bias': torch.bfloat16}
+        assert len(cb.islands.handles) == 3  # the island's two casts, and the model's output hook
+    finally: cb.teardown()
+    assert all(d == torch.float32 for d in _dtypes(m).values())
