@@ -8,7 +8,7 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from fastai.callback.core import CancelStepException
 
 from .dtypes import resolve_dtype, warn_slow_half, model_device
-from .callbacks import cast_floats
+from .callbacks.casts import cast_floats
 from .session import SessionCallback
 from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_,
                       warn_all_skipped, nonfinite_flags)

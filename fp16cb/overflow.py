@@ -15,7 +15,7 @@ import torch
 from torch import nn, Tensor
 
 from .dtypes import has_fast_half_math, model_device, user_stacklevel
-from .callbacks import cast_floats, to_half
+from .callbacks.casts import cast_floats, to_half
 from .policy import PrecisionPolicy, is_compiled, uncompiled
 from .scaling import is_ddp, syncs, LossScaleError
 

@@ -1,229 +1,23 @@
-"""The recipe of Micikevicius et al. as two fastai callbacks: a 16-bit model, and FP32 masters with loss scaling. This
-is the first module of a training step: the events. The weight store (`weights`) checks the grads, clips and steps;
+"""`MixedPrecision`: FP32 master weights (or 16-bit storage) stepped by the optimizer, loss scaling, the overflow skip,
+clipping of the unscaled grads. The events of a step; the weight store (`weights`) checks the grads, clips and steps;
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
-from functools import partial
 import torch
-from torch import nn
 from fastai.callback.core import CancelStepException
 
-from .dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
-from .weights import MasterWeights, HalfStorage, Stage, with_layout_of
-from .compat import Facts, check, learner_facts, float64_layers, OPTIONS, FIT, BATCH, STEP
-from .scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
+from ..dtypes import resolve_dtype, model_device
+from ..weights import MasterWeights, HalfStorage, Stage
+from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
+from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
-from .monitor import (add_precision_metrics, remove_precision_metrics, hide_precision_metrics, show_precision_metrics,
+from ..monitor import (add_precision_metrics, remove_precision_metrics, hide_precision_metrics, show_precision_metrics,
                       scale_health)
-from .session import SessionCallback
-from .validation import check_bool, check_real, check_int, check_choice, FP32_MAX
-from .policy import PrecisionPolicy, policy_report, uncompiled
-from .distributed import rewrap, patch_fastai
+from ..session import SessionCallback
+from ..validation import check_bool, check_real, check_int, check_choice, FP32_MAX
+from ..distributed import patch_fastai
+from .model_to_half import ModelToHalf
 
-__all__ = ['ModelToHalf', 'MixedPrecision', 'cast_floats', 'IslandHooks', 'model_device', 'to_half']
-
-def cast_floats(b, dtype:torch.dtype):
-    "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
-    if isinstance(b, torch.Tensor): return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype else b
-    if isinstance(b, dict): return {k: cast_floats(v, dtype) for k, v in b.items()}
-    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype) for o in b))
-    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
-    return b
-
-def _cast_inputs(dtype):
-    "A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp)."
-    def hook(module, args, kwargs): return cast_floats(args, dtype), cast_floats(kwargs, dtype)
-    return hook
-
-class IslandHooks:
-    """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,
-    its floating outputs back to `dtype` as it returns (a 16-bit module inside a kept subtree: the other way round);
-    an island output that is also the model's output is given back in FP32 (the loss and softmax see the FP32 values,
-    not their 16-bit rounding). Under `torch.compile` the hooks trace into the model's graph (`fullgraph=True` too).
-    `n_casts` counts the casts of eager forwards (counted in a graph, it would make dynamo compile it again)."""
-    def __init__(self, model:nn.Module, islands:list, dtype:torch.dtype):
-        self.model, self.dtype, self.handles, self.n_casts = model, dtype, [], 0
-        self._outs = []  # `(16-bit output, its FP32 value)` of each FP32 island run in the current forward
-        root = uncompiled(model)  # a compiled model's hooks go on the module it compiles: traced in its graph
-        for name, m, fp32 in islands:
-            if m is root: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
-            inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
-            self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
-        if self.handles: self.handles.append(root.register_forward_hook(self._model_out))
-
-    def _count(self, b) -> int:
-        if isinstance(b, torch.Tensor): return int(torch.is_floating_point(b))
-        if isinstance(b, dict): return sum(self._count(v) for v in b.values())
-        if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
-        return 0
-
-    def _counted(self, *bs):
-        if not torch.compiler.is_compiling(): self.n_casts += sum(self._count(b) for b in bs)
-
-    def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
-        self._counted(args, kwargs)
-        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
-
-    def _cast_out(self, module, args, out, dtype:torch.dtype):
-        if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
-            self._counted(out)
-            res = out.to(dtype)
-            if out.dtype == torch.float32: self._outs.append((res, out))
-            return res
-        self._counted(out)
-        return cast_floats(out, dtype)
-
-    def _model_out(self, module, args, out):
-        "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
-        outs = list(self._outs)
-        self._outs.clear()
-        for res, fp32 in outs:
-            if res is out: return fp32
-        return None
-
-    def remove(self):
-        for h in self.handles: h.remove()
-        self.handles = []
-        self._outs.clear()
-
-def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
-    """Convert `model` in place, for good, as `ModelToHalf` does for a fit (a copy's: nothing to tear down): `policy`'s
-    FP32 islands with their casts, the floating inputs cast to `dtype`. Returns the `Resolved` policy."""
-    res = policy.resolve(model)
-    convert_network_keeping(model, dtype, keep=set(res.kept))
-    IslandHooks(model, res.islands, dtype)
-    model.register_forward_pre_hook(_cast_inputs(torch.float32 if id(model) in res.kept else dtype), with_kwargs=True, prepend=True)
-    return res
-
-class ModelToHalf(SessionCallback):
-    """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
-    to 16-bit as they enter the model (a forward pre-hook): `learn.xb` stays as the data gave it, so callbacks that
-    transform it (fastai's `MixUp`) work on FP32 inputs."""
-    order = -50  # before every other callback: the model is 16-bit when they see it
-    def __init__(self,
-        dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
-        keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy`, or spec(s) for one (see `fp16cb.policy`)
-    ):
-        self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
-        self.originals, self.masters, self._hook, self.islands = None, {}, None, None
-
-    def check_model(self, model:nn.Module):
-        """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the declaration
-        of what combines); in `keep_fp32` a typo raises, a name that matches no module warns, once (not again at each fit)."""
-        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model)), FIT)
-        self.policy.check(model)
-        warned = self.__dict__.setdefault('_warned', set())  # the names warned of already
-        warned.update(self.policy.warn_unmatched(model, skip=warned))
-
-    @property
-    def converted(self) -> bool:
-        "Whether the model is in 16-bit now (set up by the session for a fit, until its end)."
-        return self.originals is not None
-
-    def setup(self):
-        # on the data's device first (fastai's TrainEvalCallback moves it there only later, at order -10): the exact
-        # FP32 originals, and so the masters made from them, must live where the model trains
-        model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
-        if device is not None: model.to(device)
-        warn_slow_half(self.dtype, model_device(model))
-        self.check_model(model)  # before the model is converted
-        res = self.policy.resolve(model, warn=False)
-        self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
-        self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
-        in_dtype = torch.float32 if id(model) in res.kept else self.dtype
-        self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
-
-    def teardown(self):
-        "The mirror of `setup`: hooks off, the exact FP32 values back in the model, DDP wrapped again."
-        if self._hook is not None: self._hook.remove()
-        if self.islands is not None: self.islands.remove()
-        self._hook = self.islands = None
-        was_converted = self.converted
-        self._restore_model()
-        if was_converted and getattr(self, 'rewrapped', False) and is_ddp(self.learn.model):
-            if not self.session.failing: self._rewrap_ddp()
-            else:  # a re-wrap is a collective, which the ranks that did not fail would never join: unwrap instead
-                self.learn.model = self.learn.model.module
-                self.session.notes.append("fp16cb: this rank's fit failed, so its model was not wrapped in a new "
-                    "DistributedDataParallel (a collective the other ranks would never join): `learn.model` is the plain "
-                    "FP32 module now; wrap it again before training on.")
-        self.rewrapped = False
-
-    def _rewrap_ddp(self) -> bool:
-        "A model that is already a `DistributedDataParallel` changed dtype under it: wrap it again (every rank does)."
-        if not is_ddp(self.learn.model): return False
-        self.learn.model = rewrap(self.learn.model)
-        return True
-
-    def policy_report(self,
-        model:nn.Module=None, # the model to report on (default: the learner's)
-        leaves:bool=False, # only the modules without children (and the FP32 islands)
-    ):
-        "Each module's storage and compute dtype during a fit and the casts inserted at its edges (a DataFrame)."
-        model = model if model is not None else self.learn.model
-        return policy_report(model, self.policy, self.dtype, leaves=leaves)
-
-    def after_pred(self):
-        if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
-
-    def keep_too(self, names:list):
-        "Keep the modules `names` FP32 too, now: in a fit, the session pauses and sets up again with the new policy."
-        self.policy = self.policy.adding(names)
-        if self.converted:
-            with self.session.suspended(): pass
-
-    def fp32_of(self, p) -> torch.Tensor:
-        "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
-        rec = self.originals.get(id(p)) if self.converted else None
-        return p.data if rec is None else rec.original
-
-    def link_masters(self, fp32_views:dict):
-        "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
-        self.masters = {id(p): t for p, t in fp32_views.items()}
-        for k, t in self.masters.items():  # an original that a master copied (flat masters) is never used again: free it
-            rec = self.originals.get(k) if self.originals else None
-            if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-                self.originals[k] = rec._replace(original=t)
-
-    def forget_originals(self, params:list):
-        """`params` were trained in 16-bit (16-bit storage, no masters): their FP32 originals are stale and no longer
-        kept (4 bytes/param); their dtype and shape stay (a meta tensor), the model gets their 16-bit values back widened."""
-        for p in params:
-            rec = self.originals.get(id(p)) if self.converted else None
-            if rec is not None and not rec.original.is_meta:
-                self.originals[id(p)] = rec._replace(original=rec.original.to('meta'))
-
-    def fp32_value(self, cur:torch.Tensor, rec) -> torch.Tensor:
-        "The exact FP32 value of the converted tensor `cur` now: its master, its original if unchanged, else widened."
-        master = self.masters.get(id(cur)) if rec.is_param else None
-        if master is not None: return master
-        if rec.original.is_meta: return cur.to(rec.original.dtype)  # trained in 16-bit, original forgotten
-        if cur.dtype != rec.original.dtype and torch.equal(cur, rec.original.to(cur.dtype)): return rec.original
-        return cur.to(rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
-
-    def fp32_tensors(self) -> dict:
-        "`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is."
-        res = {}
-        for rec in (self.originals or {}).values():
-            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
-            if cur is not None: res[(id(rec.module), rec.name)] = self.fp32_value(cur, rec)
-        return res
-
-    def _restore_model(self):
-        "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
-        if not self.converted: return
-        for rec in self.originals.values():
-            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
-            if cur is None: continue
-            new = with_layout_of(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), owned
-            if rec.is_param:
-                if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
-                cur.data = new
-            else: rec.module._buffers[rec.name] = new
-        for m in self.learn.model.modules():
-            if isinstance(m, nn.RNNBase): m.flatten_parameters()
-        self.originals, self.masters = None, {}
+__all__ = ['MixedPrecision']
 
 class MixedPrecision(SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
@@ -419,7 +213,7 @@ class MixedPrecision(SessionCallback):
     def _collapse(self, err:Exception):
         """The scale cannot go lower (the failing step only): the error naming where the overflow starts and the remedy,
         found on copies of the model; or, with `on_collapse='keep_fp32'`, those modules kept FP32 from now on (None)."""
-        from .overflow import Precision, diagnose_collapse
+        from ..overflow import Precision, diagnose_collapse
         mth = self._model_to_half()
         half = mth is not None and mth.converted
         prec = Precision(self.dtype, mth.policy if half else None)
@@ -448,3 +242,4 @@ class MixedPrecision(SessionCallback):
         if 'rng' in sd:
             if self._rng is None: self._rng = torch.Generator()
             self._rng.set_state(sd['rng'])
+

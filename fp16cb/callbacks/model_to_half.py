@@ -1,0 +1,147 @@
+"""`ModelToHalf`: the model in 16-bit during a fit (BatchNorm and the `keep_fp32` islands FP32), its exact FP32 values
+given back at the end."""
+from __future__ import annotations
+import torch
+from torch import nn
+
+from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
+from ..weights import with_layout_of
+from ..compat import Facts, check, float64_layers, FIT
+from ..scaling import is_ddp
+from ..session import SessionCallback
+from ..policy import PrecisionPolicy, policy_report
+from ..distributed import rewrap
+from .casts import cast_floats, _cast_inputs, IslandHooks
+
+__all__ = ['ModelToHalf']
+
+class ModelToHalf(SessionCallback):
+    """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
+    to 16-bit as they enter the model (a forward pre-hook): `learn.xb` stays as the data gave it, so callbacks that
+    transform it (fastai's `MixUp`) work on FP32 inputs."""
+    order = -50  # before every other callback: the model is 16-bit when they see it
+    def __init__(self,
+        dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
+        keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy`, or spec(s) for one (see `fp16cb.policy`)
+    ):
+        self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
+        self.originals, self.masters, self._hook, self.islands = None, {}, None, None
+
+    def check_model(self, model:nn.Module):
+        """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the declaration
+        of what combines); in `keep_fp32` a typo raises, a name that matches no module warns, once (not again at each fit)."""
+        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model)), FIT)
+        self.policy.check(model)
+        warned = self.__dict__.setdefault('_warned', set())  # the names warned of already
+        warned.update(self.policy.warn_unmatched(model, skip=warned))
+
+    @property
+    def converted(self) -> bool:
+        "Whether the model is in 16-bit now (set up by the session for a fit, until its end)."
+        return self.originals is not None
+
+    def setup(self):
+        # on the data's device first (fastai's TrainEvalCallback moves it there only later, at order -10): the exact
+        # FP32 originals, and so the masters made from them, must live where the model trains
+        model, device = self.learn.model, getattr(self.learn.dls, 'device', None)
+        if device is not None: model.to(device)
+        warn_slow_half(self.dtype, model_device(model))
+        self.check_model(model)  # before the model is converted
+        res = self.policy.resolve(model, warn=False)
+        self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
+        self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
+        in_dtype = torch.float32 if id(model) in res.kept else self.dtype
+        self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
+        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
+
+    def teardown(self):
+        "The mirror of `setup`: hooks off, the exact FP32 values back in the model, DDP wrapped again."
+        if self._hook is not None: self._hook.remove()
+        if self.islands is not None: self.islands.remove()
+        self._hook = self.islands = None
+        was_converted = self.converted
+        self._restore_model()
+        if was_converted and getattr(self, 'rewrapped', False) and is_ddp(self.learn.model):
+            if not self.session.failing: self._rewrap_ddp()
+            else:  # a re-wrap is a collective, which the ranks that did not fail would never join: unwrap instead
+                self.learn.model = self.learn.model.module
+                self.session.notes.append("fp16cb: this rank's fit failed, so its model was not wrapped in a new "
+                    "DistributedDataParallel (a collective the other ranks would never join): `learn.model` is the plain "
+                    "FP32 module now; wrap it again before training on.")
+        self.rewrapped = False
+
+    def _rewrap_ddp(self) -> bool:
+        "A model that is already a `DistributedDataParallel` changed dtype under it: wrap it again (every rank does)."
+        if not is_ddp(self.learn.model): return False
+        self.learn.model = rewrap(self.learn.model)
+        return True
+
+    def policy_report(self,
+        model:nn.Module=None, # the model to report on (default: the learner's)
+        leaves:bool=False, # only the modules without children (and the FP32 islands)
+    ):
+        "Each module's storage and compute dtype during a fit and the casts inserted at its edges (a DataFrame)."
+        model = model if model is not None else self.learn.model
+        return policy_report(model, self.policy, self.dtype, leaves=leaves)
+
+    def after_pred(self):
+        if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
+
+    def keep_too(self, names:list):
+        "Keep the modules `names` FP32 too, now: in a fit, the session pauses and sets up again with the new policy."
+        self.policy = self.policy.adding(names)
+        if self.converted:
+            with self.session.suspended(): pass
+
+    def fp32_of(self, p) -> torch.Tensor:
+        "The exact FP32 value `p` had when it was converted (`p.data` for what was not; its master once linked)."
+        rec = self.originals.get(id(p)) if self.converted else None
+        return p.data if rec is None else rec.original
+
+    def link_masters(self, fp32_views:dict):
+        "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
+        self.masters = {id(p): t for p, t in fp32_views.items()}
+        for k, t in self.masters.items():  # an original that a master copied (flat masters) is never used again: free it
+            rec = self.originals.get(k) if self.originals else None
+            if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                self.originals[k] = rec._replace(original=t)
+
+    def forget_originals(self, params:list):
+        """`params` were trained in 16-bit (16-bit storage, no masters): their FP32 originals are stale and no longer
+        kept (4 bytes/param); their dtype and shape stay (a meta tensor), the model gets their 16-bit values back widened."""
+        for p in params:
+            rec = self.originals.get(id(p)) if self.converted else None
+            if rec is not None and not rec.original.is_meta:
+                self.originals[id(p)] = rec._replace(original=rec.original.to('meta'))
+
+    def fp32_value(self, cur:torch.Tensor, rec) -> torch.Tensor:
+        "The exact FP32 value of the converted tensor `cur` now: its master, its original if unchanged, else widened."
+        master = self.masters.get(id(cur)) if rec.is_param else None
+        if master is not None: return master
+        if rec.original.is_meta: return cur.to(rec.original.dtype)  # trained in 16-bit, original forgotten
+        if cur.dtype != rec.original.dtype and torch.equal(cur, rec.original.to(cur.dtype)): return rec.original
+        return cur.to(rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
+
+    def fp32_tensors(self) -> dict:
+        "`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is."
+        res = {}
+        for rec in (self.originals or {}).values():
+            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
+            if cur is not None: res[(id(rec.module), rec.name)] = self.fp32_value(cur, rec)
+        return res
+
+    def _restore_model(self):
+        "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
+        if not self.converted: return
+        for rec in self.originals.values():
+            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
+            if cur is None: continue
+            new = with_layout_of(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), owned
+            if rec.is_param:
+                if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
+                cur.data = new
+            else: rec.module._buffers[rec.name] = new
+        for m in self.learn.model.modules():
+            if isinstance(m, nn.RNNBase): m.flatten_parameters()
+        self.originals, self.masters = None, {}
+
