@@ -145,6 +145,11 @@ MODES = {
     'fp16-flat': ('fp16cb learn.to_fp16(flat_master=True)', lambda l, d: l.to_fp16(flat_master=True)),
     'native':    ('fp16cb learn.to_native_fp16() (dtype=bf16 on CPU)', lambda l, d: l.to_native_fp16(dtype=half_dtype(d))),
     # the precision policy's opt-ins (not in the default sets: `--modes bf16,bf16-norm,...` measures their cost)
+    'bf16-half': ('fp16cb learn.to_bf16(half_storage=True): 16-bit weights, no FP32 masters', lambda l, d: l.to_bf16(half_storage=True)),
+    'bf16-sib':  ('fp16cb learn.to_bf16(step_in_backward=True): each param stepped in the backward',
+                  lambda l, d: l.to_bf16(step_in_backward=True)),
+    'bf16-half-sib': ('fp16cb learn.to_bf16(half_storage=True, step_in_backward=True)',
+                      lambda l, d: l.to_bf16(half_storage=True, step_in_backward=True)),
     'bf16-norm': ('fp16cb learn.to_bf16(keep_fp32=\'norm\'): LayerNorm/GroupNorm/InstanceNorm stay FP32',
                   lambda l, d: l.to_bf16(keep_fp32='norm')),
     'bf16-cls':  ('fp16cb learn.to_bf16(keep_fp32=\'classifier\'): the last Linear/Conv stays FP32',
@@ -160,7 +165,8 @@ MODES = {
 }
 COMPILED_MODES = ('bf16-compile', PLAIN_COMPILED)
 COMPILE_MODES = ('bf16', 'bf16-compile', PLAIN, PLAIN_COMPILED)  # to_bf16 and the plain loop, eager and compiled
-MODE_SETS = {'compile': COMPILE_MODES}
+MEMORY_MODES = ('fp32', 'bf16', 'bf16-half', 'bf16-sib', 'bf16-half-sib')  # the modes that trade speed for memory
+MODE_SETS = {'compile': COMPILE_MODES, 'memory': MEMORY_MODES}
 
 POLICY_MODES = ('bf16-norm', 'bf16-cls', 'bf16-emb', 'fp16-norm', 'fp16-cls')  # opt-in: `--modes` names them
 

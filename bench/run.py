@@ -15,8 +15,8 @@ params + grads + optimizer state + kept originals + tensors saved for backward; 
 a fit, reset per mode, with every other learner parked on the CPU); the final FP32 loss on the training batches and
 loss/accuracy on a held-out batch; the skipped (overflow) steps; the share of conv weights in channels-last format
 during the fit; and whether the speed targets are met (reported, never asserted): the design issue's CPU ones (the
-bookkeeping of `to_bf16`/`to_fp16`, flat or not, on the many-tensor model `book` within 1.5x the copy bound and
->= 2.5x less than fastai's master-weight algorithm; `to_bf16` within 1.05x of `bare-bf16`, a bare bf16 model in the
+bookkeeping of `to_bf16`/`to_fp16`, flat or not, on the many-tensor model `book` within 1.3x the copy bound and
+>= 3x less than fastai's master-weight algorithm; `to_bf16` at >= 0.97x the speed of `bare-bf16`, a bare bf16 model in the
 same fastai loop, on the compute-bound `mlp`) and issue 10's GPU ones.
 
 The compiled comparison (`--compile`, or `--modes compile` on the workloads given): eager `to_bf16`, `to_bf16` with
@@ -310,8 +310,9 @@ BARE = 'bare-bf16'
 
 def targets(res:dict) -> list:
     """The speed targets the results can check, each with its value and whether it is met: the CPU ones of the design
-    issue (bookkeeping on the many-tensor model `book` within 1.5x the copy bound and >= 2.5x less than fastai's
-    master-weight algorithm; `to_bf16` within 1.05x of the bare bf16 model on the compute-bound `mlp`), the GPU ones
+    issue and of the speed issue after it (bookkeeping on the many-tensor model `book` within 1.3x the copy bound and
+    >= 3x less than fastai's master-weight algorithm; `to_bf16` at >= 0.97x the bare bf16 model's speed and >= 1.05x
+    torch autocast's on the compute-bound `mlp`), the GPU ones
     of issue 10 (item 5), and issue 20's compiled ones on every workload they ran on (compiled `to_bf16` >= 1.2x eager
     `to_bf16`, within 1.05x of the compiled plain loop; the backend named in the ratio). The bookkeeping rows need the
     callback timers (`--cb-timers`, default on a CPU)."""
@@ -322,16 +323,20 @@ def targets(res:dict) -> list:
         fastai, bf16, bare = run_key('fastai', o), run_key('bf16', o), run_key(BARE, o)
         for m, name in _BOOKKEEPING.items():
             k = run_key(m, o)
-            out.append(_target(f"{name} bookkeeping (ms in its callbacks) within 1.5x the copy bound on the many-tensor "
+            out.append(_target(f"{name} bookkeeping (ms in its callbacks) within 1.3x the copy bound on the many-tensor "
                                "model (CPU)", 'book', o, f"{k} cb ms / copy bound ms", _cb(res, 'book', k),
-                               _bound(res, 'book'), '<=', 1.5))
+                               _bound(res, 'book'), '<=', 1.3))
         for m, name in _BOOKKEEPING.items():
             k = run_key(m, o)
-            out.append(_target(f"{name} bookkeeping >= 2.5x less than fastai's master-weight algorithm on the "
+            out.append(_target(f"{name} bookkeeping >= 3x less than fastai's master-weight algorithm on the "
                                "many-tensor model (CPU)", 'book', o, f"{fastai} cb ms / {k} cb ms",
-                               _cb(res, 'book', fastai), _cb(res, 'book', k), '>=', 2.5))
-        out.append(_target("to_bf16() within 1.05x of the bare bf16 model (the limit) on the compute-bound MLP", 'mlp', o,
-                           f"{bf16} ms / {bare} ms", _ms(res, 'mlp', bf16), _ms(res, 'mlp', bare), '<=', 1.05))
+                               _cb(res, 'book', fastai), _cb(res, 'book', k), '>=', 3.))
+        out.append(_target("to_bf16() at >= 0.97x the speed of the bare bf16 model (the limit) on the compute-bound MLP",
+                           'mlp', o, f"{bare} ms / {bf16} ms", _ms(res, 'mlp', bare), _ms(res, 'mlp', bf16), '>=', .97))
+        native = run_key('native', o)
+        out.append(_target("to_bf16() >= 1.05x the speed of torch autocast (to_native_bf16 on a CPU, to_native_fp16 on "
+                           "a GPU) on the compute-bound MLP", 'mlp', o, f"{native} ms / {bf16} ms", _ms(res, 'mlp', native),
+                           _ms(res, 'mlp', bf16), '>=', 1.05))
     for o in opts:
         fp16, amp, bf16 = run_key('fp16', o), run_key('autocast', o), run_key('bf16', o)
         for wl in wls:

@@ -4,9 +4,10 @@
 # 1. installs from the wheel folder, into $SITE (default /tmp/site; nothing else on the machine changes): fastai's own
 #    stack always (fastai, fastcore, fasttransform, fastdownload, fastprogress 1.0.3, plum-dispatch, beartype), any
 #    other wheel only when the machine lacks that package (the preinstalled torch, numpy... stay as they are);
-# 2. runs `pytest --device cuda -x -q`, the main job `python -m fp16cb --device cuda` and the benchmark's GPU workloads
-#    `python -m bench --device cuda --json bench/results_cuda.json`, each to the end even if an earlier one failed.
-# Logs and a copy of the results go to $OUT (default ./gpu-check-out); the exit status is 0 only if all three passed.
+# 2. runs `pytest --device cuda -x -q`, the main job `python -m fp16cb --device cuda`, the benchmark's GPU workloads
+#    `python -m bench --device cuda --json bench/results_cuda.json`, then on the LM the memory modes (`--modes memory`:
+#    half_storage, step_in_backward) and the compiled comparison (`--compile`), each to the end even if one failed.
+# Logs and a copy of the results go to $OUT (default ./gpu-check-out); the exit status is 0 only if every step passed.
 # GPU_CHECK_DEVICE=cpu runs the same on a CPU (a rehearsal of the script; its benchmark JSON stays in $OUT);
 # PYTEST_ARGS, DEMO_ARGS and BENCH_ARGS add arguments (e.g. BENCH_ARGS="--workloads lm --rounds 5").
 set -uo pipefail
@@ -72,6 +73,9 @@ failed=()
 run pytest "$PY" -m pytest --device "$DEV" -x -q -p no:cacheprovider ${PYTEST_ARGS:-} || failed+=(pytest)
 run demo "$PY" -m fp16cb --device "$DEV" ${DEMO_ARGS:-} || failed+=(demo)
 run bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-} || failed+=(bench)
+# the modes that trade speed for memory (16-bit storage, the step in the backward) and torch.compile, on the LM
+run bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-} || failed+=(bench-memory)
+run bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-} || failed+=(bench-compile)
 [ -f "$JSON" ] && cp "$JSON" "$OUT/" 2>/dev/null
 if [ ${#failed[@]} -eq 0 ]; then log "all passed; results in $OUT"; exit 0; fi
 log "FAILED: ${failed[*]} (logs in $OUT)"; exit 1
