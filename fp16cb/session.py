@@ -193,7 +193,6 @@ _remove_cb = _unwrapped(Learner.remove_cb)
 
 def _family(learn, cb) -> list:
     "`cb` and the other callbacks of `learn` in its precision setup (`ModelToHalf` with `MixedPrecision`), `cb` first."
-    if not any(c is cb for c in learn.cbs): return [cb]  # removed already: only fastai's bookkeeping is left to do
     return [cb] + [c for c in learn.cbs if c is not cb and is_ours(c) and c.family == cb.family]
 
 @functools.wraps(_remove_cb)
@@ -202,6 +201,8 @@ def _remove_cb_restoring(self, cb):
     # setup, the FP32 learner restored first, as `to_fp32()` does: `ModelToHalf` alone would train a pure 16-bit model.
     # A precision callback given to `fit(cbs=...)` is removed when an exception leaves the fit: restored first too
     if isinstance(cb, type) or not is_ours(cb): return _remove_cb(self, cb)
+    if not any(c is cb for c in self.cbs): return self  # removed with its setup already (fastai's `hasattr` would see
+    # the model's attribute of that name through `Learner.__getattr__`: DDP has a `mixed_precision`)
     for c in _family(self, cb):
         if getattr(c, 'learn', None) is self: session_of(self).drop(c)
         _remove_cb(self, c)
