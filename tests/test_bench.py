@@ -325,18 +325,26 @@ def test_live_storages_counts_each_storage_once_with_grads():
 def test_training_state_bytes_per_param():
     """FP32 + Adam: 4 weights + 4 grads + 8 state = 16 bytes/param; FP32 masters: 2 + 2 (16-bit weights, grads) + 4 + 8,
     no FP32 grads left after the step: never more than FP32; 16-bit storage: 2 + 2 + 8 (the FP32 originals let go of
-    once the weights have been stepped). A few KB of fixed buffers on top (the loss scale, the overflow flag)."""
+    once the weights have been stepped). A few KB of fixed buffers on top (the loss scale, the overflow flag). The
+    optimizer's state in bf16 (`state_dtype`): Adam's two moments 4 bytes, not 8."""
     from bench.state_memory import measure
     res = measure(width=128, modes=['fp32', 'to_bf16', 'to_bf16 flat', 'to_fp16', 'to_bf16 half_storage',
-                                    'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward'])
+                                    'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward',
+                                    'to_bf16 state_dtype', 'to_bf16 flat state_dtype', 'to_bf16 half_storage state_dtype',
+                                    'to_bf16 step_in_backward state_dtype', 'to_bf16 half_storage step_in_backward state_dtype'])
     assert 'to_bf16 step_in_backward' not in res['torch AdamW']  # fastai's optimizer loop only
     for opt, r in res.items():
         assert r['fp32'] == pytest.approx(16, abs=0.3), (opt, r)
         for m in ('to_bf16', 'to_bf16 flat', 'to_fp16'): assert 15.7 < r[m] <= r['fp32'], (opt, m, r)
         assert 11.7 < r['to_bf16 half_storage'] < 12.3, (opt, r)
-    # stepping in the backward: no param's grad outlives its step (2 + 4 + 8 with masters, 2 + 8 without)
+        # bf16 state: 2 + 2 + 4 + 4 with masters, 2 + 2 + 4 with 16-bit storage
+        for m in ('to_bf16 state_dtype', 'to_bf16 flat state_dtype'): assert 11.7 < r[m] < 12.3, (opt, m, r)
+        assert 7.7 < r['to_bf16 half_storage state_dtype'] < 8.3, (opt, r)
+    # stepping in the backward: no param's grad outlives its step (2 + 4 + 8 with masters, 2 + 8 without; bf16 state 4)
     r = res['fastai Adam']
     assert 13.7 < r['to_bf16 step_in_backward'] < 14.3 and 9.7 < r['to_bf16 half_storage step_in_backward'] < 10.3, r
+    assert 9.7 < r['to_bf16 step_in_backward state_dtype'] < 10.3, r
+    assert 5.7 < r['to_bf16 half_storage step_in_backward state_dtype'] < 6.3, r
 def test_compile_backend_choice(monkeypatch):
     "auto: inductor where it compiles, else aot_eager with the reason; inductor asked where it does not compile: an error."
     assert pick_compile_backend('aot_eager', 'cpu') == ('aot_eager', 'asked for')
