@@ -246,7 +246,7 @@ def changed(got:Run, names:list) -> list:
 
 # ---- the DDP subset: one rank (`python tests/matrix.py OUT`)
 
-DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib')
+DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib', 'bf16-state')
 DDP_OPT, DDP_EPOCHS, DDP_N = 'adam', 3, 128  # 2 ranks x 16 rows a step: 4 steps an epoch
 
 def ddp_order(items:list, bs:int=BS, world:int=2) -> list:
@@ -273,6 +273,7 @@ def _ddp_rank(out:Path):
     rank, res = init(timeout=60), {}
     for mode in DDP_MODES:
         learn, error = ddp_build(mode, single=False)
+        torch.manual_seed(1000 + rank)  # each rank's own global seed (torchrun, no seed set): the rounding must agree
         init_w = snapshot(learn)
         if error is None:
             try:

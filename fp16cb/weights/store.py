@@ -125,9 +125,15 @@ class WeightStore:
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 
     def broadcast_from(self, src:int=0):
-        "Give every rank the weights of rank `src` (what the optimizer steps, and the model after it)."
+        """Give every rank the weights of rank `src` (what the optimizer steps, and the model after it), and its
+        stochastic rounding's generator: the ranks round alike (their global seeds may differ), so they stay identical."""
         broadcast_(self._shared())
         self._after_broadcast()
+        g = self.state16.generator
+        if g is not None:
+            st = g.get_state().to(g.device)  # on the generator's device: nccl's collectives take CUDA tensors
+            broadcast_([st], src)
+            g.set_state(st.cpu())
 
     def clear_own_grads(self):
         "The own-dtype params' grads cleared as the optimizer's `zero_grad` would: zeroed, or None (a torch optimizer)."
