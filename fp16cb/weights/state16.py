@@ -30,14 +30,18 @@ def resolve_state_dtype(v) -> torch.dtype|None:
         raise ValueError(f"`state_dtype` must be torch.bfloat16 (or 'bf16'), or None for FP32 optimizer state, got {v!r}")
     return d
 
-def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
-    """`x` (FP32, overwritten) rounded to bfloat16 stochastically: a random 16-bit integer is added to the 16 bits that
-    bfloat16 drops, which are then dropped, so `x` rounds away from zero with probability (its distance from the
-    neighbour toward zero) / (the spacing): E[round(x)] = x. inf and NaN stay what they are."""
-    bits = x.view(torch.int32)  # sign and magnitude: adding to the low bits moves |x| up, masking them moves it down
+def _dither_(x:Tensor, generator=None) -> Tensor:
+    """`x` (FP32) in place made a bfloat16 value, chosen stochastically: a random 16-bit integer is added to the 16 bits
+    that bfloat16 drops, which are then cleared, so `x` rounds away from zero with probability (its distance from the
+    neighbour toward zero) / (the spacing): E[result] = x. inf and NaN stay what they are."""
+    bits = x.view(torch.int32)  # sign and magnitude: adding to the low bits moves |x| up, clearing them moves it down
     bits.add_(torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32))
     bits.bitwise_and_(-65536)
-    return x.to(torch.bfloat16)  # exact: the dropped bits are 0
+    return x
+
+def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
+    "`x` (FP32, overwritten) rounded to bfloat16 stochastically (unbiased: E[round(x)] = x); inf and NaN kept."
+    return _dither_(x, generator).to(torch.bfloat16)  # exact: the dropped bits are 0
 
 def _is(v, p, dtype) -> bool:
     "Whether the state entry `v` of param `p` is one `HalfState` stores: `dtype`, at least one dim, `p`'s element count."
@@ -96,20 +100,21 @@ class HalfState:
                              self.stochastic if stochastic is None else stochastic)
 
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
-        "One rounding of all `pairs`' values (the scratch itself, when they are its views in order), one fused copy back."
+        """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views in
+        order: the usual case), then one fused copy back to 16-bit."""
         srcs = [v for _, _, v in pairs]
         if widened is not None and len(srcs) == len(widened.views) and all(map(lambda a, b: a is b, srcs, widened.views)):
             flat = widened.scratch  # the step updated the views in place (the usual case): round the scratch itself
         else:
             flat = torch.empty(sum(v.numel() for v in srcs), dtype=torch.float32, device=srcs[0].device)
             torch._foreach_copy_(flat_views(flat, srcs), srcs)
-        low = round_bf16_stochastic_(flat, self.generator) if stochastic else flat.to(self.dtype)
+        if stochastic: _dither_(flat, self.generator)  # then the copies below to bf16 are exact (else: to nearest)
         dsts = []
         for d, k, v in pairs:
             t = old.get((id(d), k))
             dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
                         else torch.empty_like(v, dtype=self.dtype))
-        torch._foreach_copy_(dsts, flat_views(low, srcs))
+        torch._foreach_copy_(dsts, flat_views(flat, srcs))
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
     def narrow_all(self, state:dict):
