@@ -53,6 +53,7 @@ MODES = {m.name: m for m in (
     Mode('bf16-state', 'to_bf16', dict(state_dtype=torch.bfloat16)),
     Mode('fp16-flat-state', 'to_fp16', dict(flat_master=True, state_dtype=torch.bfloat16)),
     Mode('bf16-half-state', 'to_bf16', dict(half_storage=True, state_dtype=torch.bfloat16)),
+    Mode('bf16-half-sib-state', 'to_bf16', dict(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16)),
     Mode('fp16-clip', 'to_fp16', dict(clip=1.)),
     Mode('fp16-lognormal', 'to_fp16', dict(scaler='lognormal')),
     Mode('fp16-static', 'to_fp16', dict(dynamic=False, loss_scale=1024.)),

@@ -45,7 +45,7 @@ def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
 
 def _is(v, p, dtype) -> bool:
     "Whether the state entry `v` of param `p` is one `HalfState` stores: `dtype`, at least one dim, `p`'s element count."
-    return isinstance(v, Tensor) and v.dtype == dtype and v.dim() > 0 and v.numel() == p.numel()
+    return isinstance(v, Tensor) and v.dtype == dtype and v.dim() > 0 and isinstance(p, Tensor) and v.numel() == p.numel()
 
 class _Widened:
     "What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in."
