@@ -26,12 +26,15 @@ def cpu_capability() -> str:
     return f"{name}, {torch.backends.cpu.get_cpu_capability()}, native bf16: {cpu_has_native(torch.bfloat16)}"
 
 def live_storages() -> dict:
-    "`{storage data_ptr: nbytes}` of every live tensor the garbage collector sees, and of their grads."
+    """`{storage data_ptr: nbytes}` of every live tensor the garbage collector sees, and of their grads (tensors without
+    memory of their own left out: meta tensors, and the fake tensors a `torch.compile` trace may leave behind)."""
     res = {}
     def add(t):
         if isinstance(t, torch.Tensor) and not t.is_meta and t.device.type != 'meta':
             s = t.untyped_storage()
-            if s.nbytes(): res[s.data_ptr()] = s.nbytes()
+            try: ptr = s.data_ptr()
+            except RuntimeError: return  # a FakeTensor (or functional tensor): no data
+            if s.nbytes(): res[ptr] = s.nbytes()
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # `isinstance` on torch's deprecated module attributes warns
         objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]

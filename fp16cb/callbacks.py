@@ -260,8 +260,8 @@ class MixedPrecision(SessionCallback):
     def facts(self) -> Facts:
         "What this callback's options tell the declaration of what combines (`fp16cb.compat`)."
         unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.
-        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master,
-                     step_in_backward=self.step_in_backward, clip=self.clip is not None, unit_scale=unit, state_dtype=self.state_dtype)
+        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master, state_dtype=self.state_dtype,
+                     step_in_backward=self.step_in_backward, clip=self.clip is not None, unit_scale=unit)
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
     loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-__all__ = ['SEMANTICS', 'STATE16', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH',
-           'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers']
+__all__ = ['SEMANTICS', 'STATE16', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT',
+           'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers']
 
 SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
     "A param whose grad is None is not stepped (a fastai optimizer skips params that never had a grad; a torch "
