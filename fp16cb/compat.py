@@ -15,8 +15,8 @@ import torch.distributed as dist
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-__all__ = ['SEMANTICS', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH',
-           'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers']
+__all__ = ['SEMANTICS', 'STATE16', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT',
+           'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers']
 
 SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
     "A param whose grad is None is not stepped (a fastai optimizer skips params that never had a grad; a torch "
@@ -50,6 +50,10 @@ MODES = {m.name: m for m in (
     Mode('bf16-sib', 'to_bf16', dict(step_in_backward=True)),
     Mode('bf16-half-sib', 'to_bf16', dict(half_storage=True, step_in_backward=True)),
     Mode('bf16-keep', 'to_bf16', dict(keep_fp32=KEEP)),
+    Mode('bf16-state', 'to_bf16', dict(state_dtype=torch.bfloat16)),
+    Mode('fp16-flat-state', 'to_fp16', dict(flat_master=True, state_dtype=torch.bfloat16)),
+    Mode('bf16-half-state', 'to_bf16', dict(half_storage=True, state_dtype=torch.bfloat16)),
+    Mode('bf16-half-sib-state', 'to_bf16', dict(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16)),
     Mode('fp16-clip', 'to_fp16', dict(clip=1.)),
     Mode('fp16-lognormal', 'to_fp16', dict(scaler='lognormal')),
     Mode('fp16-static', 'to_fp16', dict(dynamic=False, loss_scale=1024.)),
@@ -100,6 +104,7 @@ class Facts:
     cancels_steps: bool = False  # a callback cancelled a step (`CancelStepException` after the backward)
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
+    state_dtype: torch.dtype|None = None  # the optimizer's state stored in this dtype between steps (None: FP32)
 
     @classmethod
     def of_cell(cls, mode:str, opt:str='adam', ctx:str='plain') -> Facts:
@@ -113,7 +118,7 @@ class Facts:
                    accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
                    compiled=ctx == 'compile', cancels_steps=ctx == 'cancel',
                    intermittent='<a branch>' if ctx == 'branch' and OPTIMIZERS[opt][0] in ('torch', 'fused') else None,
-                   counts_steps=opt != 'sgd')
+                   counts_steps=opt != 'sgd', state_dtype=kw.get('state_dtype'))
 
     def knowing(self, **kw) -> Facts: return replace(self, **kw)
 
@@ -157,6 +162,12 @@ RULES = (
                    f"{', '.join(map(repr, f.scaler_args))} would do nothing: drop {'it' if len(f.scaler_args) == 1 else 'them'}, "
                    f"or use `learn.to_native_fp16(...)` for fp16 with GradScaler.",
          reason='native bf16 runs no GradScaler: its arguments would do nothing.'),
+    Rule('state-fp16', OPTIONS, lambda f: f.state_dtype == torch.float16,
+         "state_dtype=torch.float16 cannot hold the optimizer's state: Adam's second moment is an average of squared "
+         "gradients, which underflow fp16's range (a gradient of 1e-4 squares to 1e-8, under half of fp16's smallest "
+         "subnormal, 6e-8: it rounds to 0), so the moment reads 0 where FP32's does not and the update lr*m/(sqrt(v)+eps) "
+         "is divided by eps alone. Use state_dtype=torch.bfloat16, which has FP32's range.",
+         reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has FP32's."),
     Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers),
          lambda f: f"the model's layers {', '.join(f.float64_layers[:5])}{' ...' if len(f.float64_layers) > 5 else ''} "
                    f"are float64: a {str(f.dtype).replace('torch.', '')} model would feed them 16-bit inputs, which "
@@ -211,6 +222,13 @@ def verdict(mode:str, opt:str, ctx:str) -> str|None:
     r = refusal(f)
     return None if r is None else r.message(f)
 
+STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, every FP32 optimizer-state tensor the size of its "
+           "param (fastai's `grad_avg`, `sqr_avg` and momentum; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, "
+           "`momentum_buffer`): it is lifted to FP32 with its param inside the step, updated by the optimizer's own code "
+           "and rounded back stochastically (`stochastic_rounding=False`: to nearest). Step counts and scalars, the state "
+           "of 0-dim params and fastai `Lookahead`'s slow weights stay FP32; between fits, in checkpoints and after "
+           "`to_fp32()` the whole state is FP32.")
+
 def table() -> str:
     "The compatibility table (markdown): a row per mode, a column per optimizer kind and context; refusals by rule."
     cols = [(o, 'plain') for o in OPTIMIZERS if o not in ('sgd',)] + [('adam', c) for c in CONTEXTS if c != 'plain']
@@ -227,7 +245,7 @@ def table() -> str:
     for rule_name, i in seen.items():
         r = next(r for r in RULES if r.name == rule_name)
         lines.append(f"({i}) {r.reason}  ")
-    return '\n'.join(lines)
+    return '\n'.join(lines + ['', STATE16])
 
 # ---- the facts of a live learner
 def optimizer_kind(opt) -> str:

@@ -220,10 +220,11 @@ from .dtypes import has_fast_half_math, model_device
 from .policy import PrecisionPolicy
 
 def _precision_of(learn) -> tuple:
-    """`(Precision, scale_of, floor, label, half_storage)` of the learner's precision callbacks (`to_fp16()`'s defaults
-    when it has none): `scale_of(max |FP32 grad|)` is the loss scale that precision would use for these batches, `floor`
-    the lowest it can go to (a dynamic scale backs off from gradients that overflow above it), `half_storage` how
-    16-bit storage rounds the updated weights: 'stochastic' or 'nearest' (None: FP32 masters)."""
+    """`(Precision, scale_of, floor, label, half_storage, state16)` of the learner's precision callbacks (`to_fp16()`'s
+    defaults when it has none): `scale_of(max |FP32 grad|)` is the loss scale that precision would use for these batches,
+    `floor` the lowest it can go to (a dynamic scale backs off from gradients that overflow above it), `half_storage` how
+    16-bit storage rounds the updated weights: 'stochastic' or 'nearest' (None: FP32 masters); `state16`: whether the
+    optimizer's state is 16-bit already (None: the mode has no such option)."""
     from .callbacks import MixedPrecision, ModelToHalf
     from .native import NativeMixedPrecision
     from .scaling import BackoffScaler
@@ -234,7 +235,7 @@ def _precision_of(learn) -> tuple:
         on = nat.enabled and nat.dtype == torch.float16
         scale = nat.loss_scale if nat.scaler is not None else nat.init_scale if on else 1.
         return (Precision(nat.dtype, autocast=True), (lambda g: scale), min(scale, 1.),
-                f"to_native_{'fp16' if nat.dtype == torch.float16 else 'bf16'}()", None)
+                f"to_native_{'fp16' if nat.dtype == torch.float16 else 'bf16'}()", None, None)
     if mp is None: mp, label = MixedPrecision(), "to_fp16() (the learner has no precision set: fp16cb's default)"
     else: label = f"to_{'bf16' if mp.dtype == torch.bfloat16 else 'fp16'}()"
     mth = next((cb for cb in cbs if isinstance(cb, ModelToHalf)), None)
@@ -242,7 +243,8 @@ def _precision_of(learn) -> tuple:
     sc = mp.scaler
     calibrating = isinstance(sc, BackoffScaler) and not sc.calibrated
     return (Precision(mp.dtype, policy), (sc.calibrated_scale if calibrating else (lambda g: sc.scale)),
-            min(sc.floor, sc.scale), label, ('stochastic' if mp.stochastic_rounding else 'nearest') if mp.half_storage else None)
+            min(sc.floor, sc.scale), label, ('stochastic' if mp.stochastic_rounding else 'nearest') if mp.half_storage else None,
+            mp.state_dtype is not None)
 
 def _lrs(learn, model) -> dict:
     "`{param name: lr}`: the optimizer's per group, else the learner's `lr`."
@@ -300,7 +302,7 @@ def precision_check(self:Learner,
     from .session import session_of
     from .validation import check_int, check_bool
     n_batches, plot = check_int('n_batches', n_batches, 1), check_bool('plot', plot)
-    prec, scale_of, floor, label, half_storage = _precision_of(self)
+    prec, scale_of, floor, label, half_storage, state16 = _precision_of(self)
     dl = self.dls.train
     with same_rng(dl):
         with session_of(self).suspended(): m32 = bare_copy(unwrap(self.model))  # mid-fit: the FP32 model of now
@@ -346,7 +348,7 @@ def precision_check(self:Learner,
     l32, l16 = (float(np.mean([l[i] for l in losses])) if losses else float('nan') for i in (0, 1))
     df.attrs.update(mode=f"learn.{label}", loss_scale=scale, loss_fp32=l32, loss_16bit=l16, n_batches=len(losses),
                     keep_fp32=rem.keep if rem is not None and rem.checked else [],
-                    advice=_advice(df, overflow, rem, prec, dev, scale, floor, half_storage))
+                    advice=_advice(df, overflow, rem, prec, dev, scale, floor, half_storage, state16))
     if plot: plot_precision_check(df)
     return df
 
@@ -378,7 +380,7 @@ def _count(sums, r32, r16, params32, params16, lrs, prec, scale, half_storage):
         nz = u != 0
         sums.add((mod, 'swallowed'), (nz & kept).sum()); sums.add((mod, 'swallowed_of'), nz.sum())
 
-def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage) -> str:
+def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, state16=None) -> str:
     "One sentence: what to do (the first word says which: safe, keep_fp32=[...], use to_bf16, check, underflow, swallowed)."
     bf16 = prec.dtype == torch.float16 and has_fast_half_math(torch.bfloat16, device)
     if overflow:
@@ -409,7 +411,9 @@ def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage) ->
         return (f"swallowed: 16-bit storage rounds {sw.max():.0%} of the updates of {sw.idxmax()!r} to nothing: keep FP32 "
                 "master weights (half_storage=False), or stochastic_rounding=True.")
     return (f"safe: no overflow, no underflow over 1% at loss scale {scale:g}"
-            + (f" (FP32 masters keep the {sw.max():.0%} of updates 16-bit storage would swallow)" if not half_storage and len(sw) and sw.max() > 0 else '') + '.')
+            + (f" (FP32 masters keep the {sw.max():.0%} of updates 16-bit storage would swallow)" if not half_storage and len(sw) and sw.max() > 0 else '')
+            + ("; short of memory, `state_dtype=torch.bfloat16` stores the optimizer's state (Adam's moments, momentum) "
+               "in bf16 between steps: 4 bytes/param less with Adam" if state16 is False else '') + '.')
 
 def plot_precision_check(
     df, # what `learn.precision_check()` returned

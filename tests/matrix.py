@@ -25,6 +25,7 @@ from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.layers import BatchNorm
 
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
+from fp16cb.weights.optstate import opt_state
 from conftest import make_learner, quiet_fit, seed_all
 
 # ---- what combines: fp16cb.compat, the one declaration
@@ -171,6 +172,7 @@ class Run(NamedTuple):
     left:list  # the precision callbacks left on the learner after `to_fp32()`
     scaled_steps:int|None  # the steps the precision callback's loss-scale record holds (`scales`); None in FP32
     cancel_changed:list  # what of the loss-scale state the cancelled steps changed (context 'cancel')
+    state_dtypes:list  # the dtypes of the optimizer's state tensors (those with a dim) after `to_fp32()`
 
 N_TRAIN, EPOCHS = 128, 2  # 8 batches of 16 an epoch: 16 optimizer steps (8 with 'accumulate' and 'cancel')
 
@@ -197,10 +199,12 @@ def finish(learn, init:dict, error) -> Run:
     cancel = next((cb for cb in learn.cbs if isinstance(cb, CancelEveryOther)), None)
     learn.to_fp32()
     final = snapshot(learn)
+    state = opt_state(learn.opt) if learn.opt is not None else {}
+    sdt = sorted({str(v.dtype) for st in state.values() for v in st.values() if torch.is_tensor(v) and v.dim()})
     cs = vars(learn.count_steps)  # its own attributes (a fastai callback's others are the learner's)
     return Run({n: (init[n], final[n]) for n in init}, {n: p.dtype for n, p in learn.model.named_parameters()}, error,
                cs.get('n', 0), cs.get('losses', []), learn.precision_callbacks(), scales[0] if scales else None,
-               sorted(vars(cancel).get('changed', ())) if cancel is not None else [])
+               sorted(vars(cancel).get('changed', ())) if cancel is not None else [], sdt)
 
 def run(mode:str|None, opt:str, ctx:str, epochs:int=EPOCHS, **kwargs) -> Run:
     "Fit `epochs` in `mode` (None: plain FP32) with optimizer `opt` in context `ctx`; what it did to the params."
@@ -242,7 +246,7 @@ def changed(got:Run, names:list) -> list:
 
 # ---- the DDP subset: one rank (`python tests/matrix.py OUT`)
 
-DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib')
+DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib', 'bf16-state')
 DDP_OPT, DDP_EPOCHS, DDP_N = 'adam', 3, 128  # 2 ranks x 16 rows a step: 4 steps an epoch
 
 def ddp_order(items:list, bs:int=BS, world:int=2) -> list:
@@ -269,6 +273,7 @@ def _ddp_rank(out:Path):
     rank, res = init(timeout=60), {}
     for mode in DDP_MODES:
         learn, error = ddp_build(mode, single=False)
+        torch.manual_seed(1000 + rank)  # each rank's own global seed (torchrun, no seed set): the rounding must agree
         init_w = snapshot(learn)
         if error is None:
             try:

@@ -9,7 +9,7 @@ from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
 from bench.workloads import GPT
-from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, pick_compile_backend
+from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, MEMORY_MODES, pick_compile_backend
 import bench.modes
 from bench.measure import evaluate
 from conftest import DEVICE
@@ -235,7 +235,7 @@ def test_defaults_by_device_and_module_entry(capsys, monkeypatch):
     assert defaults(True) == (('resnet50', 'resnet50_cl', 'lm', 'book'), CPU_MODES + ('torch-amp',), ('adam', 'fused'))
     assert defaults(False) == (('mlp', 'book', 'conv', 'act'), CPU_MODES, ('adam',))
     # the policy's opt-ins and the compiled modes: named with --modes (or --compile)
-    assert set(CPU_MODES) == set(MODES) - {'torch-amp'} - set(POLICY_MODES) - set(COMPILED_MODES)
+    assert set(CPU_MODES) == set(MODES) - {'torch-amp'} - set(POLICY_MODES) - set(COMPILED_MODES) - (set(MEMORY_MODES) - set(CPU_MODES))
     monkeypatch.setattr(sys, 'argv', ['bench', '--help'])
     with pytest.raises(SystemExit) as e: runpy.run_module('bench', run_name='__main__')
     assert e.value.code == 0 and capsys.readouterr().out.startswith('usage: python -m bench')
@@ -325,18 +325,26 @@ def test_live_storages_counts_each_storage_once_with_grads():
 def test_training_state_bytes_per_param():
     """FP32 + Adam: 4 weights + 4 grads + 8 state = 16 bytes/param; FP32 masters: 2 + 2 (16-bit weights, grads) + 4 + 8,
     no FP32 grads left after the step: never more than FP32; 16-bit storage: 2 + 2 + 8 (the FP32 originals let go of
-    once the weights have been stepped). A few KB of fixed buffers on top (the loss scale, the overflow flag)."""
+    once the weights have been stepped). A few KB of fixed buffers on top (the loss scale, the overflow flag). The
+    optimizer's state in bf16 (`state_dtype`): Adam's two moments 4 bytes, not 8."""
     from bench.state_memory import measure
     res = measure(width=128, modes=['fp32', 'to_bf16', 'to_bf16 flat', 'to_fp16', 'to_bf16 half_storage',
-                                    'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward'])
+                                    'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward',
+                                    'to_bf16 state_dtype', 'to_bf16 flat state_dtype', 'to_bf16 half_storage state_dtype',
+                                    'to_bf16 step_in_backward state_dtype', 'to_bf16 half_storage step_in_backward state_dtype'])
     assert 'to_bf16 step_in_backward' not in res['torch AdamW']  # fastai's optimizer loop only
     for opt, r in res.items():
         assert r['fp32'] == pytest.approx(16, abs=0.3), (opt, r)
         for m in ('to_bf16', 'to_bf16 flat', 'to_fp16'): assert 15.7 < r[m] <= r['fp32'], (opt, m, r)
         assert 11.7 < r['to_bf16 half_storage'] < 12.3, (opt, r)
-    # stepping in the backward: no param's grad outlives its step (2 + 4 + 8 with masters, 2 + 8 without)
+        # bf16 state: 2 + 2 + 4 + 4 with masters, 2 + 2 + 4 with 16-bit storage
+        for m in ('to_bf16 state_dtype', 'to_bf16 flat state_dtype'): assert 11.7 < r[m] < 12.3, (opt, m, r)
+        assert 7.7 < r['to_bf16 half_storage state_dtype'] < 8.3, (opt, r)
+    # stepping in the backward: no param's grad outlives its step (2 + 4 + 8 with masters, 2 + 8 without; bf16 state 4)
     r = res['fastai Adam']
     assert 13.7 < r['to_bf16 step_in_backward'] < 14.3 and 9.7 < r['to_bf16 half_storage step_in_backward'] < 10.3, r
+    assert 9.7 < r['to_bf16 step_in_backward state_dtype'] < 10.3, r
+    assert 5.7 < r['to_bf16 half_storage step_in_backward state_dtype'] < 6.3, r
 def test_compile_backend_choice(monkeypatch):
     "auto: inductor where it compiles, else aot_eager with the reason; inductor asked where it does not compile: an error."
     assert pick_compile_backend('aot_eager', 'cpu') == ('aot_eager', 'asked for')

@@ -143,6 +143,54 @@ def test_resume_is_bit_exact(flat, scaler):
     for k, v in a.model.state_dict().items(): assert torch.equal(v, b.model.state_dict()[k]), k
     assert b.mixed_precision.scaler.state_dict() == a.mixed_precision.scaler.state_dict()
 
+def floating_tensors(osd) -> list:
+    "Every floating tensor of a saved optimizer state dict (fastai's list of per-param dicts, or torch's dict of them)."
+    sts = osd['state'].values() if isinstance(osd['state'], dict) else osd['state']
+    return [v for st in sts for v in st.values() if torch.is_tensor(v) and v.is_floating_point()]
+
+STATE16 = {'masters-adam': ('to_bf16', {}, None), 'flat-fp16-torch': ('to_fp16', dict(flat_master=True), torch_adamw),
+           'half-bf16-adam': ('to_bf16', dict(half_storage=True), None),
+           'half-fp16-torch': ('to_fp16', dict(half_storage=True), torch_adamw),
+           'sib-adam': ('to_bf16', dict(step_in_backward=True), None)}
+
+@pytest.mark.parametrize('name', list(STATE16))
+def test_bf16_state_resumes_bit_identically_and_loads_into_plain_fp32(name):
+    """bf16 optimizer state, rounded stochastically: saved mid-fit (widened to FP32) and between fits, it resumes in a new
+    learner bit for bit (the state narrows back exactly, the rounding's generator is in the checkpoint), a save changes
+    nothing of the run, and the file loads into plain FP32 fastai with FP32 state."""
+    call, kw, opt_func = STATE16[name]
+    kw = {**kw, **({'max_loss_scale': 2.**10} if call == 'to_fp16' else {}), 'state_dtype': torch.bfloat16}
+    def learner(seed=0, path=None):
+        l = make_learner(seed=seed, path=path, n=48)
+        if opt_func: l.opt_func = opt_func
+        return getattr(l, call)(**kw)
+    a = learner(); ra = Record(); fit(a, 3, cbs=[ra, SaveAt(0)])
+    c = learner(); rc = Record(); fit(c, 3, cbs=rc)
+    assert ra.losses == rc.losses  # saving mid-fit disturbs nothing (no rounding, no random draw)
+    b = learner(seed=5, path=a.path); b.load('mid')
+    rb = Record(offset=1); fit(b, 2, cbs=rb)
+    assert rb.losses == ra.losses[-len(rb.losses):]
+    for k, v in a.model.state_dict().items(): assert torch.equal(v, b.model.state_dict()[k]), k
+    sd = torch.load(a.path/'models/mid.pth', weights_only=False)
+    assert floating_tensors(sd['opt']) and {t.dtype for t in floating_tensors(sd['opt'])} == {torch.float32}
+    plain = make_learner(seed=1, path=a.path)
+    if opt_func: plain.opt_func = opt_func
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        plain.load('mid', with_opt=True)
+    assert not [w for w in ws if 'optimizer' in str(w.message)] and not plain.precision_callbacks()
+    assert {t.dtype for t in floating_tensors(plain.opt.state_dict())} == {torch.float32}
+    for s, t in zip(floating_tensors(plain.opt.state_dict()), floating_tensors(sd['opt'])): assert torch.equal(s, t)
+    # between fits
+    a.save('between')
+    ra2 = Record(offset=3); fit(a, 1, cbs=ra2)
+    d = learner(seed=7, path=a.path); d.load('between')
+    rd = Record(offset=3); fit(d, 1, cbs=rd)
+    assert rd.losses == ra2.losses
+    for k, v in a.model.state_dict().items(): assert torch.equal(v, d.model.state_dict()[k]), k
+    for s, t in zip(floating_tensors(a.opt.state_dict()), floating_tensors(d.opt.state_dict())):
+        assert s.dtype == torch.float32 and torch.equal(s, t)
+
 def test_export_and_load_learner():
     learn = make_learner().to_fp16(scaler='lognormal')
     fit(learn, 1)

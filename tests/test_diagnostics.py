@@ -375,6 +375,14 @@ def test_precision_check_on_a_safe_model_and_the_gradient_origin():
     assert g['overflow'].to_dict() == {'0': 0, '1': 2, '3': 0}  # GradBoost, not the Linear before it
     assert g.attrs['advice'].startswith('use to_bf16')
 
+def test_precision_check_advice_names_16bit_state_for_memory():
+    "Safe in 16-bit: the advice says where memory is to be had (the optimizer's state in bf16), unless it is taken."
+    df = make_learner().to_bf16().precision_check(n_batches=2, plot=False)
+    assert df.attrs['advice'].startswith('safe') and '`state_dtype=torch.bfloat16`' in df.attrs['advice']
+    df = make_learner().to_bf16(state_dtype=torch.bfloat16).precision_check(n_batches=2, plot=False)
+    assert df.attrs['advice'].startswith('safe') and 'state_dtype' not in df.attrs['advice']
+    assert 'state_dtype' not in make_learner().to_native_bf16().precision_check(n_batches=2, plot=False).attrs['advice']
+
 def test_precision_check_measures_underflow_and_swallowed_updates():
     tiny = synth_learner(factor=2.**-30).to_fp16(loss_scale=1., dynamic=False)  # gradients under fp16's smallest at scale 1
     df = tiny.precision_check(n_batches=2, plot=False)

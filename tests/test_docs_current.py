@@ -294,7 +294,12 @@ MEMORY_ROWS = {'FP32, fastai\'s AMP `to_fp16`, `to_native_bf16`': ('fp32', 'fast
                '`to_fp16()`, `to_bf16()`, flat or not': ('to_fp16', 'to_bf16', 'to_bf16 flat'),
                '`to_bf16(half_storage=True)`': ('to_bf16 half_storage',),
                '`to_bf16(step_in_backward=True)`': ('to_bf16 step_in_backward',),
-               '`to_bf16(half_storage=True, step_in_backward=True)`': ('to_bf16 half_storage step_in_backward',)}
+               '`to_bf16(half_storage=True, step_in_backward=True)`': ('to_bf16 half_storage step_in_backward',),
+               '`to_bf16(state_dtype=torch.bfloat16)`, flat or not': ('to_bf16 state_dtype', 'to_bf16 flat state_dtype'),
+               '`to_bf16(half_storage=True, state_dtype=torch.bfloat16)`': ('to_bf16 half_storage state_dtype',),
+               '`to_bf16(step_in_backward=True, state_dtype=torch.bfloat16)`': ('to_bf16 step_in_backward state_dtype',),
+               '`to_bf16(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16)`':
+                   ('to_bf16 half_storage step_in_backward state_dtype',)}
 
 def test_memory_figures_are_the_benchmarks():
     "Each cell of the README's memory table is what `bench/results_state_memory.json` holds for every mode of its row."

@@ -23,11 +23,15 @@ from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, DDP_MODES, DDP_OPT, DDP_EP
 # update into the stored weights, which is its point: fp16 <= 0.025; bf16 <= 0.16 (0.16: stochastic rounding of SGD's
 # small updates). The smallest error of a real fault: 0.27 (a bf16-half-sib branch param left unstepped, over the 5
 # seeds; 0.31 with this one); the others 0.45 and more.
+# bf16 optimizer state (`state_dtype`) rounds Adam's moments and momentum to bf16's 8 bits after every step: a mode with
+# it is held to bf16's tolerance for its weight storage. What it reaches (seed 42; 5 seeds in brackets, the cells that
+# are chaotic in FP32-state bf16 too left out): FP32 masters with fp16 compute 0.011 (0.047), with bf16 compute 0.022
+# (0.053, against 0.019 and 0.047 with FP32 state); bf16 storage 0.13 (0.19, against 0.16 and 0.16).
 TOL = {('fp16', 'fp32'): 0.01, ('bf16', 'fp32'): 0.1, ('fp16', 'half'): 0.06, ('bf16', 'half'): 0.25}
 
 def tolerance(mode:str) -> float:
     m = MODES[mode]
-    dtype = 'bf16' if m.call.endswith('bf16') else 'fp16'
+    dtype = 'bf16' if m.call.endswith('bf16') or m.kwargs.get('state_dtype') == torch.bfloat16 else 'fp16'
     return TOL[dtype, 'half' if m.kwargs.get('half_storage') else 'fp32']
 
 CELLS = [(m, o, c) for m in MODES for o in OPTIMIZERS for c in GRID_CONTEXTS]
@@ -53,6 +57,8 @@ def differences(got, ref, tol:float) -> list:
     if moved: res.append(f"params FP32 leaves untouched changed: {', '.join(moved)}")
     not32 = sorted({str(d) for d in got.dtypes.values()} - {'torch.float32'})
     if not32: res.append(f"params left in {not32} after to_fp32()")
+    state16 = sorted(set(got.state_dtypes) - {'torch.float32'})
+    if state16: res.append(f"optimizer state left in {state16} after to_fp32()")
     if got.left: res.append(f"precision callbacks left after to_fp32(): {got.left}")
     return res
 
@@ -86,7 +92,7 @@ def test_fp32_references_learn_and_leave_the_idle_params_alone(opt, ctx):
 
 # ---- torch.compile: a few modes, the model compiled (dynamo's `aot_eager`), against FP32 compiled
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'bf16-keep'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'bf16-keep', 'bf16-state'])
 def test_compiled_trains_like_fp32_compiled(mode):
     pytest.importorskip('torch._dynamo')
     why = verdict(mode, 'adam', 'compile')

@@ -6,7 +6,7 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device
-from ..weights import MasterWeights, HalfStorage, Stage
+from ..weights import MasterWeights, HalfStorage, Stage, resolve_state_dtype
 from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
@@ -42,9 +42,10 @@ class MixedPrecision(SessionCallback):
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
         clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
         half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`HalfStorage`)
-        stochastic_rounding:bool=True, # with `half_storage`: round the updated weights stochastically (False: to nearest)
+        stochastic_rounding:bool=True, # round what is stored in 16-bit (`half_storage`'s weights, `state_dtype`'s state) stochastically (False: to nearest)
         on_collapse:str='raise', # when the loss scale cannot go lower: 'raise' (naming the module where the overflow starts and the remedy) or 'keep_fp32' (keep it FP32 and go on)
         step_in_backward:bool=False, # step each param in the backward as soon as its grad is ready, and drop the grad (bf16, scale 1, fastai optimizer: less memory)
+        state_dtype=None, # `torch.bfloat16` (or 'bf16'): the optimizer's state (Adam's moments, momentum) stored in bf16 between steps, updated in FP32 (less memory); None: FP32
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
         self.half_storage = check_bool('half_storage', half_storage)
@@ -62,6 +63,7 @@ class MixedPrecision(SessionCallback):
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
                                   max_skipped=max_skipped, dtype=self.dtype)
         self.step_in_backward = check_bool('step_in_backward', step_in_backward)
+        self.state_dtype = resolve_state_dtype(state_dtype)
         check(self.facts, OPTIONS)
         self.store, self.record, self.max_grad, self._rng = None, StepRecord(), None, None
 
@@ -69,7 +71,7 @@ class MixedPrecision(SessionCallback):
     def facts(self) -> Facts:
         "What this callback's options tell the declaration of what combines (`fp16cb.compat`)."
         unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.
-        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master,
+        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master, state_dtype=self.state_dtype,
                      step_in_backward=self.step_in_backward, clip=self.clip is not None, unit_scale=unit)
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
@@ -114,9 +116,9 @@ class MixedPrecision(SessionCallback):
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending: self.record.new_fit()
-        kw = dict(names=names, model=model, in_backward=self.step_in_backward)
-        if self.half_storage:
-            self.store = HalfStorage(self.learn.opt, self.stochastic_rounding, self.rng(model), fp32_of=mth.fp32_of if half else None, **kw)
+        kw = dict(names=names, model=model, in_backward=self.step_in_backward, state_dtype=self.state_dtype,
+                  stochastic=self.stochastic_rounding, generator=self.rng(model) if self.half_storage or self.state_dtype else None)
+        if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
         else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         self._remembered = list(self.store.params) if self.half_storage and half else []  # FP32 originals still kept

@@ -5,6 +5,7 @@ step's gradients get there. One concern per module, arrows pointing down this li
 - `masters`: FP32 master weights, per param (`ParamMasters`) or one flat buffer per group (`FlatMasters`);
 - `half`: 16-bit storage without masters (`HalfStorage`), and the rounding back to 16-bit;
 - `lift`: how the 16-bit grads reach FP32 inside the step, a bounded chunk at a time (runs, chunk plans, coalescing);
+- `state16`: the optimizer's state stored in bfloat16 between steps (`HalfState`), lifted to FP32 with its param;
 - `optstate`: the optimizer's per-param state moved between the model's params and what the optimizer steps;
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
 - `layout`: flat buffers and their views, each keeping its tensor's strides."""
@@ -14,7 +15,9 @@ from .optstate import move_opt_state
 from .store import Stage, WeightStore
 from .masters import FP32Masters, FlatMasters, ParamMasters, MasterWeights
 from .half import HalfStorage, round_stochastic, round_to
+from .state16 import HalfState, resolve_state_dtype
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
-           'round_stochastic', 'round_to', 'dense_strides', 'flat_views', 'flatten_like', 'with_layout_of', 'owns_storage']
+           'round_stochastic', 'round_to', 'HalfState', 'resolve_state_dtype', 'dense_strides', 'flat_views', 'flatten_like',
+           'with_layout_of', 'owns_storage']

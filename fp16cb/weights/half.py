@@ -6,9 +6,10 @@ from torch import Tensor
 from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper
 
-from .optstate import fastai_update
+from .optstate import fastai_update, opt_state
 from .lift import lift_chunks
 from .store import WeightStore
+from .state16 import HalfState
 
 __all__ = ['HalfStorage', 'round_stochastic', 'round_to']
 
@@ -36,18 +37,21 @@ class HalfStorage(WeightStore):
     chunk of at most `lift_chunk` elements, that chunk's params lifted (their state moved to the FP32 copies and back).
     Params that are not 16-bit (BatchNorm's FP32, float64, complex) are stepped in their own dtype."""
     def __init__(self, opt,
-        stochastic:bool=True, # round the stored weights stochastically (False: to nearest even)
+        stochastic:bool=True, # round the stored weights (and 16-bit state) stochastically (False: to nearest even)
         generator=None, # a `torch.Generator` of its own for the stochastic rounding (not the global RNG)
         names:dict=None, model=None,
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`): `Lookahead`'s slow weights start from these
+        state_dtype:torch.dtype=None, # store the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
     ):
         super().__init__(opt, names, model)
         self.stochastic, self.generator = stochastic, generator
+        self.state16 = HalfState(state_dtype, stochastic, generator)  # the same generator: one stream, one checkpoint
         self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
         self._group_of = {id(p): gi for gi, (a, b) in enumerate(zip(self.model_pgs, self.own_pgs)) for p in a + b}
         self._dtypes = {id(p): p.dtype for p in self.params}
         self._fp32_slow_weights(fp32_of)
+        self.state16.narrow_all(opt_state(self.core))
         if in_backward: self.arm_in_backward()
 
     def _fp32_slow_weights(self, fp32_of):
@@ -69,7 +73,8 @@ class HalfStorage(WeightStore):
     def _step_one(self, p):
         "In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored back."
         q = self._lift(p)
-        fastai_update(self.core, q, self.core.hypers[self._group_of[id(p)]], key=p)
+        with self.state16.lifted([p], self.core.state):
+            fastai_update(self.core, q, self.core.hypers[self._group_of[id(p)]], key=p)
         self._store(p, q)
 
     def grads(self) -> list: return [p.grad for p in self.params if p.grad is not None]
@@ -100,7 +105,7 @@ class HalfStorage(WeightStore):
         core = self.core
         for p, pg, state, hyper in core.all_params(with_grad=True):
             q = self._lift(p)
-            fastai_update(core, q, hyper, key=p)
+            with self.state16.lifted([p], core.state): fastai_update(core, q, hyper, key=p)
             self._store(p, q)
 
     def _step_torch(self, step, *args, **kwargs):
@@ -121,6 +126,7 @@ class HalfStorage(WeightStore):
                         p.grad = None
                         if p in state: state[q] = state.pop(p)
                     lifted.append((gi, i, p, q))
+                wide = self.state16.widen([q for *_, q in lifted], state)  # 16-bit state: in FP32 for the step
                 try: out = step(*args, **kwargs)
                 finally:
                     for gi, i, p, q in lifted:
@@ -129,6 +135,7 @@ class HalfStorage(WeightStore):
                             if q in state: state[p] = state.pop(q)
                             self._store(p, q)
                         p.grad = None
+                    self.state16.narrow([p for _, _, p, _ in lifted], state, wide)
         finally:
             for p, g in grads.items(): p.grad = g
         return out

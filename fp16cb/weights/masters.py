@@ -1,7 +1,6 @@
 """FP32 master weights (Micikevicius et al. 2018): per param (`ParamMasters`) or one flat buffer per param group
 (`FlatMasters`), stepped by the optimizer with FP32 grads lifted a chunk at a time (`lift`)."""
 from __future__ import annotations
-from contextlib import contextmanager
 import torch
 from torch import Tensor
 from fastai.optimizer import OptimWrapper
@@ -11,6 +10,7 @@ from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state
 from .lift import Scratch, LiftPlan, lift_chunks, storage_runs, flat_runs
 from .store import WeightStore, check_same_kind
+from .state16 import HalfState
 from ..compat import Facts, check, STEP
 
 __all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights']
@@ -31,8 +31,12 @@ class FP32Masters(WeightStore):
         names:dict=None, # `{id(param): name}` for error messages
         model=None, # the model (sparse grads)
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`): no 16-bit grad buffer
+        state_dtype:torch.dtype=None, # store the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
+        stochastic:bool=True, # round the 16-bit state stochastically (False: to nearest)
+        generator=None, # the `torch.Generator` of that rounding
     ):
         super().__init__(opt, names, model)
+        self.state16 = HalfState(state_dtype, stochastic, generator)
         self._with_grads = not in_backward
         self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of)
         self.master_params = [m for mg in self.master_pgs for m in mg]
@@ -41,6 +45,7 @@ class FP32Masters(WeightStore):
         self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, self.flat, with_grads=False)
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+        self.state16.narrow_all(opt_state(self.core))
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
         own, self._plans, self._lifting = {id(p) for p in self.own_params}, {}, {}  # plans kept; those of this step
@@ -78,21 +83,24 @@ class FP32Masters(WeightStore):
     def _step_chunks(self, step, *args, **kwargs):
         "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
         if steps_param_by_param(self.core):  # fastai's loop, run here chunk by chunk (once per param)
-            hypers = self.core.hypers
+            hypers, state = self.core.hypers, self.core.state
             for chunk in self._chunks:
-                for p, gi in self._lift(chunk): fastai_update(self.core, p, hypers[gi])
+                live = self._lift(chunk)
+                with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
+                    for p, gi in live: fastai_update(self.core, p, hypers[gi])
                 self._drop(chunk)
             return None
         chunks = self._chunks if isinstance(self.core, OptimWrapper) else [[it for c in self._chunks for it in c]]
         inner = getattr(self.core, 'opt', None)
         fused = self._fused_scale(inner)
-        own, out = {p: p.grad for p in self.own_params}, None  # torch steps every param with a grad: each in one chunk
-        for p in own: p.grad = None
+        own, out, state = {p: p.grad for p in self.own_params}, None, opt_state(self.core)  # torch steps every param
+        for p in own: p.grad = None  # with a grad: each own param in one chunk
         try:
             for chunk in chunks:
-                self._lift(chunk, own, unscale=fused is None)
+                live = self._lift(chunk, own, unscale=fused is None)
                 if fused is not None: inner.grad_scale, inner.found_inf = fused
-                try: out = step(*args, **kwargs)
+                try:
+                    with self.state16.lifted([p for p, _ in live], state): out = step(*args, **kwargs)
                 finally:
                     if fused is not None: del inner.grad_scale, inner.found_inf
                 self._drop(chunk)
@@ -135,7 +143,7 @@ class FP32Masters(WeightStore):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
         m, gi = self._master_of[id(p)]
         if m is not p: m.grad = p.grad.float()
-        fastai_update(self.core, m, self.core.hypers[gi])
+        with self.state16.lifted([m], self.core.state): fastai_update(self.core, m, self.core.hypers[gi])
         if m is not p:
             m.grad = None
             p.detach().copy_(m)
@@ -180,12 +188,6 @@ class FP32Masters(WeightStore):
         pairs = [(p, p.grad) for p in self.models] + [(p, p.grad) for p in self.own_params]
         return [p for p, _ in pairs], [g for _, g in pairs]
     def _after_broadcast(self): self.master_to_model()
-
-    @contextmanager
-    def opt_view(self):
-        self._point_opt(to_model=True)
-        try: yield self.opt
-        finally: self._point_opt(to_model=False)
 
     def _point_opt(self, to_model:bool):
         "Move the optimizer (params, state, Lookahead's slow weights) between the masters and the model's params."
@@ -284,6 +286,7 @@ class ParamMasters(FP32Masters):
         return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}
 
 def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
-    "FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`, `in_backward`)."
+    """FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`,
+    `in_backward`, and the 16-bit optimizer state's `state_dtype`, `stochastic`, `generator`)."""
     return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
 

@@ -10,7 +10,8 @@ from fastai.optimizer import OptimWrapper
 from ..scaling import OverflowCheck, nonfinite_flags, _real
 from ..distributed import broadcast_
 from .functional import check_unique_params, trainable
-from .optstate import innermost
+from .optstate import innermost, opt_state
+from .state16 import HalfState
 
 __all__ = ['Stage', 'WeightStore', 'check_same_kind']
 
@@ -48,6 +49,7 @@ class WeightStore:
     master_pgs = None  # FP32 masters per group (None: this store has none)
     lift_chunk = 2**22  # at most this many elements (16 MiB) of grads are in FP32 at once during a step (or one param, if larger)
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
+    state16 = HalfState()  # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
     def __init__(self,
         opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
         names:dict=None, # `{id(param): name}`, for error messages
@@ -123,9 +125,15 @@ class WeightStore:
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 
     def broadcast_from(self, src:int=0):
-        "Give every rank the weights of rank `src` (what the optimizer steps, and the model after it)."
+        """Give every rank the weights of rank `src` (what the optimizer steps, and the model after it), and its
+        stochastic rounding's generator: the ranks round alike (their global seeds may differ), so they stay identical."""
         broadcast_(self._shared())
         self._after_broadcast()
+        g = self.state16.generator
+        if g is not None:
+            st = g.get_state().to(g.device)  # on the generator's device: nccl's collectives take CUDA tensors
+            broadcast_([st], src)
+            g.set_state(st.cpu())
 
     def clear_own_grads(self):
         "The own-dtype params' grads cleared as the optimizer's `zero_grad` would: zeroed, or None (a torch optimizer)."
@@ -144,11 +152,21 @@ class WeightStore:
 
     @contextmanager
     def opt_view(self):
-        "Within: the optimizer on the model's own params, with their state (FP32), as between fits; the model is untouched."
-        yield self.opt
+        """Within: the optimizer on the model's own params, with their state in FP32, as between fits; the model is
+        untouched. On exit, 16-bit state goes back to 16-bit exactly (it was widened from it), drawing nothing."""
+        self.state16.widen_all(opt_state(self.core))
+        self._point_opt(to_model=True)
+        try: yield self.opt
+        finally:
+            self._point_opt(to_model=False)
+            self.state16.narrow_all(opt_state(self.core))
+
+    def _point_opt(self, to_model:bool):
+        "Move the optimizer (params, state) between what it steps during the fit and the model's params (here: the same)."
 
     def restore(self):
-        "Give the optimizer its own `step`, params and state back (the end of the fit)."
+        "Give the optimizer its own `step`, params and state (FP32) back (the end of the fit)."
+        self.state16.widen_all(opt_state(self.core))
         for h in getattr(self, '_grad_hooks', []): h.remove()
         if self._prev_step is None: self.opt.__dict__.pop('step', None)
         else: self.opt.step = self._prev_step

@@ -1,0 +1,130 @@
+"""16-bit optimizer state (`state_dtype=torch.bfloat16`), one more part of the lift: the optimizer's per-param state is
+stored in bfloat16 between steps, brought to FP32 with its param inside the step (`widen`: one fused copy into a
+scratch buffer), updated there by the optimizer's own code, and written back rounded stochastically, or to nearest
+(`narrow`: one rounding of the whole scratch, one fused copy back). Adam's two moments then cost 4 bytes/param, not 8.
+
+What is stored in 16-bit: every FP32 state tensor with at least one dim and as many elements as its param (fastai's
+`grad_avg`, `sqr_avg`, momentum; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`). Step counts,
+flags and scalars stay as they are, and so does the state of a 0-dim param (its moments cannot be told from a 0-dim
+step count). Between fits, in a checkpoint and in the store's FP32 view the state is FP32 (`widen_all`)."""
+from __future__ import annotations
+from contextlib import contextmanager, nullcontext
+import torch
+from torch import Tensor
+
+from .layout import flat_views
+
+__all__ = ['HalfState', 'STATE_DTYPES', 'resolve_state_dtype', 'round_bf16_stochastic_']
+
+STATE_DTYPES = (torch.bfloat16,)  # what the state may be stored in (fp16 is refused by `fp16cb.compat`: its range)
+_ALIASES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
+            'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32}
+_NULL = nullcontext()
+
+def resolve_state_dtype(v) -> torch.dtype|None:
+    """`state_dtype` as None (FP32 state: None, `torch.float32`, 'fp32') or a 16-bit dtype ('bf16', 'fp16' accepted:
+    `fp16cb.compat` refuses fp16 with its reason); a `ValueError` naming the argument for anything else."""
+    d = _ALIASES.get(v.lower(), v) if isinstance(v, str) else v
+    if d is None or d == torch.float32: return None
+    if d not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"`state_dtype` must be torch.bfloat16 (or 'bf16'), or None for FP32 optimizer state, got {v!r}")
+    return d
+
+def _dither_(x:Tensor, generator=None) -> Tensor:
+    """`x` (FP32) in place made a bfloat16 value, chosen stochastically: a random 16-bit integer is added to the 16 bits
+    that bfloat16 drops, which are then cleared, so `x` rounds away from zero with probability (its distance from the
+    neighbour toward zero) / (the spacing): E[result] = x. inf and NaN stay what they are."""
+    bits = x.view(torch.int32)  # sign and magnitude: adding to the low bits moves |x| up, clearing them moves it down
+    bits.add_(torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32))
+    bits.bitwise_and_(-65536)
+    return x
+
+def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
+    "`x` (FP32, overwritten) rounded to bfloat16 stochastically (unbiased: E[round(x)] = x); inf and NaN kept."
+    return _dither_(x, generator).to(torch.bfloat16)  # exact: the dropped bits are 0
+
+def _is(v, p, dtype) -> bool:
+    "Whether the state entry `v` of param `p` is one `HalfState` stores: `dtype`, at least one dim, `p`'s element count."
+    return isinstance(v, Tensor) and v.dtype == dtype and v.dim() > 0 and isinstance(p, Tensor) and v.numel() == p.numel()
+
+class _Widened:
+    "What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in."
+    def __init__(self, entries, scratch, views): self.entries, self.scratch, self.views = entries, scratch, views
+
+class HalfState:
+    """The optimizer's per-param state stored in `dtype` between steps (None: FP32, nothing done), widened to FP32 for
+    the step and rounded back (`stochastic`, with `generator`; else to nearest). The state dicts are the optimizer's
+    own (`{param: {key: value}}`); entries are replaced in place, so whoever holds a dict sees the current entries."""
+    def __init__(self,
+        dtype:torch.dtype=None, # the storage dtype (`torch.bfloat16`), or None: FP32 state, every method does nothing
+        stochastic:bool=True, # round the updated state stochastically (False: to nearest even)
+        generator=None, # a `torch.Generator` for the stochastic rounding (on the params' device)
+    ):
+        self.dtype, self.stochastic, self.generator = dtype, stochastic, generator
+
+    def lifted(self, params:list, state:dict):
+        "Within: `params`' state in FP32 (`widen`); on exit, even on an error, written back to 16-bit (`narrow`)."
+        return _NULL if self.dtype is None else self._lifted(params, state)
+
+    @contextmanager
+    def _lifted(self, params, state):
+        w = self.widen(params, state)
+        try: yield
+        finally: self.narrow(params, state, w)
+
+    def widen(self, params:list, state:dict) -> dict|None:
+        """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused copy
+        each): returns `{device: _Widened}`, what `narrow` writes back into."""
+        if self.dtype is None: return None
+        entries = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(v, p, self.dtype)]
+        res = {}
+        for dev in dict.fromkeys(v.device for _, _, v in entries):
+            mine = [e for e in entries if e[2].device == dev]
+            lows = [v for _, _, v in mine]
+            scratch = torch.empty(sum(t.numel() for t in lows), dtype=torch.float32, device=dev)
+            views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
+            torch._foreach_copy_(views, lows)
+            for (d, k, _), v in zip(mine, views): d[k] = v
+            res[dev] = _Widened(mine, scratch, views)
+        return res
+
+    def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None):
+        """Every FP32 entry of `params`' states written back in 16-bit (into the tensor `widened` took it from, when
+        there is one: views of it stay valid), rounded stochastically unless `stochastic=False` (default: `self`'s)."""
+        if self.dtype is None: return
+        widened = widened or {}
+        old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
+        pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(v, p, torch.float32)]
+        for dev in dict.fromkeys(v.device for _, _, v in pairs):
+            self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev),
+                             self.stochastic if stochastic is None else stochastic)
+
+    def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
+        """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views in
+        order: the usual case), then one fused copy back to 16-bit."""
+        srcs = [v for _, _, v in pairs]
+        if widened is not None and len(srcs) == len(widened.views) and all(map(lambda a, b: a is b, srcs, widened.views)):
+            flat = widened.scratch  # the step updated the views in place (the usual case): round the scratch itself
+        else:
+            flat = torch.empty(sum(v.numel() for v in srcs), dtype=torch.float32, device=srcs[0].device)
+            torch._foreach_copy_(flat_views(flat, srcs), srcs)
+        if stochastic: _dither_(flat, self.generator)  # then the copies below to bf16 are exact (else: to nearest)
+        dsts = []
+        for d, k, v in pairs:
+            t = old.get((id(d), k))
+            dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
+                        else torch.empty_like(v, dtype=self.dtype))
+        torch._foreach_copy_(dsts, flat_views(flat, srcs))
+        for (d, k, _), t in zip(pairs, dsts): d[k] = t
+
+    def narrow_all(self, state:dict):
+        """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so a
+        fit resumed from a checkpoint draws what the uninterrupted one does, and state widened from 16-bit is exact."""
+        self.narrow(list(state), state, stochastic=False)
+
+    def widen_all(self, state:dict):
+        "The whole state in FP32, in tensors of its own (the end of a fit; the FP32 view: checkpoints, `opt_view`)."
+        if self.dtype is None: return
+        for p, d in state.items():
+            for k, v in list(d.items()):
+                if _is(v, p, self.dtype): d[k] = v.float()
