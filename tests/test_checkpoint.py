@@ -462,3 +462,19 @@ def test_learn_save_and_export_onto_a_fifo(tmp_path):
         warnings.simplefilter('ignore')
         new = torch.load(io.BytesIO(data), weights_only=False)
     for a, b in zip(weights(new), weights(learn)): assert torch.equal(a, b)
+
+def test_a_rounding_generator_from_another_device_kind_warns_and_trains_on():
+    """A checkpoint's stochastic-rounding generator is set on the generator of the device the model trains on, at the
+    set-up; one saved on another kind of device (a CUDA state on a CPU) cannot be: a warning, and training goes on.
+    Before: the state was forced into a CPU generator at load time (a CUDA state raised there, and a CPU state was then
+    dropped by a fit on CUDA)."""
+    learn = make_learner().to_bf16(half_storage=True)
+    quiet_fit(learn, 1)
+    mp = learn.mixed_precision
+    good = mp.state_dict()
+    mp.load_state_dict({**good, 'rng': torch.zeros(16, dtype=torch.uint8)})  # the size of a CUDA generator's state
+    assert torch.equal(mp.state_dict()['rng'], torch.zeros(16, dtype=torch.uint8))  # kept as loaded until it can be set
+    with pytest.warns(RuntimeWarning, match="saved on another kind of device"): quiet_fit(learn, 1)
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+    mp.load_state_dict(good)
+    quiet_fit(learn, 1)  # the right kind: set at the set-up, no warning

@@ -2,6 +2,7 @@
 clipping of the unscaled grads. The events of a step; the weight store (`weights`) checks the grads, clips and steps;
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
+import warnings
 import torch
 from fastai.callback.core import CancelStepException
 
@@ -65,7 +66,7 @@ class MixedPrecision(SessionCallback):
         self.step_in_backward = check_bool('step_in_backward', step_in_backward)
         self.state_dtype = resolve_state_dtype(state_dtype)
         check(self.facts, OPTIONS)
-        self.store, self.record, self.max_grad, self._rng = None, StepRecord(), None, None
+        self.store, self.record, self.max_grad, self._rng, self._rng_state = None, StepRecord(), None, None, None
 
     @property
     def facts(self) -> Facts:
@@ -150,6 +151,12 @@ class MixedPrecision(SessionCallback):
         dev = model_device(model)
         if self._rng is None or self._rng.device.type != dev.type:
             self._rng = torch.Generator(dev).manual_seed(torch.initial_seed() % 2**63)
+        state, self._rng_state = getattr(self, "_rng_state", None), None  # a checkpoint's, loaded before the device was known
+        if state is not None:
+            try: self._rng.set_state(state)
+            except RuntimeError: warnings.warn(f"the checkpoint's stochastic-rounding generator was saved on another kind of "
+                                               f"device than {dev.type}: its random stream starts afresh here (the run "
+                                               f"goes on, but not bit for bit as it would have).", RuntimeWarning)
         return self._rng
 
     # -- the events of one step
@@ -237,11 +244,13 @@ class MixedPrecision(SessionCallback):
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the loss scaler's state, and the stochastic rounding's generator."
-        return {'scaler': self.scaler.state_dict(), **({'rng': self._rng.get_state()} if self._rng is not None else {})}
+        pending = getattr(self, '_rng_state', None)
+        rng = pending if pending is not None else self._rng.get_state() if self._rng is not None else None
+        return {'scaler': self.scaler.state_dict(), **({'rng': rng} if rng is not None else {})}
 
     def load_state_dict(self, sd:dict):
         self.scaler.load_state_dict(sd['scaler'])
-        if 'rng' in sd:
-            if self._rng is None: self._rng = torch.Generator()
-            self._rng.set_state(sd['rng'])
+        if 'rng' in sd:  # set on the generator of the model's device at the next set-up (`rng`)
+            self._rng_state = sd['rng']
+            if self.store is not None: self.rng(self.learn.model)
 
