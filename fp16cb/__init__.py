@@ -14,6 +14,7 @@ from .callbacks import ModelToHalf, MixedPrecision, cast_floats
 from .native import NativeMixedPrecision
 from . import learner as _learner  # patches Learner.to_fp16 & co.; fastai's MixedPrecision and ours refuse each other's arguments
 from . import checkpoint as _checkpoint  # patches Learner.save / load / export: FP32 masters, loss-scaler state, atomic writes
+from . import collapse as _collapse  # a collapsing loss scale's error names where the overflow starts (the failing step only)
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',

@@ -220,18 +220,9 @@ class MixedPrecision(SessionCallback):
         self._remembered = [p for p in self._remembered if id(p) not in gone]
 
     def _collapse(self, err:Exception):
-        """The scale cannot go lower (the failing step only): the error naming where the overflow starts and the remedy,
-        found on copies of the model; or, with `on_collapse='keep_fp32'`, those modules kept FP32 from now on (None)."""
-        from ..overflow import Precision, diagnose_collapse
-        mth = self._model_to_half()
-        half = mth is not None and mth.converted
-        prec = Precision(self.dtype, mth.policy if half else None)
-        diag = diagnose_collapse(self.learn, prec, self.record.scales[-1], err, self.record.overflows,
-                                 fp32_of=self.store.fp32_views(), fixable=self.on_collapse == 'keep_fp32' and half)
-        if not diag.applicable: return diag.error
-        mth.keep_too(diag.keep)  # the model set up again, those modules FP32 (the masters stay exact)
-        self.scaler.skipped_in_a_row = 0
-        diag.warn()
+        """The scale cannot go lower (the failing step only): the error to raise, or None when the cause was removed.
+        `fp16cb.collapse` replaces this with the diagnosis (where the overflow starts, the remedy, `on_collapse`)."""
+        return err
 
     def _sync_ranks(self):
         """The first batch: the model as the learner calls it is known (DDP wraps it after our `before_fit`). Several
