@@ -30,8 +30,10 @@ DETERMINISTIC = 'deterministic'  # the tag of cells whose stored text outputs mu
 __all__ = ['REPO', 'NBS', 'DETERMINISTIC', 'kernel_env', 'execute', 'tidy', 'clean', 'notebooks', 'main']
 
 def kernel_env() -> dict:
-    "The kernel's environment: this checkout's fp16cb first, one thread (tiny models), matplotlib's inline backend."
+    """The kernel's environment: this checkout's fp16cb first, one thread (tiny models), matplotlib's inline backend, and
+    no warning from tqdm about a missing ipywidgets."""
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONHASHSEED='0',
+               PYTHONWARNINGS='ignore:IProgress not found',  # tqdm.auto in a kernel without ipywidgets: not the reader's
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]).rstrip(os.pathsep))
     env.pop('MPLBACKEND', None)  # a forced backend (Agg) would keep the figures out of the notebook
     return env
