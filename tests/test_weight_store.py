@@ -320,3 +320,21 @@ def _with_probe(opt_func, probe, params, **kw):
     opt = opt_func(params, **kw)
     opt.cbs.insert(0, lambda p, **_: probe())
     return opt
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat):
+    """The lift's scratch is kept for the fit (no allocation in the step) but never holds more than `lift_chunk` elements
+    between steps: a chunk over it (one flat master bigger than a chunk) gets memory of its own, given back after use."""
+    monkeypatch.setattr(WeightStore, 'lift_chunk', 30)  # the flat weights' master (40 elements) is over it
+    held, owns = [], []
+    class Watch(Callback):
+        order = 20
+        def after_step(self):
+            store = self.learn.mixed_precision.store
+            shared = sum(b.numel() for b in store.scratch.bufs.values())
+            own = sum(p.storage.nbytes() // 4 for p in store._plans.values() if p is not None and p.own)
+            held.append((shared, own)); owns.append(any(p is not None and p.own for p in store._plans.values()))
+    learn = make_learner(opt_func=Adam).to_fp16(flat_master=flat)
+    quiet_fit(learn, 1, cbs=[Watch()])
+    assert held and all(shared <= 30 and own == 0 for shared, own in held), held
+    assert all(owns) == flat  # flat: the big master's chunk has memory of its own (given back: 0 bytes between steps)

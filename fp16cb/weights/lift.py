@@ -140,29 +140,35 @@ def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
 
 
 class Scratch:
-    """The FP32 memory the lift writes a chunk's grads into: one buffer per device, the size of the largest chunk, made
-    at the first lift and kept for the fit (reused by every chunk of every step: no allocation, no page faults in the
-    step; on a CPU, glibc would otherwise hand a freed buffer back to the system and fault it in again each step)."""
-    def __init__(self, sizes:dict): self.sizes, self.bufs = sizes, {}  # {device: elements}
-    def __call__(self, device, n:int) -> Tensor:
-        "`n` elements of the device's buffer (made at its first use, `sizes[device]` large)."
+    """The FP32 memory the lift writes a chunk's grads into: one buffer per device, the size of the largest chunk (at
+    most `cap` elements), made at the first lift and kept for the fit, reused by every chunk of every step (no
+    allocation, no page faults in the step: on a CPU, glibc would hand a freed buffer back to the system and fault it in
+    again each step). A chunk larger than `cap` (one master bigger than a chunk: a flat group) gets memory of its own,
+    given back after each use (`resize_(0)` of its storage, as FSDP frees its flat buffers), so that between steps no
+    more than `cap` elements of FP32 grads are held."""
+    def __init__(self, sizes:dict, cap:int): self.sizes, self.cap, self.bufs = sizes, cap, {}  # sizes: {device: elements <= cap}
+    def __call__(self, device, n:int) -> Tensor|None:
+        "`n` elements of the device's shared buffer (made at its first use), or None when `n` is over `cap`."
+        if n > self.cap: return None
         buf = self.bufs.get(device)
         if buf is None or buf.numel() < n:
             buf = self.bufs[device] = torch.empty(max(n, self.sizes.get(device, 0)), dtype=torch.float32, device=device)
         return buf[:n]
-    def nbytes(self) -> int: return sum(b.numel() * b.element_size() for b in self.bufs.values())
     def release(self): self.bufs = {}
 
 class LiftPlan:
-    """How one chunk's masters get their FP32 grads, made once: a part of the store's `Scratch` viewed as each master's
-    grad, and the 16-bit grads copied from (coalesced: one copy per contiguous run). Valid while those are still the
-    params' grads."""
+    """How one chunk's masters get their FP32 grads, made once: a part of the store's `Scratch` (or, for a chunk over its
+    cap, a buffer of its own whose memory is given back between uses) viewed as each master's grad, and the 16-bit grads
+    copied from (coalesced: one copy per contiguous run). Valid while those are still the params' grads."""
     def __init__(self, items:list, scratch:Scratch):
         # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per buffer
         items = sorted([it for it in items if it[2] is not None], key=lambda it: _region(it[2][0][0].grad)[:2])
         self.items = [(m, gi) for m, gi, _ in items]
         self.objs, pairs, self.groups = [], [], {}
-        buf = scratch(self.items[0][0].device, sum(m.numel() for m, _ in self.items))
+        n, dev = sum(m.numel() for m, _ in self.items), self.items[0][0].device
+        buf = scratch(dev, n)
+        self.own = buf is None  # over the cap: memory of its own, given back after each use
+        if self.own: buf = torch.empty(n, dtype=torch.float32, device=dev)
         self.views = flat_views(buf, [m for m, _ in self.items])
         for (m, gi, sources), v in zip(items, self.views):
             for o, off in sources:
@@ -172,6 +178,7 @@ class LiftPlan:
             self.groups.setdefault(gi, []).append(v)
         self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
         self.dsts, self.copy_srcs = _coalesce(pairs)
+        if self.own: self.storage, self.nbytes = buf.untyped_storage(), buf.untyped_storage().nbytes(); self.free()
 
     @classmethod
     def make(cls, items:list, scratch:Scratch):
@@ -183,12 +190,14 @@ class LiftPlan:
 
     def lift(self) -> dict:
         "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: views}`."
+        if self.own: self.storage.resize_(self.nbytes)
         torch._foreach_copy_(self.dsts, self.copy_srcs)
         for (m, _), v in zip(self.items, self.views): m.grad = v
         return self.groups
 
     def free(self):
         for m, _ in self.items: m.grad = None
+        if self.own: self.storage.resize_(0)
 
 def _region(t:Tensor) -> tuple:
     "`(storage, first element, element count, strides)` of the dense tensor `t` (a grad view, a scratch view)."

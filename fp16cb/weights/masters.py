@@ -52,11 +52,11 @@ class FP32Masters(WeightStore):
         sources = self._sources()
         self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
-        sizes = {}  # the largest chunk of masters per device: the scratch the lift writes into
+        sizes = {}  # the largest chunk of masters per device within the cap: the scratch the lift writes into
         for c in self._chunks:
             n = sum(p.numel() for p, _, src in c if src is not None)
-            if n: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
-        self.scratch = Scratch(sizes)
+            if 0 < n <= self.lift_chunk: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
+        self.scratch = Scratch(sizes, self.lift_chunk)
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing = []
