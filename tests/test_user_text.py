@@ -208,6 +208,37 @@ def test_gradient_range_legend_is_visible():
     plot_gradient_range(gradient_report(make_learner('underflow', 'fp32', 0)), ax=ax)
     _check_legends(fig)
 
+def _overlap(a, b) -> bool: return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+def test_precision_check_figure_is_readable():
+    """The figure of `learn.precision_check()` as a reader sees it: the whole advice on top, inside the figure and clear
+    of the panels' titles; no two tick labels of a panel on top of each other; the shares' axes from 0. Before the fix:
+    the advice was cut at 120 characters and overlapped the titles, the log axis crowded its labels."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    from fp16cb.diagnostics import plot_precision_check
+    df = pd.DataFrame({'overflow': [0, 8, 0, 0], 'underflow': [0., 0., 0., 0.], 'underflow_act': [0., 0., 0., 0.],
+                       'swallowed': [.21, 0., .45, .21], 'rel_diff': [3.1e-4, 2.2e-3, 2.1e-3, 2.0e-3]},
+                      index=['stem', 'block.amp', 'block.norm', 'head'])
+    df.attrs['advice'] = ("keep_fp32=['block']: `learn.to_fp16(keep_fp32=['block'])` (inf/NaN starts in 'block.amp'; "
+                          "with those modules FP32 the failing batch runs clean in 8 of 8 batches).")
+    axs = plot_precision_check(df)
+    fig = axs[0].figure
+    try:
+        r = _draw(fig)
+        title = fig._suptitle
+        assert title.get_text().replace('\n', ' ') == df.attrs['advice'], "the advice is cut"
+        box, page = title.get_window_extent(r), fig.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, "the advice is cut off"
+        for ax in axs:
+            assert not _overlap(box, ax.title.get_window_extent(r)), f"the advice overlaps {ax.get_title()!r}"
+            labels = [t.get_window_extent(r) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+            assert len(labels) >= 2, ax.get_title()
+            assert not any(_overlap(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]), \
+                f"tick labels of {ax.get_title()!r} overlap: {[t.get_text() for t in ax.get_xticklabels()]}"
+        assert axs[1].get_xlim() == (0, 1) and axs[2].get_xlim() == (0, 1), "a share's axis from 0 to 1"
+    finally: plt.close(fig)
+
 # the slow-fp16 warning
 
 def test_slow_fp16_warning_says_what_was_measured(monkeypatch):
