@@ -387,3 +387,23 @@ def test_compatibility_columns_are_explained():
     prose = '\n'.join(l for l in text.splitlines() if not l.startswith('|'))
     heads = [h.strip() for h in table().splitlines()[0].strip('|').split('|')][1:]
     assert heads and [h for h in heads if not re.search(rf'`{re.escape(h)}` \(', prose)] == []
+
+# ---- the torch.compile recipe for a splitter that indexes the model
+
+def test_compile_recipe_for_an_indexing_splitter():
+    """The README's recipe for `vision_learner`'s splitters, which index the model: without it plain fastai fails to
+    make the optimizer ('not subscriptable'); with it the compiled learner trains in bf16 and is FP32 after."""
+    from conftest import make_learner, quiet_fit  # its splitter, `two_groups`, indexes the model as vision_learner's do
+    text = ' '.join(section(README, 'Checkpoints').split())
+    assert '`split = learn.splitter`' in text and '`learn.splitter = lambda m: split(m._orig_mod)`' in text
+    learn = make_learner()
+    learn.model = torch.compile(learn.model, backend='aot_eager')  # the backend tests/test_compile.py uses (no C++)
+    with pytest.raises(TypeError, match='not subscriptable'): quiet_fit(learn, 1)
+    learn = make_learner()
+    split = learn.splitter
+    learn.model = torch.compile(learn.model, backend='aot_eager')
+    learn.splitter = lambda m: split(m._orig_mod)
+    quiet_fit(learn.to_bf16(), 1)
+    assert len(learn.opt.param_groups) == 2 and len(learn.recorder.values) == 1
+    learn.to_fp32()
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
