@@ -1,4 +1,5 @@
-"""Nothing stale in the docs: README.md, CONTRIBUTING.md, bench/README.md and the notebooks (markdown and code) name only
+"""Nothing stale in the docs: README.md, CONTRIBUTING.md, bench/README.md, bench/RESULTS.md (the current results; the
+log of older runs, bench/HISTORY.md, is history) and the notebooks (markdown and code) name only
 things that exist (`fp16cb.…` modules and attributes, `python -m …` commands and their flags, files and tests), the
 README's figures are one dated benchmark run's (`bench/results_cpu.json` and `bench/results_state_memory.json`, one
 machine), its quick start runs as pasted, its compatibility table's columns are explained, its signatures are
@@ -31,7 +32,7 @@ def notebook_text(path:Path, outputs:bool=False) -> str:
 
 def docs(outputs:bool=False) -> dict:
     "`{name: text}` of every document scanned here."
-    res = {n: (REPO/n).read_text() for n in ('README.md', 'CONTRIBUTING.md', 'bench/README.md')}
+    res = {n: (REPO/n).read_text() for n in ('README.md', 'CONTRIBUTING.md', 'bench/README.md', 'bench/RESULTS.md')}
     res.update({f'nbs/{p.name}': notebook_text(p, outputs) for p in NBS})
     return res
 
