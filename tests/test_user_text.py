@@ -240,6 +240,22 @@ def test_precision_check_figure_is_readable():
         assert axs[1].get_xlim() == (0, 1) and axs[2].get_xlim() == (0, 1), "a share's axis from 0 to 1"
     finally: plt.close(fig)
 
+def test_a_fit_loads_no_accelerate():
+    """A plain fit in mixed precision imports neither `fastai.distributed` nor Accelerate, which fastai alone would not:
+    in a Jupyter kernel without ipywidgets, Accelerate's `tqdm.auto` import printed "TqdmWarning: IProgress not found"
+    on the first fit (the notebooks stored it). Before the fix: the set-up imported `fastai.distributed` to look for its
+    `DistributedTrainer`."""
+    import subprocess, sys
+    code = ("import sys, torch; from fastai.basics import *; import fp16cb\n"
+            "x = torch.randn(64, 4); dls = DataLoaders.from_dsets(list(zip(x, x.sum(1, keepdim=True))), list(zip(x, x.sum(1, keepdim=True))), bs=16)\n"
+            "learn = Learner(dls, torch.nn.Linear(4, 1), loss_func=MSELossFlat()).to_bf16()\n"
+            "with learn.no_bar(), learn.no_logging(): learn.fit(1)\n"
+            "print(sorted(m for m in ('fastai.distributed', 'accelerate', 'tqdm.auto') if m in sys.modules))")
+    p = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True, timeout=120,
+                       cwd=REPO, env={**__import__('os').environ, 'PYTHONPATH': str(REPO)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == '[]', p.stdout
+
 # the slow-fp16 warning
 
 def test_slow_fp16_warning_says_what_was_measured(monkeypatch):
