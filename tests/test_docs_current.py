@@ -151,7 +151,8 @@ def which_mode_rows() -> list:
 
 def test_which_mode_table_has_every_mode():
     calls = ' '.join(r['call'] for r in which_mode_rows())
-    for needed in ('to_fp16()', 'to_bf16()', 'to_native_fp16()', 'to_native_bf16()', 'half_storage=True', 'keep_fp32='):
+    for needed in ('to_fp16()', 'to_bf16()', 'to_native_fp16()', 'to_native_bf16()', 'half_storage=True', 'keep_fp32=',
+                   'state_dtype=torch.bfloat16'):
         assert needed in calls, needed
 
 def test_which_mode_figures_are_the_benchmarks():
@@ -368,16 +369,25 @@ def test_quick_start_imports_only_what_it_uses():
     assert imported and imported <= used, imported - used
     assert re.search(r'^dls = ', code, re.M)
 
-def test_quick_start_runs_as_pasted():
-    "The quick start, run as it stands in a fresh namespace: it trains (3 short epochs) and leaves an FP32 model."
-    import warnings
+def test_quick_start_runs_as_pasted(tmp_path):
+    """The quick start, run as it stands in a fresh namespace: it trains (3 short epochs) and leaves an FP32 model. Then
+    the README's export recipe: the loaded learner has no data until given `dls`, and then trains with `to_fp16()`."""
+    import math, warnings
+    from fastai.learner import load_learner
     ns = {}
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # the once-per-process fp16-on-CPU warning
         exec(compile(quick_start(), 'README.md (quick start)', 'exec'), ns)
-    learn = ns['learn']
-    assert len(learn.recorder.values) == 3 and learn.recorder.values[-1][2] > .5
-    assert all(p.dtype == torch.float32 for p in learn.model.parameters()) and learn.precision_callbacks() == []
+        learn = ns['learn']
+        assert len(learn.recorder.values) == 3 and learn.recorder.values[-1][2] > .5
+        assert all(p.dtype == torch.float32 for p in learn.model.parameters()) and learn.precision_callbacks() == []
+        assert '`learn.dls = dls`, then `learn.to_fp16()`' in ' '.join(section(README, 'Checkpoints').split())
+        learn.export(tmp_path/'export.pkl')
+        loaded = load_learner(tmp_path/'export.pkl')
+        assert len(loaded.dls.train.dataset) == 0  # no data: a fit would train on nothing
+        loaded.dls = ns['dls']
+        with loaded.no_bar(), loaded.no_logging(): loaded.to_fp16().fit(1, 1e-3)
+        assert math.isfinite(loaded.recorder.values[-1][0]) and loaded.recorder.values[-1][2] > .5
 
 # ---- the compatibility table's columns are explained
 
