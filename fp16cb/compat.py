@@ -6,7 +6,7 @@ matrix trains every cell it declares supported against FP32 fastai and expects e
 
 A new mode, optimizer kind or context adds its row here first."""
 from __future__ import annotations
-import re
+import re, sys
 from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
@@ -260,10 +260,11 @@ def float64_layers(model) -> tuple:
                  for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float64)
 
 def _distributed(learn) -> bool:
-    "Whether the fit runs in several processes: fastai's `DistributedTrainer` among the callbacks, or a DDP model."
-    from fastai.distributed import DistributedTrainer
+    """Whether the fit runs in several processes: fastai's `DistributedTrainer` among the callbacks, or a DDP model.
+    `fastai.distributed` not imported: no `DistributedTrainer` can be there (importing it would load Accelerate)."""
+    trainer = getattr(sys.modules.get('fastai.distributed'), 'DistributedTrainer', None)
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    return isinstance(learn.model, DistributedDataParallel) or (several and any(isinstance(cb, DistributedTrainer) for cb in learn.cbs))
+    return isinstance(learn.model, DistributedDataParallel) or (several and trainer is not None and any(isinstance(cb, trainer) for cb in learn.cbs))
 
 def learner_facts(learn, f:Facts) -> Facts:
     "`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model."

@@ -420,8 +420,9 @@ def plot_precision_check(
     axs=None, # four matplotlib axes (a new figure when None)
 ):
     "Bars per module: batches where inf/NaN starts, underflowed gradients, swallowed updates, output difference from FP32."
-    import matplotlib.pyplot as plt
-    if axs is None: _, axs = plt.subplots(1, 4, figsize=(12, 1.2 + .3 * len(df)), sharey=True)
+    import matplotlib.pyplot as plt, textwrap
+    from matplotlib.ticker import LogLocator, LogFormatterSciNotation, NullFormatter
+    if axs is None: _, axs = plt.subplots(1, 4, figsize=(12, 1.6 + .3 * len(df)), sharey=True, layout='constrained')
     names = list(df.index)[::-1]
     d = df.iloc[::-1]
     panels = [('overflow', 'overflow (batches)', 'tab:red'), ('underflow', 'underflow (share of grads)', 'tab:orange'),
@@ -431,6 +432,13 @@ def plot_precision_check(
         if col == 'rel_diff' and d[col].isin([np.inf]).any(): v = v.fillna(v.max() * 10 if v.notna().any() else 1.)
         ax.barh(names, v.fillna(0.), color=color)
         ax.set_title(title, fontsize='small')
-        if col == 'rel_diff' and (v > 0).any(): ax.set_xscale('log')
-    axs[0].figure.suptitle(df.attrs.get('advice', '')[:120], fontsize='small')
+        if col in ('underflow', 'swallowed'): ax.set_xlim(0, 1)  # shares
+        elif col == 'overflow': ax.set_xlim(0, max(1, v.max()) * 1.05 if v.notna().any() else 1)
+        if col == 'rel_diff' and (v > 0).any():  # whole decades, labelled at the decades only: no crowded labels
+            ax.set_xscale('log')
+            lo, hi = v[v > 0].min(), v.max()
+            ax.set_xlim(10. ** math.floor(math.log10(lo)), 10. ** max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1))
+            ax.xaxis.set_major_locator(LogLocator(numticks=4)); ax.xaxis.set_major_formatter(LogFormatterSciNotation())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+    axs[0].figure.suptitle(textwrap.fill(df.attrs.get('advice', ''), 150), fontsize='small')
     return axs

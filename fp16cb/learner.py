@@ -87,7 +87,10 @@ def _no_dtype(
 @_shows(ModelToHalf)
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
-    "Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling."
+    """Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling.
+    `loss_scale=512` (fastai's default) means calibrate: the first step runs at scale 1 and its largest gradient sets
+    the scale (a step whose gradients underflowed at scale 1 is skipped, counted in `n_skipped`); any other value is the
+    dynamic scale's start, or with `dynamic=False` the fixed scale."""
     check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s

@@ -1,7 +1,9 @@
-"""Nothing stale in the docs: README.md, CONTRIBUTING.md, bench/README.md and the notebooks (markdown and code) name only
+"""Nothing stale in the docs: README.md, CONTRIBUTING.md, bench/README.md, bench/RESULTS.md (the current results; the
+log of older runs, bench/HISTORY.md, is history) and the notebooks (markdown and code) name only
 things that exist (`fp16cb.…` modules and attributes, `python -m …` commands and their flags, files and tests), the
-README's which-mode figures are the benchmark's (`bench/results_cpu.json`, or a table of `bench/RESULTS.md`), its
-signatures are `inspect.signature`'s, it lists every `Learner` method fp16cb patches, user-facing text carries no
+README's figures are one dated benchmark run's (`bench/results_cpu.json` and `bench/results_state_memory.json`, one
+machine), its quick start runs as pasted, its compatibility table's columns are explained, its signatures are
+`inspect.signature`'s, it lists every `Learner` method fp16cb patches, user-facing text carries no
 internal work-item labels, and settings.ini holds only keys that setup.py reads."""
 import ast, importlib, importlib.util, inspect, json, os, re, subprocess, sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import fp16cb  # noqa: F401 (patches Learner: the signatures and the patched met
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path: sys.path.insert(0, str(REPO))  # `bench` is a top-level package of the checkout
 NBS = sorted((REPO/'nbs').glob('*.ipynb'))
-RESULTS_JSON, RESULTS_MD = REPO/'bench'/'results_cpu.json', REPO/'bench'/'RESULTS.md'
+RESULTS_JSON = REPO/'bench'/'results_cpu.json'
 OUTPUTS = {'bench/results_cuda.json'}  # files the documented commands write (not in the repository until run on a GPU)
 HELP_CLIS = ('fp16cb', 'bench', 'fp16cb.demos.ddp')  # documented commands whose flags `--help` lists
 
@@ -30,7 +32,7 @@ def notebook_text(path:Path, outputs:bool=False) -> str:
 
 def docs(outputs:bool=False) -> dict:
     "`{name: text}` of every document scanned here."
-    res = {n: (REPO/n).read_text() for n in ('README.md', 'CONTRIBUTING.md', 'bench/README.md')}
+    res = {n: (REPO/n).read_text() for n in ('README.md', 'CONTRIBUTING.md', 'bench/README.md', 'bench/RESULTS.md')}
     res.update({f'nbs/{p.name}': notebook_text(p, outputs) for p in NBS})
     return res
 
@@ -137,15 +139,9 @@ def md_tables(text:str) -> list:
     return tables
 
 def benchmark_figure(workload:str, mode:str, decimals:int) -> set:
-    "The speed vs FP32 of `mode` on `workload` as printed: from results_cpu.json, and from RESULTS.md's tables."
-    found = set()
+    "The speed vs FP32 of `mode` on `workload` as printed, from results_cpu.json (one run: no other source)."
     run = RESULTS.get(workload, {}).get(mode)
-    if run: found.add(f"{run['speedup']:.{decimals}f}")
-    for table in md_tables(RESULTS_MD.read_text()):
-        for row in table:
-            if row.get('workload') == workload and row.get('mode') == mode and 'vs fp32' in row:
-                found.add(row['vs fp32'].rstrip('x'))
-    return found
+    return {f"{run['speedup']:.{decimals}f}"} if run else set()
 
 FIGURE = re.compile(r'(\d+\.\d+)x\b([^()]*)\(`([\w-]+)`, `([\w-]+)`[^)]*\)')
 
@@ -155,7 +151,8 @@ def which_mode_rows() -> list:
 
 def test_which_mode_table_has_every_mode():
     calls = ' '.join(r['call'] for r in which_mode_rows())
-    for needed in ('to_fp16()', 'to_bf16()', 'to_native_fp16()', 'to_native_bf16()', 'half_storage=True', 'keep_fp32='):
+    for needed in ('to_fp16()', 'to_bf16()', 'to_native_fp16()', 'to_native_bf16()', 'half_storage=True', 'keep_fp32=',
+                   'state_dtype=torch.bfloat16'):
         assert needed in calls, needed
 
 def test_which_mode_figures_are_the_benchmarks():
@@ -167,18 +164,22 @@ def test_which_mode_figures_are_the_benchmarks():
         for m in FIGURE.finditer(cell):
             value, workload, mode = m.group(1), m.group(3), m.group(4)
             assert value in benchmark_figure(workload, mode, len(value.split('.')[1])), \
-                f"{value}x for ({workload}, {mode}) is not in bench/results_cpu.json or bench/RESULTS.md"
+                f"{value}x for ({workload}, {mode}) is not in bench/results_cpu.json"
             n += 1
         rest = re.sub(r'`[^`]*`', '', FIGURE.sub('', cell))
         assert not re.search(r'(?<![\w.])\d+(?:\.\d+)?(?!\w)', rest), f"a figure without its source: {cell!r}"
     assert n >= 4
 
 def test_which_mode_figures_are_dated_with_their_machine():
-    "The caption names the results file's run: date, machine, torch; and says plainly whether GPU figures exist."
+    """The caption names the results file's run: date, machine, its CPU flags as `lscpu` gives them (`cpu_flags`, added
+    to the results files next to the run), torch; says how much figures vary between CPUs, points at the notebook that
+    measures the reader's; and says plainly whether GPU figures exist."""
     text = ' '.join(section(README, 'Which mode').split())
     meta = RESULTS['meta']
+    assert 'cpu_flags' in meta, "bench/results_cpu.json's meta has no 'cpu_flags': add the CPU's lscpu flags (bench/README.md)"
     assert meta['date'] in text and meta['machine'] in text and meta['torch'].split('+')[0] in text
-    assert 'bench/results_cpu.json' in text and 'bench/RESULTS.md' in text
+    assert meta['cpu_flags'] in text and 'bench/results_cpu.json' in text
+    assert 'vary between CPUs' in text and 'AVX512-BF16' in text and '(nbs/which_mode.ipynb)' in text
     has_gpu = (REPO/'bench'/'results_cuda.json').exists()
     assert ('No GPU figures exist yet' in text) != has_gpu
 
@@ -316,3 +317,104 @@ def test_memory_figures_are_the_benchmarks():
     assert res['date'] in flat and 'bench/results_state_memory.json' in flat and res['torch'].split('+')[0] in flat
     assert res['cpu'].split(',')[0].replace('(R)', '').replace(' Processor', '') in flat.replace('(R)', '')
     assert f"{res['n_params'] / 1e6:.1f}M" in flat
+
+def test_memory_caption_gives_the_lifts_scratch():
+    "The scratch one chunk of FP32 grads is lifted into (kept between steps, not in the table): the run's own figures."
+    res = json.loads(MEMORY_JSON.read_text())
+    flat = ' '.join(section(README, 'Which mode').split())
+    scratch = {m: b for r in res['scratch_bytes'].values() for m, b in r.items()}
+    per_param = max(b for m, b in scratch.items() if 'flat' not in m.split())
+    whole_group = max(b for m, b in scratch.items() if 'flat' in m.split())
+    assert f"{per_param / 2**20:.0f} MiB at most" in flat and f"{whole_group / 2**20:.0f} MiB for this MLP" in flat
+
+def test_every_figure_is_one_runs():
+    """The speed and the memory figures come from one run on one machine: the two results files name the same CPU,
+    flags and torch, and were written the same day, minutes apart."""
+    import datetime as dt
+    mem, meta = json.loads(MEMORY_JSON.read_text()), RESULTS['meta']
+    assert mem.get('cpu_flags') == meta['cpu_flags'] and mem['torch'] == meta['torch']
+    assert mem['cpu'].split(',')[0] == meta['machine'].split(',')[0]
+    when = lambda s: dt.datetime.strptime(s, '%Y-%m-%d %H:%M UTC')
+    assert abs(when(mem['date']) - when(meta['date'])) < dt.timedelta(hours=1), (mem['date'], meta['date'])
+
+# ---- what `loss_scale=512` means, where the argument is documented
+
+def test_loss_scale_512_means_calibrate_where_documented():
+    """fastai's default 512 calibrates the dynamic scale, any other value is the start: said in `MixedPrecision`'s
+    docments, in `help(learn.to_fp16)` and `help(MixedPrecision)`, and true of the scaler these arguments make."""
+    import pydoc
+    from fastcore.docments import docments
+    from fp16cb import MixedPrecision
+    from fp16cb.scaling import make_scaler
+    doc = ' '.join(docments(MixedPrecision.__init__)['loss_scale'].split())
+    assert '512' in doc and 'calibrate' in doc and 'start' in doc, doc
+    for obj in (Learner.to_fp16, MixedPrecision):
+        text = ' '.join(pydoc.render_doc(obj, renderer=pydoc.plaintext).split())
+        assert "`loss_scale=512` (fastai's default)" in text and 'calibrate' in text and 'n_skipped' in text, obj
+    kw = dict(dynamic=True, max_loss_scale=2.**24, div_factor=2., scale_wait=500)
+    calibrating, started = make_scaler(None, loss_scale=512, **kw), make_scaler(None, loss_scale=1024, **kw)
+    assert (calibrating.calibrating, calibrating.scale) == (True, 1.) and (started.calibrating, started.scale) == (False, 1024.)
+
+# ---- the quick start runs as pasted
+
+def quick_start() -> str:
+    return re.search(r'```python\n(.*?)```', section(README, 'Quick start'), re.S).group(1)
+
+def test_quick_start_imports_only_what_it_uses():
+    "Each name a `from x import a, b` of the quick start brings in is used below it; `dls` is made there."
+    code = quick_start()
+    tree = ast.parse(code)
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names if a.name != '*'}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert imported and imported <= used, imported - used
+    assert re.search(r'^dls = ', code, re.M)
+
+def test_quick_start_runs_as_pasted(tmp_path):
+    """The quick start, run as it stands in a fresh namespace: it trains (3 short epochs) and leaves an FP32 model. Then
+    the README's export recipe: the loaded learner has no data until given `dls`, and then trains with `to_fp16()`."""
+    import math, warnings
+    from fastai.learner import load_learner
+    ns = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # the once-per-process fp16-on-CPU warning
+        exec(compile(quick_start(), 'README.md (quick start)', 'exec'), ns)
+        learn = ns['learn']
+        assert len(learn.recorder.values) == 3 and learn.recorder.values[-1][2] > .5
+        assert all(p.dtype == torch.float32 for p in learn.model.parameters()) and learn.precision_callbacks() == []
+        assert '`learn.dls = dls`, then `learn.to_fp16()`' in ' '.join(section(README, 'Checkpoints').split())
+        learn.export(tmp_path/'export.pkl')
+        loaded = load_learner(tmp_path/'export.pkl')
+        assert len(loaded.dls.train.dataset) == 0  # no data: a fit would train on nothing
+        loaded.dls = ns['dls']
+        with loaded.no_bar(), loaded.no_logging(): loaded.to_fp16().fit(1, 1e-3)
+        assert math.isfinite(loaded.recorder.values[-1][0]) and loaded.recorder.values[-1][2] > .5
+
+# ---- the compatibility table's columns are explained
+
+def test_compatibility_columns_are_explained():
+    "Each column of the table (`fp16cb.compat.table()`) is named, in backticks, in the section's prose with what it means."
+    from fp16cb.compat import table
+    text = section(README, 'What works with what')
+    prose = '\n'.join(l for l in text.splitlines() if not l.startswith('|'))
+    heads = [h.strip() for h in table().splitlines()[0].strip('|').split('|')][1:]
+    assert heads and [h for h in heads if not re.search(rf'`{re.escape(h)}` \(', prose)] == []
+
+# ---- the torch.compile recipe for a splitter that indexes the model
+
+def test_compile_recipe_for_an_indexing_splitter():
+    """The README's recipe for `vision_learner`'s splitters, which index the model: without it plain fastai fails to
+    make the optimizer ('not subscriptable'); with it the compiled learner trains in bf16 and is FP32 after."""
+    from conftest import make_learner, quiet_fit  # its splitter, `two_groups`, indexes the model as vision_learner's do
+    text = ' '.join(section(README, 'Checkpoints').split())
+    assert '`split = learn.splitter`' in text and '`learn.splitter = lambda m: split(m._orig_mod)`' in text
+    learn = make_learner()
+    learn.model = torch.compile(learn.model, backend='aot_eager')  # the backend tests/test_compile.py uses (no C++)
+    with pytest.raises(TypeError, match='not subscriptable'): quiet_fit(learn, 1)
+    learn = make_learner()
+    split = learn.splitter
+    learn.model = torch.compile(learn.model, backend='aot_eager')
+    learn.splitter = lambda m: split(m._orig_mod)
+    quiet_fit(learn.to_bf16(), 1)
+    assert len(learn.opt.param_groups) == 2 and len(learn.recorder.values) == 1
+    learn.to_fp32()
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())

@@ -24,14 +24,18 @@ class MixedPrecision(SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
     The weight store owns the step: `before_step` asks it to check the grads (one fused, read-only pass), reads the one
     host sync, skips or clips; the optimizer's `step` steps the store (the grads reach FP32, unscaled and clipped, a
-    bounded chunk at a time as the optimizer consumes them), which the model follows."""
+    bounded chunk at a time as the optimizer consumes them), which the model follows.
+    With `dynamic` and `loss_scale=512` (fastai's default) the scale is calibrated: the first step runs at scale 1 and its
+    largest |grad| sets the scale (`BackoffScaler`); if that step's gradients underflowed (more than half of the nonzero
+    16-bit grads under the dtype's smallest normal, or all of them zero for a nonzero loss) it is skipped, counted in
+    `n_skipped`, instead of applied. Any other `loss_scale` is the dynamic scale's start."""
     order = 10
     checkpoint_key = 'MixedPrecision'
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
     def __init__(self,
-        loss_scale:float=512, # the scale when not `dynamic`; with `dynamic`, any other value is the starting scale
+        loss_scale:float=512, # with `dynamic`: 512 (fastai's default) means calibrate (the first step runs at scale 1, its largest |grad| sets the scale), any other value is the start; without: the fixed scale
         flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
-        dynamic:bool=True, # dynamic loss scaling: the first step (at scale 1) picks the scale from its largest |grad|, halve on overflow, grow back
+        dynamic:bool=True, # dynamic loss scaling: divided by `div_factor` on overflow (the step skipped), multiplied after `scale_wait` clean steps
         max_loss_scale:float=2.**24, # ceiling of the dynamic scale
         div_factor:float=2., # the dynamic scale is divided by this on overflow and multiplied after `scale_wait` clean steps
         scale_wait:int=500, # clean steps in a row before the dynamic scale grows
