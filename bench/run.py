@@ -41,7 +41,8 @@ from .workloads import WORKLOADS, WORKLOAD_SETS, CPU_SCALE, make_data, n_params
 from .modes import (AutocastCB, FastaiNonNative, BareBF16, MODES, OPTS, PLAIN, run_key, fused_adamw_ok, half_dtype,
                     PLAIN_COMPILED, PLAIN_MODES, COMPILED_MODES, MODE_SETS, set_compile_backend, compile_backend,
                     pick_compile_backend)
-from .measure import (set_clock, new_record, StepClock, time_events, CpuMemory, copy_bound, evaluate, move_state, sync)
+from .measure import (set_clock, new_record, StepClock, time_events, CpuMemory, copy_bound, evaluate, move_state, sync,
+                      cpu_flags)
 from .plain import PlainAMP
 
 __all__ = ['run_bench', 'defaults', 'targets', 'format_table', 'main', 'Batches', 'CPU_MODES', 'GPU_MODES',
@@ -279,7 +280,7 @@ def run_bench(
     cb_timers = (not is_cuda) if cb_timers is None else cb_timers
     res = {'meta': {'device': str(dev), 'torch': torch.__version__, 'steps': steps, 'rounds': rounds, 'warmup': warmup,
                     'warmup_max': warmup_max,
-                    'threads': torch.get_num_threads(), 'clock': clock, 'machine': _machine(dev), 'cb_timers': cb_timers,
+                    'threads': torch.get_num_threads(), 'clock': clock, 'machine': _machine(dev), 'cpu_flags': cpu_flags(), 'cb_timers': cb_timers,
                     'workloads': list(workloads), 'runs': [k for k, _, _ in runs], 'notes': notes,
                     'compile_backend': backend, 'compile_backend_why': why,
                     'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}}

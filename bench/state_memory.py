@@ -16,6 +16,7 @@ from fastai.basics import Learner, DataLoaders, Adam, OptimWrapper, MSELossFlat,
 
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.dtypes import cpu_has_native
+from bench.measure import cpu_flags
 
 __all__ = ["live_storages", "StateBytes", "state_learner", "MODES", "OPTIMIZERS", "TARGETS", "SLACK", "supported", "measure", "main"]
 
@@ -143,6 +144,6 @@ def main(argv=None):
     if args.json:
         date = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
         with open(args.json, 'w') as f: json.dump({'date': date, 'width': args.width, 'n_params': n, 'bytes_per_param': res, 'scratch_bytes': scratch,
-                                                   'cpu': cpu_capability(), 'torch': torch.__version__}, f, indent=1)
+                                                   'cpu': cpu_capability(), 'cpu_flags': cpu_flags(), 'torch': torch.__version__}, f, indent=1)
 
 if __name__ == '__main__': main()
