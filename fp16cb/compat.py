@@ -9,7 +9,6 @@ from __future__ import annotations
 import re, sys
 from dataclasses import dataclass, field, replace
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
@@ -267,10 +266,10 @@ def _distributed(learn) -> bool:
     return isinstance(learn.model, DistributedDataParallel) or (several and trainer is not None and any(isinstance(cb, trainer) for cb in learn.cbs))
 
 def learner_facts(learn, f:Facts) -> Facts:
-    "`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model."
+    """`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model. (Its float64
+    layers are `ModelToHalf.check_model`'s to read: they matter only to a model converted to 16-bit.)"""
     model = learn.model
     return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None,
                      accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
                      gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),
-                     ddp=f.ddp or _distributed(learn), compiled=hasattr(model, '_orig_mod'),
-                     float64_layers=float64_layers(model) if isinstance(model, nn.Module) else ())
+                     ddp=f.ddp or _distributed(learn), compiled=hasattr(model, '_orig_mod'))
