@@ -237,14 +237,37 @@ def test_clip_unscaled_master_grads(clip, clip_global):
 @pytest.mark.parametrize('kwargs', [dict(), dict(clip=1.), dict(flat_master=True, clip=.1), dict(dynamic=False),
                                     dict(dtype=torch.bfloat16, loss_scale=1., dynamic=False)])
 def test_one_host_sync_per_step(monkeypatch, kwargs):
-    "MixedPrecision's step work reads one value back from the device per step, whatever the number of params."
+    """MixedPrecision's step work reads one value back from the device per step, whatever the number of params. At scale
+    1 on a CPU the check sums bf16 grads (one cheap pass): a step whose sums are not finite (the injected inf) reads the
+    exact check's verdict too."""
     from fp16cb import MixedPrecision
     calls = count_host_reads(monkeypatch, MixedPrecision)
     learn = make_learner().to_fp16(max_loss_scale=2.**8, **kwargs)
     quiet_fit(learn, 1, lr=1e-2, cbs=Inject([2]))
     monkeypatch.undo()
     assert len(learn.mixed_precision.skips) == 4
-    assert len(calls) == 4, calls  # one per step (the skipped one included), for 6 params in 2 groups
+    summed = kwargs.get('dtype') == torch.bfloat16
+    assert len(calls) == 4 + summed, calls  # one per step (the skipped one included), for 6 params in 2 groups
+
+def test_summed_check_is_exact():
+    """The CPU check that sums the grads (scale 1) says 'overflow' only for an inf/NaN: finite bf16 grads whose sum
+    overflows the dtype are confirmed finite by the exact check (and the step is taken); an inf is found either way."""
+    from fp16cb.scaling import OverflowCheck
+    big = torch.full((4,), 3e38, dtype=torch.bfloat16)  # finite, sums past bf16's range
+    check = OverflowCheck()
+    assert check([big], 1.).item() == 1. and check.approx  # the sum's verdict: to be confirmed
+    assert check.exact([big]).item() == 0.
+    assert check.exact([torch.tensor([1., float('-inf')]).bfloat16()]).item() == 1.
+    from fp16cb import MixedPrecision
+    from fastai.callback.core import Callback
+    class Huge(Callback):
+        order = 5  # before MixedPrecision's before_step: one grad's finite values sum past the range
+        def before_step(self):
+            p = next(q for q in self.learn.model.parameters() if q.grad is not None and q.grad.numel() >= 4)
+            if self.iter == 1: p.grad.view(-1)[:4] = 3e38
+    learn = make_learner().to_bf16()
+    quiet_fit(learn, 1, lr=1e-9, cbs=Huge())
+    assert learn.mixed_precision.skips == [False] * len(learn.mixed_precision.skips)
 
 # ---- property: the fused check agrees with a plain one -----------------------------------------------------------
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 from fastai.basics import Callback, SGD, Adam
-from fastai.optimizer import Lookahead, ranger, OptimWrapper
+from fastai.optimizer import Lookahead, ranger, OptimWrapper, RMSProp, QHAdam, RAdam, Lamb
+from fastai.torch_core import trainable_params
 
 from fp16cb.callbacks import MixedPrecision
 from fp16cb.weights import Stage, WeightStore, HalfStorage, FP32Masters
-from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE
+from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE, weights
 
 MODES = [dict(), dict(flat_master=True), dict(half_storage=True)]
 IDS = ['masters', 'flat', 'half_storage']
@@ -323,18 +324,57 @@ def _with_probe(opt_func, probe, params, **kw):
 
 @pytest.mark.parametrize('flat', [False, True])
 def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat):
-    """The lift's scratch is kept for the fit (no allocation in the step) but never holds more than `lift_chunk` elements
-    between steps: a chunk over it (one flat master bigger than a chunk) gets memory of its own, given back after use."""
-    monkeypatch.setattr(WeightStore, 'lift_chunk', 30)  # the flat weights' master (40 elements) is over it
-    held, owns = [], []
+    """The lift's scratch is made at the fit's set-up and kept for the fit (no allocation in the step: the same memory
+    at every step) and holds at most `lift_chunk` elements, or the largest param where one is bigger; flat masters are
+    cut at the chunk limit, so none needs memory of its own either."""
+    monkeypatch.setattr(WeightStore, 'lift_chunk', 30)  # the flat weights' group (40 elements) is over it
+    held = []
     class Watch(Callback):
         order = 20
+        def before_batch(self): self.after_step()
         def after_step(self):
             store = self.learn.mixed_precision.store
-            shared = sum(b.numel() for b in store.scratch.bufs.values())
-            own = sum(p.storage.nbytes() // 4 for p in store._plans.values() if p is not None and p.own)
-            held.append((shared, own)); owns.append(any(p is not None and p.own for p in store._plans.values()))
+            held.append([(b.untyped_storage().data_ptr(), b.numel()) for b in store.scratch.bufs.values()])
+            if flat: assert all(m.numel() <= 32 for m in store.master_params), [m.numel() for m in store.master_params]
     learn = make_learner(opt_func=Adam).to_fp16(flat_master=flat)
+    largest = max(p.numel() for p in learn.model.parameters())
+    assert largest == 32
     quiet_fit(learn, 1, cbs=[Watch()])
-    assert held and all(shared <= 30 and own == 0 for shared, own in held), held
-    assert all(owns)  # a master over the cap (the flat group; a 32-element weight) has memory of its own, 0 bytes between steps
+    assert len(held) > 4 and all(h == held[0] for h in held), held  # made before the first batch, the same memory after
+    assert len(held[0]) == 1 and held[0][0][1] <= max(30, largest), held
+
+# ---- a master bigger than a chunk, under an elementwise optimizer: stepped a slice at a time
+SLICE_OPTS = {'adam': Adam, 'sgd-mom': partial(SGD, mom=.9, wd=1e-2), 'rmsprop': partial(RMSProp, mom=.9),
+              'qhadam': QHAdam, 'radam': RAdam, 'lamb': Lamb}
+
+@pytest.mark.parametrize('opt', list(SLICE_OPTS))
+@pytest.mark.parametrize('kw', [dict(), dict(flat_master=True), dict(state_dtype=torch.bfloat16, stochastic_rounding=False),
+                                dict(clip=.5)], ids=['masters', 'flat', 'bf16-state', 'clip'])
+def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
+    """With a chunk limit under the largest param (the 32-element Linear weight), an elementwise fastai optimizer (SGD,
+    Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the
+    weights and the state are those of the whole-param step, and the scratch stays one chunk. LAMB takes whole-param
+    norms: it is stepped whole (and flat masters are not cut for it)."""
+    import fp16cb.weights.masters as masters_mod
+    calls = []
+    sliced = masters_mod.sliced_update
+    monkeypatch.setattr(masters_mod, 'sliced_update', lambda *a, **k: (calls.append(a[3]), sliced(*a, **k))[1])
+    res = []
+    for chunk in (2**22, 12):
+        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        torch.manual_seed(0)
+        learn = make_learner(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), opt_func=SLICE_OPTS[opt],
+                             splitter=trainable_params).to_fp16(dynamic=False, loss_scale=2.**6, **kw)
+        scratch = []
+        quiet_fit(learn, 2, lr=1e-2, cbs=Record(after_step=lambda l: scratch.append(
+            sum(b.numel() for b in l.mixed_precision.store.scratch.bufs.values()))))
+        state = [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}
+                 for p in learn.model.parameters()]
+        res.append((weights(learn), state, max(scratch)))
+    assert (len(calls) > 0) == (opt != 'lamb') and set(calls) <= {12}
+    (w0, s0, _), (w1, s1, most) = res
+    for a, b in zip(w0, w1): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(s0, s1):
+        assert a.keys() == b.keys()
+        for k in a: torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+    assert opt == 'lamb' or most <= 12

@@ -181,6 +181,8 @@ class MixedPrecision(SessionCallback):
         if stats is None: return
         if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
         found, self.max_grad, under = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
+        if found and self.store.check.approx:  # the grads' sums said so (a CPU): the exact check decides, on such steps only
+            found, self.max_grad, under = read_stats(self.store.recheck(), self.learn.model)
         if not (found or under):
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             if self._remembered: self._forget_stepped()

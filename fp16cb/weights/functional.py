@@ -45,6 +45,16 @@ def _flat_partitions(pg, opt=None):
         parts.setdefault((p.device, _state_key(state)), []).append(p)
     return [sorted(part, key=lambda p: str(p.dtype)) for part in parts.values()]  # stable: one run per dtype
 
+def _cut(part:list, limit) -> list:
+    "`part` cut into consecutive runs of at most `limit` elements (`limit(device)` when callable; a bigger param alone)."
+    if limit is None or not part: return [part]
+    n_max = limit(part[0].device) if callable(limit) else limit
+    res, n = [[]], 0
+    for p in part:
+        if res[-1] and n + p.numel() > n_max: res.append([]); n = 0
+        res[-1].append(p); n += p.numel()
+    return res
+
 def _fp32_leaf(t:Tensor) -> Tensor: return t.detach().float()
 
 def get_master(
@@ -52,6 +62,7 @@ def get_master(
     flat_master:bool=False, # One flat FP32 master per param group (per run of params with the same flags)
     *,
     fp32_of=None, # `param -> exact FP32 value`; given, masters share these tensors instead of cloning `param.data`
+    limit=None, # flat: the most elements of one flat master (an int, or `device -> int`); a bigger param is one alone. None: one per run
 ) -> tuple: # `(model_pgs, master_pgs)`: trainable model params per group and their FP32 masters
     "Per param group of `opt`, the trainable model params and FP32 master copies of them."
     model_pgs = [trainable(pg) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
@@ -60,7 +71,7 @@ def get_master(
         return model_pgs, [[nn.Parameter(src(p), requires_grad=True) for p in pg] for pg in model_pgs]
     master_pgs = []
     for i, pg in enumerate(model_pgs):
-        flats, parts = [], _flat_partitions(pg, opt)
+        flats, parts = [], [c for part in _flat_partitions(pg, opt) for c in _cut(part, limit)]
         model_pgs[i] = [p for part in parts for p in part]  # params in the order of their flat masters
         for part in parts:
             flat = nn.Parameter(flatten_like([src(p) for p in part], part, torch.float32), requires_grad=True)

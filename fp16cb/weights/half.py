@@ -116,7 +116,7 @@ class HalfStorage(WeightStore):
         grads, out = {p: p.grad for p, _, _ in with_grad}, None
         for p in grads: p.grad = None
         try:
-            for chunk in lift_chunks(with_grad, self.lift_chunk):
+            for chunk in lift_chunks(with_grad, self.chunk_limit):
                 lifted = []
                 for p, (gi, i), _ in chunk:
                     p.grad = grads[p]

@@ -1,7 +1,8 @@
 """The lift: how the 16-bit grads reach FP32 inside the step, a bounded chunk at a time. The model's 16-bit params
 and grads as views into one flat buffer per run (`FlatRun`), the chunks of masters the optimizer steps together
-(`lift_chunks`), and each chunk's plan (`LiftPlan`): one scratch buffer viewed as the masters' grads, filled by
-copies coalesced in memory order, its memory given back between chunks."""
+(`lift_chunks`, `chunk_limit`), and each chunk's plan (`LiftPlan`): one scratch buffer viewed as the masters' grads,
+filled by copies coalesced in memory order and reused by every chunk; and the copies that round a chunk's stepped
+masters into the model (`to_model_copies`), made once."""
 from __future__ import annotations
 import operator
 import torch
@@ -9,9 +10,18 @@ from torch import Tensor
 
 from .layout import flat_views, split_like
 
-__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'lift_chunks']
+__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'to_model_copies', 'lift_chunks', 'LIFT_CHUNK',
+           'chunk_limit']
 
 _grad_of = operator.attrgetter('grad')
+
+# The most elements of grads a chunk lifts to FP32 at once, by device type. On a CPU a chunk its caches hold (2 MiB of
+# FP32): the copy in, the optimizer's passes and the copy out to the model find it there. Elsewhere 2^22 (16 MiB).
+LIFT_CHUNK = {"cpu": 2**19}
+
+def chunk_limit(device, limit:int|None=None) -> int:
+    "The chunk size on `device`: `limit` when given, else `LIFT_CHUNK`'s for its type (2^22 where it has none)."
+    return limit or LIFT_CHUNK.get(torch.device(device).type, 2**22)
 
 class FlatRun:
     """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
@@ -141,15 +151,12 @@ def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
 
 class Scratch:
     """The FP32 memory the lift writes a chunk's grads into: one buffer per device, the size of the largest chunk (at
-    most `cap` elements), made at the first lift and kept for the fit, reused by every chunk of every step (no
-    allocation, no page faults in the step: on a CPU, glibc would hand a freed buffer back to the system and fault it in
-    again each step). A chunk larger than `cap` (one master bigger than a chunk: a flat group) gets memory of its own,
-    given back after each use (`resize_(0)` of its storage, as FSDP frees its flat buffers), so that between steps no
-    more than `cap` elements of FP32 grads are held."""
-    def __init__(self, sizes:dict, cap:int): self.sizes, self.cap, self.bufs = sizes, cap, {}  # sizes: {device: elements <= cap}
-    def __call__(self, device, n:int) -> Tensor|None:
-        "`n` elements of the device's shared buffer (made at its first use), or None when `n` is over `cap`."
-        if n > self.cap: return None
+    most the chunk limit, or the largest master where one is bigger), made with the plans at the fit's set-up, kept for
+    the fit and reused by every chunk of every step: no allocation, no page fault in the step (on a CPU, glibc would hand
+    a freed buffer back to the system and fault it in again each step), and no allocator setting for the user."""
+    def __init__(self, sizes:dict): self.sizes, self.bufs = sizes, {}  # sizes: {device: elements}
+    def __call__(self, device, n:int) -> Tensor:
+        "`n` elements of the device's buffer (made at its first use, the size of the device's largest chunk)."
         buf = self.bufs.get(device)
         if buf is None or buf.numel() < n:
             buf = self.bufs[device] = torch.empty(max(n, self.sizes.get(device, 0)), dtype=torch.float32, device=device)
@@ -157,19 +164,18 @@ class Scratch:
     def release(self): self.bufs = {}
 
 class LiftPlan:
-    """How one chunk's masters get their FP32 grads, made once: a part of the store's `Scratch` (or, for a chunk over its
-    cap, a buffer of its own whose memory is given back between uses) viewed as each master's grad, and the 16-bit grads
-    copied from (coalesced: one copy per contiguous run). Valid while those are still the params' grads."""
+    """How one chunk's masters get their FP32 grads, made once: a part of the store's `Scratch` viewed as each master's
+    grad, and the 16-bit grads copied from (coalesced: one copy per contiguous run). Valid while those are still the
+    params' grads. `live`: the chunk's `(master, group)` with a grad, in the chunk's order."""
     def __init__(self, items:list, scratch:Scratch):
         # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per buffer
-        items = sorted([it for it in items if it[2] is not None], key=lambda it: _region(it[2][0][0].grad)[:2])
-        self.items = [(m, gi) for m, gi, _ in items]
+        items = [it for it in items if it[2] is not None]
+        self.live = [(m, gi) for m, gi, _ in items]
+        items = sorted(items, key=lambda it: _region(it[2][0][0].grad)[:2])
+        self.masters = [m for m, _, _ in items]
         self.objs, pairs, self.groups = [], [], {}
-        n, dev = sum(m.numel() for m, _ in self.items), self.items[0][0].device
-        buf = scratch(dev, n)
-        self.own = buf is None  # over the cap: memory of its own, given back after each use
-        if self.own: buf = torch.empty(n, dtype=torch.float32, device=dev)
-        self.views = flat_views(buf, [m for m, _ in self.items])
+        buf = scratch(self.masters[0].device, sum(m.numel() for m in self.masters))
+        self.views = flat_views(buf, self.masters)
         for (m, gi, sources), v in zip(items, self.views):
             for o, off in sources:
                 g = o.grad
@@ -178,7 +184,6 @@ class LiftPlan:
             self.groups.setdefault(gi, []).append(v)
         self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
         self.dsts, self.copy_srcs = _coalesce(pairs)
-        if self.own: self.storage, self.nbytes = buf.untyped_storage(), buf.untyped_storage().nbytes(); self.free()
 
     @classmethod
     def make(cls, items:list, scratch:Scratch):
@@ -190,14 +195,22 @@ class LiftPlan:
 
     def lift(self) -> dict:
         "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: views}`."
-        if self.own: self.storage.resize_(self.nbytes)
         torch._foreach_copy_(self.dsts, self.copy_srcs)
-        for (m, _), v in zip(self.items, self.views): m.grad = v
+        for m, v in zip(self.masters, self.views): m.grad = v
         return self.groups
 
     def free(self):
-        for m, _ in self.items: m.grad = None
-        if self.own: self.storage.resize_(0)
+        for m in self.masters: m.grad = None
+
+def to_model_copies(items:list) -> tuple:
+    """`(dsts, srcs)`: the copies that round the masters of `items` (`(master, group, sources)`) into the model's 16-bit
+    params (coalesced: one copy per contiguous run), made once; the buffers behind them stay for the fit."""
+    pairs = []
+    for m, _, sources in items:
+        for o, off in sources or ():
+            if isinstance(o, FlatRun): pairs.append((o.buf, o.master)); continue
+            pairs.append((o.detach(), flat_views(m.detach().view(-1)[off:off + o.numel()], [o])[0]))
+    return _coalesce(pairs)
 
 def _region(t:Tensor) -> tuple:
     "`(storage, first element, element count, strides)` of the dense tensor `t` (a grad view, a scratch view)."
@@ -222,13 +235,13 @@ def _flat_region(t:Tensor, region:tuple) -> Tensor:
     "The 1-d tensor over `region` (`(storage, first, count)`) of `t`'s storage."
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), region[1], (region[2],))
 
-def lift_chunks(items:list, limit:int) -> list:
+def lift_chunks(items:list, limit) -> list:
     """`items` (`(param, group, sources)` in the optimizer's order) cut into consecutive chunks of one device whose
-    masters hold at most `limit` elements together (a bigger master is a chunk of its own)."""
+    masters hold at most `limit(device)` elements together (a bigger master is a chunk of its own)."""
     chunks, cur, n = [], [], 0
     for it in items:
         k = it[0].numel() if it[2] is not None else 0
-        if cur and (n + k > limit or it[0].device != cur[0][0].device): chunks.append(cur); cur, n = [], 0
+        if cur and (n + k > limit(cur[0][0].device) or it[0].device != cur[0][0].device): chunks.append(cur); cur, n = [], 0
         cur.append(it); n += k
     return chunks + ([cur] if cur else [])
 

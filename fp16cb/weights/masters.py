@@ -7,8 +7,8 @@ from fastai.optimizer import OptimWrapper
 
 from .layout import split_like
 from .functional import get_master, _pairs
-from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state
-from .lift import Scratch, LiftPlan, lift_chunks, storage_runs, flat_runs
+from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, _memory_order
+from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
 from ..compat import Facts, check, STEP
@@ -38,7 +38,9 @@ class FP32Masters(WeightStore):
         super().__init__(opt, names, model)
         self.state16 = HalfState(state_dtype, stochastic, generator)
         self._with_grads = not in_backward
-        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of)
+        # flat masters cut at the chunk limit, for an optimizer that steps the parts as it would the whole (not LAMB's norms)
+        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of,
+                                                     limit=self.chunk_limit if elementwise(self.core) else None)
         self.master_params = [m for mg in self.master_pgs for m in mg]
         for m in self.master_params: m.grad = None  # FP32 grads exist only for the chunk being stepped
         self.runs = self._make_runs()
@@ -48,15 +50,20 @@ class FP32Masters(WeightStore):
         self.state16.narrow_all(opt_state(self.core))
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
-        own, self._plans, self._lifting = {id(p) for p in self.own_params}, {}, {}  # plans kept; those of this step
+        own, self._lifting = {id(p) for p in self.own_params}, {}  # the plans of this step's chunks
         sources = self._sources()
         self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
-                                     for gi, pg in enumerate(self.opt_pgs) for p in pg], self.lift_chunk)
-        sizes = {}  # the largest chunk of masters per device within the cap: the scratch the lift writes into
+                                     for gi, pg in enumerate(self.opt_pgs) for p in pg], self.chunk_limit)
+        self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)  # a big master: a slice at a time
+        sizes = {}  # the largest chunk of masters per device (a sliced one: a slice): the scratch the lift writes into
         for c in self._chunks:
             n = sum(p.numel() for p, _, src in c if src is not None)
-            if 0 < n <= self.lift_chunk: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
-        self.scratch = Scratch(sizes, self.lift_chunk)
+            if self._sliceable(c): n = self.chunk_limit(c[0][0].device)
+            if n: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
+        self.scratch = Scratch(sizes)
+        self._out = {id(c): to_model_copies(c) for c in self._chunks}  # each chunk's masters -> the model, coalesced
+        self._owns = {id(c): [(p, gi) for p, gi, src in c if src is None] for c in self._chunks}
+        self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._chunks if not self._sliceable(c)}  # made now, not in the first step
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing = []
@@ -71,9 +78,12 @@ class FP32Masters(WeightStore):
 
     def _step_impl(self, *args, **kwargs):
         held = self._hold(self._missing)
+        # each chunk's masters are rounded into the model right after its step, while they are in the caches, unless
+        # something changes the masters after the optimizer's own step: a wrapper (Lookahead's slow weights), `held`
+        self._fold = held is None and self.opt is self.core
         out = self._through_core(self._step_chunks, *args, **kwargs)
         if held is not None: held()
-        self.master_to_model()
+        if not self._fold: self.master_to_model()
         return out
 
     def _hold(self, params:list):
@@ -85,10 +95,12 @@ class FP32Masters(WeightStore):
         if steps_param_by_param(self.core):  # fastai's loop, run here chunk by chunk (once per param)
             hypers, state = self.core.hypers, self.core.state
             for chunk in self._chunks:
+                if self._step_sliced(chunk): continue
                 live = self._lift(chunk)
                 with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
                     for p, gi in live: fastai_update(self.core, p, hypers[gi])
                 self._drop(chunk)
+                if self._fold: self._to_model(chunk)
             return None
         chunks = self._chunks if isinstance(self.core, OptimWrapper) else [[it for c in self._chunks for it in c]]
         inner = getattr(self.core, 'opt', None)
@@ -104,9 +116,37 @@ class FP32Masters(WeightStore):
                 finally:
                     if fused is not None: del inner.grad_scale, inner.found_inf
                 self._drop(chunk)
+                if self._fold and chunks is self._chunks: self._to_model(chunk)
+            if self._fold and chunks is not self._chunks:
+                for c in self._chunks: self._to_model(c)
         finally:
             for p, g in own.items(): p.grad = g
         return out
+
+    def _step_sliced(self, chunk:list) -> bool:
+        """A chunk that is one master bigger than the chunk limit, under an elementwise fastai optimizer: stepped a
+        chunk-sized slice at a time (`sliced_update`), each slice's grad lifted into the scratch, unscaled, stepped and
+        rounded into the model while in the caches. False: not such a chunk (the caller steps it whole)."""
+        if not self._sliceable(chunk): return False
+        (m, gi, sources), = chunk
+        o, n = sources[0][0], self.chunk_limit(m.device)
+        if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
+        g16, f = _memory_order(o.grad), self._factor(gi)
+        out = _memory_order(o.buf if isinstance(o, FlatRun) else o)
+        def lift(s):
+            g = self.scratch(m.device, s.stop - s.start).copy_(g16[s])
+            return g if f is None else g.mul_(f)
+        def land(s, q):
+            if self._fold: out[s].copy_(q)
+        with self.state16.lifted([m], self.core.state):
+            sliced_update(self.core, m, self.core.hypers[gi], n, lift, land)
+        return True
+
+    def _sliceable(self, chunk:list) -> bool:
+        "Whether `chunk` is one master (fed by one grad) bigger than the chunk limit, under an elementwise optimizer."
+        if len(chunk) != 1 or not self._sliced_ok: return False
+        m, _, sources = chunk[0]
+        return sources is not None and len(sources) == 1 and m.numel() > self.chunk_limit(m.device)
 
     def _fused_scale(self, inner):
         """`(grad_scale, found_inf)` for a torch optimizer whose kernel unscales (`_step_supports_amp_scaling`: torch's
@@ -120,24 +160,31 @@ class FP32Masters(WeightStore):
         return (scale / coefs[0] if coefs else scale), torch.zeros((), dtype=torch.float32, device=dev)
 
     def _lift(self, chunk:list, own:dict=None, unscale:bool=True) -> list:
-        """Give the masters of `chunk` FP32 grads: one scratch buffer, the 16-bit grads copied in (one fused copy),
+        """Give the masters of `chunk` FP32 grads: its part of the scratch, the 16-bit grads copied in (one fused copy),
         unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
-        aside). Returns `[(param, group)]` of those with a grad, in order."""
-        live, by_group = [], {}
+        aside). Returns `[(param, group)]` of those with a grad."""
         plan = self._lifting[id(chunk)] = self._plan(chunk)
-        if plan is not None: by_group = {gi: list(vs) for gi, vs in plan.lift().items()}
-        for p, gi, sources in chunk:
-            if sources is not None:
-                if p.grad is not None: live.append((p, gi))
-                continue
+        groups, live = (plan.lift(), list(plan.live)) if plan is not None else ({}, [])
+        extra = {}
+        for p, gi in self._own_in(chunk):
             if own is not None: p.grad = own.get(p)
             if p.grad is None: continue
-            by_group.setdefault(gi, []).append(p.grad); live.append((p, gi))
+            extra.setdefault(gi, []).append(p.grad); live.append((p, gi))
         if unscale:
-            for gi, ts in by_group.items():
+            for gi in groups.keys() | extra.keys():
                 f = self._factor(gi)
-                if f is not None: torch._foreach_mul_(ts, f)
+                if f is not None: torch._foreach_mul_(groups.get(gi, []) + extra.get(gi, []), f)
         return live
+
+    def _own_in(self, chunk:list) -> list:
+        "`[(param, group)]` of the params of `chunk` that train in their own dtype (no master)."
+        res = self._owns.get(id(chunk))
+        return res if res is not None else [(p, gi) for p, gi, sources in chunk if sources is None]
+
+    def _to_model(self, chunk:list):
+        "The stepped masters of `chunk` rounded into the model's params (one fused copy per contiguous run)."
+        dsts, srcs = self._out[id(chunk)]
+        if dsts: torch._foreach_copy_(dsts, srcs)
 
     def _step_one(self, p):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
@@ -162,8 +209,6 @@ class FP32Masters(WeightStore):
         "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
         plan = self._lifting.pop(id(chunk), None)
         if plan is not None: plan.free()
-        for p, _, sources in chunk:
-            if sources is not None: p.grad = None
 
     def zero_model_grads(self, reattach:bool=True):
         "Zero the model's 16-bit grads (grads someone replaced go back into the flat buffers first, unless just done)."
@@ -223,7 +268,8 @@ def _counts_steps(state:dict) -> bool:
     return any((type(v) is int) or (isinstance(v, Tensor) and v.dim() == 0 and not v.dtype == torch.bool) for v in state.values())
 
 class FlatMasters(FP32Masters):
-    "One flat FP32 master per param group (per run of params with equal optimizer flags): the optimizer steps few tensors."
+    """Flat FP32 masters per param group (per run of params with equal optimizer flags, cut at the chunk limit, so that
+    each is lifted and stepped with the caches and the scratch of one chunk): the optimizer steps few tensors."""
     flat, _absent = True, None
     def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs, per_step=self.none_after_step)
 

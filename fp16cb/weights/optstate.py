@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from fastcore.foundation import L
+import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
 from .layout import flat_views, flatten_like, split_like
 
-__all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param']
+__all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param', 'elementwise',
+           'sliced_update']
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
@@ -104,3 +106,47 @@ def fastai_update(core, p, hyper:dict, key=None):
 def steps_param_by_param(core) -> bool:
     "Whether `core` is a fastai `Optimizer` whose `step` is fastai's own loop over params (so we may run it ourselves)."
     return isinstance(core, Optimizer) and getattr(type(core), 'step', None) is Optimizer.step
+
+# fastai's step callbacks that update each element of a param (and of its state) from the same element alone: SGD,
+# momentum, Adam, RAdam, QHAdam, RMSProp, weight decay. Not LAMB's or LARC's, which take whole-param norms.
+_ELEMENTWISE = {fo.sgd_step, fo.weight_decay, fo.l2_reg, fo.average_grad, fo.average_sqr_grad, fo.momentum_step,
+                fo.step_stat, fo.adam_step, fo.radam_step, fo.qhadam_step, fo.rms_prop_step}
+
+# torch's optimizers that update each element on its own (not LBFGS, nor Adafactor's factored moments)
+_TORCH_ELEMENTWISE = tuple(getattr(torch.optim, k) for k in ('SGD', 'Adam', 'AdamW', 'RMSprop', 'Adagrad', 'Adamax', 'NAdam',
+                                                             'RAdam', 'Adadelta', 'Rprop', 'ASGD') if hasattr(torch.optim, k))
+
+def elementwise(core) -> bool:
+    """Whether optimizer `core` steps each element on its own: a fastai `Optimizer` whose callbacks are all in
+    `_ELEMENTWISE`, or an `OptimWrapper` around one of torch's elementwise optimizers. Such an optimizer steps a param
+    cut in parts (flat masters cut at the chunk limit, a slice at a time) exactly as it steps it whole."""
+    if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in _TORCH_ELEMENTWISE
+    return steps_param_by_param(core) and all(getattr(cb, 'func', cb) in _ELEMENTWISE for cb in core.cbs)
+
+def _memory_order(t:Tensor) -> Tensor:
+    "The dense tensor `t` as a 1-d view in memory order (channels_last included)."
+    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+
+def sliced_update(core, p, hyper:dict, n:int, lift, land):
+    """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
+    `lift(slice)` gives its FP32 grad, the optimizer's callbacks run on the slice of `p` and of its state, and
+    `land(slice, values)` takes the stepped values while they are in the caches. The state stays `p`'s: tensors made by
+    the first step are made whole, and a slice's step count is the param's (each slice counts the same step)."""
+    state, flat = core.state[p], _memory_order(p)
+    full = {k: _memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape and v.stride() == p.stride()}
+    st = state
+    for o in range(0, p.numel(), n):
+        s = slice(o, min(o + n, p.numel()))
+        q = flat[s]
+        q.grad = lift(s)
+        st = {**state, **{k: v[s] for k, v in full.items()}}
+        for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
+        for k, v in st.items():
+            if k not in full:
+                if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == q.numel()): continue
+                state[k] = torch.zeros_like(p.detach()); full[k] = _memory_order(state[k])  # made by this (first) step
+            if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
+        land(s, q)
+        q.grad = None
+    state.update({k: v for k, v in st.items() if k not in full})  # the step count & co. (the same for every slice)
+    core.state[p] = state

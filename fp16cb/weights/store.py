@@ -12,6 +12,7 @@ from ..distributed import broadcast_
 from .functional import check_unique_params, trainable
 from .optstate import innermost, opt_state
 from .state16 import HalfState
+from .lift import chunk_limit
 
 __all__ = ['Stage', 'WeightStore', 'check_same_kind']
 
@@ -47,7 +48,7 @@ class WeightStore:
     flat = False
     checked = ()  # the grads the last `prepare_grads` checked, as the backward left them (16-bit, loss-scaled)
     master_pgs = None  # FP32 masters per group (None: this store has none)
-    lift_chunk = 2**22  # at most this many elements (16 MiB) of grads are in FP32 at once during a step (or one param, if larger)
+    lift_chunk = None  # at most this many elements of grads are in FP32 at once during a step (or one param, if larger); None: by device (`chunk_limit`: 2^19 on a CPU, 2^22 elsewhere)
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
     state16 = HalfState()  # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
     def __init__(self,
@@ -84,6 +85,10 @@ class WeightStore:
         self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
         stats = self.check(grads, 1., with_max=with_max)
         return stats if len(stats) == 1 or scale == 1. else stats * stats.new_tensor([1., 1. / scale])
+
+    def recheck(self):
+        "`[found]` from the exact check of the grads `prepare_grads` checked (its sums overflowed: an inf/NaN, or not)."
+        return self.check.exact(self.checked)
 
     def clip(self, max_norm:float, global_norm:bool=False):
         """Clip the unscaled grads the optimizer will use: each param group's norm, or (`global_norm`) all groups'
@@ -227,6 +232,10 @@ class WeightStore:
         return torch.stack([f.to(dev) for f in found]).any().float().reshape(1)
 
     # -- shared by the kinds
+    def chunk_limit(self, device) -> int:
+        "The most elements of grads one chunk lifts to FP32 on `device` (`lift_chunk`, or by the device's type)."
+        return chunk_limit(device, self.lift_chunk)
+
     def _factor(self, gi:int):
         "What group `gi`'s grads are multiplied by as they reach FP32: 1/scale times its clip coefficient (None: by 1)."
         c = self.coefs.get(gi)
