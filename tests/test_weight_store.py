@@ -378,3 +378,23 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
         assert a.keys() == b.keys()
         for k in a: torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
     assert opt == 'lamb' or most <= 12
+
+def test_channels_last_masters_step_in_slices_like_whole(monkeypatch):
+    "A channels_last conv weight over the chunk limit: its slices (memory order) step as the whole param does."
+    from fastai.data.core import DataLoaders
+    from fastai.learner import Learner
+    from fastai.losses import MSELossFlat
+    res = []
+    for chunk in (2**22, 20):
+        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 1)).to(memory_format=torch.channels_last)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(3, 6, 6, generator=g), torch.randn(1, generator=g)) for _ in range(32)]
+        from torch.utils.data import DataLoader
+        dls = DataLoaders(DataLoader(data, batch_size=8), DataLoader(data[:8], batch_size=8))
+        learn = Learner(dls, model, loss_func=MSELossFlat(), opt_func=Adam, lr=1e-2).to_bf16()
+        quiet_fit(learn, 2)
+        assert learn.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+        res.append(weights(learn))
+    for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

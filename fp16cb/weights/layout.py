@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ['dense_strides', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'split_like']
+__all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'split_like']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -19,6 +19,10 @@ def dense_strides(t:Tensor) -> tuple:
         if stride != expected: return _contiguous_strides(t.shape)
         expected *= size
     return tuple(t.stride())
+
+def memory_order(t:Tensor) -> Tensor:
+    "The dense tensor `t` as a 1-d view in memory order (channels_last included), detached."
+    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
 
 def flat_views(flat:Tensor, like:list) -> list:
     "Views into the 1-d `flat`, one per tensor of `like` in order, each with the shape and dense strides of its tensor."

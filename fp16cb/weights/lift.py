@@ -8,7 +8,7 @@ import operator
 import torch
 from torch import Tensor
 
-from .layout import flat_views, split_like
+from .layout import flat_views, split_like, memory_order
 
 __all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'to_model_copies', 'lift_chunks', 'LIFT_CHUNK',
            'chunk_limit']
@@ -209,7 +209,7 @@ def to_model_copies(items:list) -> tuple:
     for m, _, sources in items:
         for o, off in sources or ():
             if isinstance(o, FlatRun): pairs.append((o.buf, o.master)); continue
-            pairs.append((o.detach(), flat_views(m.detach().view(-1)[off:off + o.numel()], [o])[0]))
+            pairs.append((o.detach(), flat_views(memory_order(m)[off:off + o.numel()], [o])[0]))
     return _coalesce(pairs)
 
 def _region(t:Tensor) -> tuple:

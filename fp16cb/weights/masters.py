@@ -1,13 +1,14 @@
 """FP32 master weights (Micikevicius et al. 2018): per param (`ParamMasters`) or one flat buffer per param group
 (`FlatMasters`), stepped by the optimizer with FP32 grads lifted a chunk at a time (`lift`)."""
 from __future__ import annotations
+from functools import partial
 import torch
 from torch import Tensor
 from fastai.optimizer import OptimWrapper
 
-from .layout import split_like
+from .layout import split_like, memory_order
 from .functional import get_master, _pairs
-from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, _memory_order
+from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update
 from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
@@ -19,8 +20,10 @@ class FP32Masters(WeightStore):
     """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
     into one flat buffer per (device, dtype) run of the masters, so that master->model, the overflow check and zeroing
     are one vectorised op per buffer. The masters get FP32 grads only while the optimizer steps them, a chunk of at most
-    `lift_chunk` elements at a time: copied from the 16-bit grads, unscaled and clipped there (memory at the step's
-    peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one chunk).
+    `chunk_limit` elements at a time (cache-sized on a CPU): copied from the 16-bit grads into one scratch buffer,
+    unscaled and clipped there, stepped, and rounded into the model right after, while in the caches (memory at the
+    step's peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one
+    chunk). A master bigger than a chunk is stepped a slice at a time where the optimizer is elementwise.
     Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32 master per param, viewing one
     FP32 buffer per device; the optimizer steps per-param masters).
     A fastai `Optimizer` is stepped once, its loop run a chunk at a time; a torch optimizer (`OptimWrapper`) once per
@@ -131,16 +134,20 @@ class FP32Masters(WeightStore):
         (m, gi, sources), = chunk
         o, n = sources[0][0], self.chunk_limit(m.device)
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
-        g16, f = _memory_order(o.grad), self._factor(gi)
-        out = _memory_order(o.buf if isinstance(o, FlatRun) else o)
-        def lift(s):
-            g = self.scratch(m.device, s.stop - s.start).copy_(g16[s])
-            return g if f is None else g.mul_(f)
-        def land(s, q):
-            if self._fold: out[s].copy_(q)
+        lift = partial(self._lift_slice, memory_order(o.grad), self._factor(gi))
+        land = partial(self._land_slice, memory_order(o.buf if isinstance(o, FlatRun) else o))
         with self.state16.lifted([m], self.core.state):
             sliced_update(self.core, m, self.core.hypers[gi], n, lift, land)
         return True
+
+    def _lift_slice(self, g16:Tensor, f, s:slice) -> Tensor:
+        "The FP32 grad of a slice (`s` of the 16-bit grad `g16`, in memory order): copied into the scratch, unscaled."
+        g = self.scratch(g16.device, s.stop - s.start).copy_(g16[s])
+        return g if f is None else g.mul_(f)
+
+    def _land_slice(self, out:Tensor, s:slice, q:Tensor):
+        "A stepped slice of a master rounded into the model's param (`out`, in memory order), unless done after the step."
+        if self._fold: out[s].copy_(q)
 
     def _sliceable(self, chunk:list) -> bool:
         "Whether `chunk` is one master (fed by one grad) bigger than the chunk limit, under an elementwise optimizer."

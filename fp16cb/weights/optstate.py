@@ -8,7 +8,7 @@ from fastcore.foundation import L
 import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
-from .layout import flat_views, flatten_like, split_like
+from .layout import flat_views, flatten_like, split_like, memory_order
 
 __all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param', 'elementwise',
            'sliced_update']
@@ -123,17 +123,13 @@ def elementwise(core) -> bool:
     if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in _TORCH_ELEMENTWISE
     return steps_param_by_param(core) and all(getattr(cb, 'func', cb) in _ELEMENTWISE for cb in core.cbs)
 
-def _memory_order(t:Tensor) -> Tensor:
-    "The dense tensor `t` as a 1-d view in memory order (channels_last included)."
-    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
-
 def sliced_update(core, p, hyper:dict, n:int, lift, land):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
     `lift(slice)` gives its FP32 grad, the optimizer's callbacks run on the slice of `p` and of its state, and
     `land(slice, values)` takes the stepped values while they are in the caches. The state stays `p`'s: tensors made by
     the first step are made whole, and a slice's step count is the param's (each slice counts the same step)."""
-    state, flat = core.state[p], _memory_order(p)
-    full = {k: _memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape and v.stride() == p.stride()}
+    state, flat = core.state[p], memory_order(p)
+    full = {k: memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape and v.stride() == p.stride()}
     st = state
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))
@@ -144,7 +140,7 @@ def sliced_update(core, p, hyper:dict, n:int, lift, land):
         for k, v in st.items():
             if k not in full:
                 if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == q.numel()): continue
-                state[k] = torch.zeros_like(p.detach()); full[k] = _memory_order(state[k])  # made by this (first) step
+                state[k] = torch.zeros_like(p.detach()); full[k] = memory_order(state[k])  # made by this (first) step
             if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
         land(s, q)
         q.grad = None
