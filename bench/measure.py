@@ -63,7 +63,7 @@ def end_step(rec):
     "Count the step that just ended (and whether it was skipped) in `rec`."
     rec['skips'].append(rec['skip']); rec['skipped'] += rec['skip']; rec['all'] += 1; rec['skip'] = False
 
-_STORE_WORK = ('_lift', '_drop', '_to_model', '_lift_slice', '_land_slice', 'master_to_model')  # the weight store's bookkeeping inside `opt.step()`
+_STORE_WORK = ('_lift', '_land', '_lift_slice', '_land_slice', 'master_to_model')  # the weight store's bookkeeping inside `opt.step()`
 
 def _time_store(store, rec, device):
     "Wrap the bookkeeping a weight store does inside the optimizer's step (grads to FP32, masters to the model)."

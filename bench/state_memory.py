@@ -58,7 +58,7 @@ class StateBytes(Callback):
 
 def _scratch(learn) -> dict:
     """`{data_ptr: nbytes}` of the weight store's scratch: the FP32 memory one chunk of grads is lifted into during the
-    step, kept between steps (at most `WeightStore.lift_chunk` elements), reported apart from the training state."""
+    step, kept between steps (one chunk, `WeightStore.chunk_limit`), reported apart from the training state."""
     store = getattr(getattr(learn, 'mixed_precision', None), 'store', None)
     bufs = getattr(getattr(store, 'scratch', None), 'bufs', {})
     return {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in bufs.values()}

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .layout import flat_views, split_like, memory_order
 
-__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'to_model_copies', 'lift_chunks', 'LIFT_CHUNK',
+__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK',
            'chunk_limit']
 
 _grad_of = operator.attrgetter('grad')
@@ -34,12 +34,14 @@ class FlatRun:
     one that no backward of the step reached has no grad for it, as in FP32."""
     def __init__(self, params, master:Tensor, keep_none:bool=False,
                  with_grad:bool=True, # False: no grad buffer (each grad is consumed by a step in the backward)
-                 per_step:bool=False): # grads are None after each step unless a backward reaches them (torch's `zero_grad`)
+                 per_step:bool=False, # grads are None after each step unless a backward reaches them (torch's `zero_grad`)
+                 bufs:tuple=None): # `(data, grad)`: 1-d parts of larger buffers to use (None: buffers of its own)
         n = sum(p.numel() for p in params)
         p0 = params[0]
         self.params, self.master, self.keep_none, self.per_step = params, master, keep_none, per_step and with_grad
-        self.buf = torch.empty(n, dtype=p0.dtype, device=p0.device)
-        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device) if with_grad else None
+        if bufs is None: bufs = _buffers(n, p0, with_grad)
+        self.buf, self.grad = bufs
+        if self.grad is not None: self.grad.zero_()
         self.views = flat_views(self.buf, params)
         self.grad_views = flat_views(self.grad, params) if with_grad else [None] * len(params)
         with torch.no_grad(): torch._foreach_copy_(self.views, [p.data for p in params])  # exact current values
@@ -88,7 +90,9 @@ class FlatRun:
     def linked(self) -> bool:
         "Whether the first param still views the buffers (a `.to()` replaces every param's tensor, and its grad's)."
         p = self.params[0]
-        return self._owns(p.data, self.buf) and (p.grad is None or self.grad is None or self._owns(p.grad, self.grad))
+        g = p.grad
+        return (p.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
+                and (g is None or self.grad is None or g.untyped_storage().data_ptr() == self.grad.untyped_storage().data_ptr()))
 
     def relink(self):
         "Point the params (and grads) that someone replaced (same device and dtype) at fresh views into the buffers."
@@ -134,9 +138,15 @@ def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=F
             o, j = o + size, k
     return runs
 
+def _buffers(n:int, like:Tensor, with_grad:bool=True) -> tuple:
+    "`(data, grad)`: flat buffers of `n` elements in `like`'s dtype and device (grad None without `with_grad`)."
+    return (torch.empty(n, dtype=like.dtype, device=like.device),
+            torch.zeros(n, dtype=like.dtype, device=like.device) if with_grad else None)
+
 def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
-    "A `FlatRun` per run of consecutive params with the same dtype inside each flat master."
-    runs = []
+    """A `FlatRun` per run of consecutive params with the same dtype inside each flat master; the runs of one (device,
+    dtype) share one data and one grad buffer, so that the check and the zeroing read them as one tensor."""
+    parts = []
     for pg, mg in zip(model_pgs, master_pgs):
         for part, flat in zip(split_like(pg, mg), mg):
             data, o, i = flat.detach(), 0, 0
@@ -144,9 +154,23 @@ def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
                 j = i
                 while j < len(part) and part[j].dtype == part[i].dtype: j += 1
                 n = sum(p.numel() for p in part[i:j])
-                runs.append(FlatRun(part[i:j], data[o:o+n], keep_none=True, per_step=per_step))
+                parts.append((part[i:j], data[o:o+n], n))
                 o, i = o + n, j
+    sizes, firsts = {}, {}
+    for ps, _, n in parts:
+        k = (ps[0].device, ps[0].dtype)
+        sizes[k] = sizes.get(k, 0) + n; firsts.setdefault(k, ps[0])
+    shared, offs, runs = {k: _buffers(n, firsts[k]) for k, n in sizes.items()}, dict.fromkeys(sizes, 0), []
+    for ps, master, n in parts:
+        k = (ps[0].device, ps[0].dtype)
+        o, (data, grad) = offs[k], shared[k]
+        runs.append(FlatRun(ps, master, keep_none=True, per_step=per_step, bufs=(data[o:o+n], grad[o:o+n])))
+        offs[k] = o + n
     return runs
+
+def merged(ts:list) -> list:
+    "The 1-d tensors `ts`, neighbours in memory merged into one (the flat runs' shared grad buffer: one tensor)."
+    return _coalesce([(t, t) for t in ts])[0]
 
 
 class Scratch:
@@ -184,6 +208,7 @@ class LiftPlan:
             self.groups.setdefault(gi, []).append(v)
         self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
         self.dsts, self.copy_srcs = _coalesce(pairs)
+        self.groups = {gi: _coalesce([(v, v) for v in vs])[0] for gi, vs in self.groups.items()}  # a group's scratch, merged
 
     @classmethod
     def make(cls, items:list, scratch:Scratch):
@@ -194,7 +219,7 @@ class LiftPlan:
     def valid(self) -> bool: return all(map(operator.is_, map(_grad_of, self.objs), self.srcs))
 
     def lift(self) -> dict:
-        "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: views}`."
+        "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: its scratch}`."
         torch._foreach_copy_(self.dsts, self.copy_srcs)
         for m, v in zip(self.masters, self.views): m.grad = v
         return self.groups

@@ -9,7 +9,7 @@ from fastai.optimizer import OptimWrapper
 from .layout import split_like, memory_order
 from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update
-from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies
+from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
 from ..compat import Facts, check, STEP
@@ -52,7 +52,7 @@ class FP32Masters(WeightStore):
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
         self.state16.narrow_all(opt_state(self.core))
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
-        self._grads = [r.grad for r in self.runs if r.grad is not None]  # none when stepping in the backward
+        self._grads = merged([r.grad for r in self.runs if r.grad is not None])  # none when stepping in the backward
         own, self._lifting = {id(p) for p in self.own_params}, {}  # the plans of this step's chunks
         sources = self._sources()
         self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
@@ -69,7 +69,7 @@ class FP32Masters(WeightStore):
         self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._chunks if not self._sliceable(c)}  # made now, not in the first step
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
-        self._missing = []
+        self._missing, self._trusted = [], False
         if in_backward: self.arm_in_backward()
 
     # -- the interface
@@ -77,13 +77,16 @@ class FP32Masters(WeightStore):
         if not self.runs and not self.own_params: return []
         for r in self.runs: r.settle()
         self._missing = [p for r in self.runs for p in r.reattach_grads()]  # no grad this step: not to be stepped
+        self._trusted = not self._missing  # every param's grad is its view again: the plans hold without a look
         return self._grads + self.own_grads()
 
     def _step_impl(self, *args, **kwargs):
         held = self._hold(self._missing)
-        # each chunk's masters are rounded into the model right after its step, while they are in the caches, unless
-        # something changes the masters after the optimizer's own step: a wrapper (Lookahead's slow weights), `held`
-        self._fold = held is None and self.opt is self.core
+        # each chunk's masters are rounded into the model right after its step, while they are in the caches (`_land`),
+        # unless something changes the masters after the optimizer's own step (a wrapper: Lookahead's slow weights;
+        # `held`) or the step is not taken a chunk at a time (an optimizer of one's own that is neither fastai's loop nor
+        # a torch optimizer)
+        self._fold = held is None and self.opt is self.core and (steps_param_by_param(self.core) or isinstance(self.core, OptimWrapper))
         out = self._through_core(self._step_chunks, *args, **kwargs)
         if held is not None: held()
         if not self._fold: self.master_to_model()
@@ -102,8 +105,7 @@ class FP32Masters(WeightStore):
                 live = self._lift(chunk)
                 with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
                     for p, gi in live: fastai_update(self.core, p, hypers[gi])
-                self._drop(chunk)
-                if self._fold: self._to_model(chunk)
+                self._land(chunk)
             return None
         chunks = self._chunks if isinstance(self.core, OptimWrapper) else [[it for c in self._chunks for it in c]]
         inner = getattr(self.core, 'opt', None)
@@ -118,10 +120,7 @@ class FP32Masters(WeightStore):
                     with self.state16.lifted([p for p, _ in live], state): out = step(*args, **kwargs)
                 finally:
                     if fused is not None: del inner.grad_scale, inner.found_inf
-                self._drop(chunk)
-                if self._fold and chunks is self._chunks: self._to_model(chunk)
-            if self._fold and chunks is not self._chunks:
-                for c in self._chunks: self._to_model(c)
+                self._land(chunk)
         finally:
             for p, g in own.items(): p.grad = g
         return out
@@ -188,11 +187,6 @@ class FP32Masters(WeightStore):
         res = self._owns.get(id(chunk))
         return res if res is not None else [(p, gi) for p, gi, sources in chunk if sources is None]
 
-    def _to_model(self, chunk:list):
-        "The stepped masters of `chunk` rounded into the model's params (one fused copy per contiguous run)."
-        dsts, srcs = self._out[id(chunk)]
-        if dsts: torch._foreach_copy_(dsts, srcs)
-
     def _step_one(self, p):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
         m, gi = self._master_of[id(p)]
@@ -207,15 +201,20 @@ class FP32Masters(WeightStore):
         param has no grad this step (no backward reached it), a plan of the others for this step only (None: no master
         has a grad)."""
         plan = self._plans.get(id(chunk))
-        if plan is not None and plan.valid(): return plan
+        if plan is not None and (self._trusted or plan.valid()): return plan
         plan = self._plans[id(chunk)] = LiftPlan.make(chunk, self.scratch)
         if plan is not None: return plan
         return LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])], self.scratch)
 
-    def _drop(self, chunk:list):
-        "The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the memory)."
+    def _land(self, chunk:list):
+        """The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the scratch) and, unless something
+        changes the masters after the step (`_fold`), the masters are rounded into the model's params while in the caches
+        (one fused copy per contiguous run)."""
         plan = self._lifting.pop(id(chunk), None)
         if plan is not None: plan.free()
+        if self._fold:
+            dsts, srcs = self._out[id(chunk)]
+            if dsts: torch._foreach_copy_(dsts, srcs)
 
     def zero_model_grads(self, reattach:bool=True):
         "Zero the model's 16-bit grads (grads someone replaced go back into the flat buffers first, unless just done)."
@@ -223,6 +222,7 @@ class FP32Masters(WeightStore):
             for r in self.runs: r.reattach_grads()
         if self._grads: torch._foreach_zero_(self._grads)
         self.clear_own_grads()
+        self._trusted = False  # until the next step's `prepare_grads` has looked again
 
     def check_linked(self):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
@@ -231,6 +231,7 @@ class FP32Masters(WeightStore):
             p = r.params[0]
             check_same_kind(p, r.buf, 'the FP32 masters', self.names.get(id(p), tuple(p.shape)))
             r.relink()
+            self._plans = {}  # new grad views: the plans are made again at the next lift
 
     def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
     def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
