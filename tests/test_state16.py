@@ -22,6 +22,8 @@ def test_stochastic_rounding_to_bf16_is_unbiased_exact_on_grid_and_keeps_inf_nan
     y = round_bf16_stochastic_(x.clone(), torch.Generator().manual_seed(0)).float()
     assert set(y.unique().tolist()) == {1., 1. + 2.**-7}
     assert abs(y.mean().item() - (1. + 2.**-10)) < 1e-4  # nearest gives exactly 1: the quarter spacing lost
+    # the dither's 16-bit draws come four to a 64-bit number: each of the four lanes is uniform (no bit stuck at 0)
+    assert all(abs(y[k::4].mean().item() - (1. + 2.**-10)) < 2e-4 for k in range(4)), [y[k::4].mean().item() for k in range(4)]
     neg = round_bf16_stochastic_(-x.clone(), torch.Generator().manual_seed(0)).float()
     assert set(neg.unique().tolist()) == {-1., -1. - 2.**-7} and abs(neg.mean().item() + 1. + 2.**-10) < 1e-4
     g = torch.randn(1000).to(BF16).float()

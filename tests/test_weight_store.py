@@ -349,16 +349,20 @@ SLICE_OPTS = {'adam': Adam, 'sgd-mom': partial(SGD, mom=.9, wd=1e-2), 'rmsprop':
 
 @pytest.mark.parametrize('opt', list(SLICE_OPTS))
 @pytest.mark.parametrize('kw', [dict(), dict(flat_master=True), dict(state_dtype=torch.bfloat16, stochastic_rounding=False),
-                                dict(clip=.5)], ids=['masters', 'flat', 'bf16-state', 'clip'])
+                                dict(clip=.5), dict(half_storage=True, stochastic_rounding=False)],
+                         ids=['masters', 'flat', 'bf16-state', 'clip', 'half'])
 def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     """With a chunk limit under the largest param (the 32-element Linear weight), an elementwise fastai optimizer (SGD,
     Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the
     weights and the state are those of the whole-param step, and the scratch stays one chunk. LAMB takes whole-param
     norms: it is stepped whole (and flat masters are not cut for it)."""
-    import fp16cb.weights.masters as masters_mod
-    calls = []
+    import fp16cb.weights.masters as masters_mod, fp16cb.weights.half as half_mod
+    calls = []  # the slice size of each param stepped in more than one slice
     sliced = masters_mod.sliced_update
-    monkeypatch.setattr(masters_mod, 'sliced_update', lambda *a, **k: (calls.append(a[3]), sliced(*a, **k))[1])
+    def spy(*a, **k):
+        if a[1].numel() > a[3]: calls.append(a[3])
+        return sliced(*a, **k)
+    for mod in (masters_mod, half_mod): monkeypatch.setattr(mod, 'sliced_update', spy)
     res = []
     for chunk in (2**22, 12):
         monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
@@ -367,7 +371,7 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
                              splitter=trainable_params).to_fp16(dynamic=False, loss_scale=2.**6, **kw)
         scratch = []
         quiet_fit(learn, 2, lr=1e-2, cbs=Record(after_step=lambda l: scratch.append(
-            sum(b.numel() for b in l.mixed_precision.store.scratch.bufs.values()))))
+            sum(b.numel() for b in l.mixed_precision.store.scratch.bufs.values()) // (2 if kw.get('half_storage') else 1))))
         state = [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}
                  for p in learn.model.parameters()]
         res.append((weights(learn), state, max(scratch)))
@@ -398,3 +402,27 @@ def test_channels_last_masters_step_in_slices_like_whole(monkeypatch):
         assert learn.model[0].weight.is_contiguous(memory_format=torch.channels_last)
         res.append(weights(learn))
     for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+@pytest.mark.parametrize('sr', [False, True])
+def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr):
+    """`half_storage` with an elementwise optimizer steps each 16-bit param in slices in the scratch: rounded to nearest,
+    exactly the weights and state of lifting the whole param to FP32 (the path LAMB and torch optimizers take); rounded
+    stochastically, within a 16-bit spacing of it."""
+    import fp16cb.weights.half as half_mod
+    res = []
+    for whole in (True, False):
+        if whole: monkeypatch.setattr(half_mod, 'elementwise', lambda core: False)
+        else: monkeypatch.undo()
+        monkeypatch.setattr(WeightStore, 'lift_chunk', 12)
+        torch.manual_seed(0)
+        learn = make_learner(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), opt_func=Adam,
+                             splitter=trainable_params).to_bf16(half_storage=True, stochastic_rounding=sr)
+        quiet_fit(learn, 2, lr=1e-2)
+        res.append((weights(learn), [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}
+                                     for p in learn.model.parameters()]))
+    (w0, s0), (w1, s1) = res
+    for a, b in zip(w0, w1):
+        if sr: torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
+        else: assert torch.equal(a, b)
+    if not sr:
+        for a, b in zip(s0, s1): assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

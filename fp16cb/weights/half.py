@@ -1,17 +1,21 @@
 """16-bit weight storage without FP32 masters (NVIDIA's "Training with mixed precision", NVCaffe, 2017), and the
 rounding of stepped FP32 values back to 16-bit: to nearest, or stochastically."""
 from __future__ import annotations
+from functools import partial
 import torch
 from torch import Tensor
 from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper
 
-from .optstate import fastai_update, opt_state
-from .lift import lift_chunks
+from .optstate import fastai_update, opt_state, elementwise, steps_param_by_param, sliced_update
+from .lift import lift_chunks, Scratch
+from .layout import memory_order
 from .store import WeightStore
-from .state16 import HalfState
+from .state16 import HalfState, round_bf16_stochastic_
 
 __all__ = ['HalfStorage', 'round_stochastic', 'round_to']
+
+_HALF = (torch.float16, torch.bfloat16)
 
 def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
     """`x` (FP32) rounded to `dtype`, up or down at random with the probabilities that make the result exact on
@@ -24,9 +28,12 @@ def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
     u = torch.rand(x.shape, generator=generator, device=x.device)
     return torch.where(u < prob, other, y)
 
-def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None) -> Tensor:
-    "`x` in `dtype`: to nearest (even), or stochastically."
-    return round_stochastic(x, dtype, generator) if stochastic and dtype != x.dtype else x.to(dtype)
+def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None, inplace:bool=False) -> Tensor:
+    """`x` in `dtype`: to nearest (even), or stochastically (bf16 from FP32: the 16-bit dither of the dropped bits, in
+    place in `x` when `inplace`; else the general rule above)."""
+    if not stochastic or dtype == x.dtype: return x.to(dtype)
+    if dtype == torch.bfloat16 and x.dtype == torch.float32: return round_bf16_stochastic_(x if inplace else x.clone(), generator)
+    return round_stochastic(x, dtype, generator)
 
 class HalfStorage(WeightStore):
     """FP16 master-weight storage (NVIDIA's "Training with mixed precision" NVCaffe slides, 2017): one 16-bit copy of
@@ -52,6 +59,11 @@ class HalfStorage(WeightStore):
         self._dtypes = {id(p): p.dtype for p in self.params}
         self._fp32_slow_weights(fp32_of)
         self.state16.narrow_all(opt_state(self.core))
+        self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)
+        sizes = {}  # the scratch: a slice's weights and grads in FP32, for the largest slice per device
+        for p in self.params:
+            if p.dtype in _HALF: sizes[p.device] = max(sizes.get(p.device, 0), 2 * min(p.numel(), self.chunk_limit(p.device)))
+        self.scratch = Scratch(sizes)
         if in_backward: self.arm_in_backward()
 
     def _fp32_slow_weights(self, fp32_of):
@@ -95,18 +107,37 @@ class HalfStorage(WeightStore):
     def _store(self, p, q):
         "`p`'s stepped FP32 value `q` back into its 16-bit storage, rounded once (to nearest, or stochastically)."
         if q is p: return
-        with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator))
+        with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator, inplace=True))  # q is ours
 
     def _step_impl(self, *args, **kwargs):
         return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop, *args, **kwargs)
 
     def _lifted_loop(self, step, *args, **kwargs):
-        "fastai's `Optimizer.step` loop, on one lifted param at a time (the state stays keyed by the model's param)."
+        """fastai's `Optimizer.step` loop, on one lifted param at a time (the state stays keyed by the model's param). An
+        elementwise optimizer steps a 16-bit param a chunk-sized slice at a time in the scratch (`sliced_update`): the
+        weights and grads lifted there, stepped, rounded back into the param while in the caches; no allocation."""
         core = self.core
         for p, pg, state, hyper in core.all_params(with_grad=True):
+            if self._sliced_ok and p.dtype in _HALF:
+                f = self._factor(self._group_of.get(id(p), 0))
+                lift, land = partial(self._lift_slice, memory_order(p), memory_order(p.grad), f), partial(self._land_slice, memory_order(p))
+                with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, self.chunk_limit(p.device), lift, land)
+                continue
             q = self._lift(p)
             with self.state16.lifted([p], core.state): fastai_update(core, q, hyper, key=p)
             self._store(p, q)
+
+    def _lift_slice(self, w16:Tensor, g16:Tensor, f, s:slice) -> Tensor:
+        "Slice `s` of a 16-bit param (`w16`, in memory order) and of its grad (`g16`) lifted into the scratch, unscaled."
+        k = s.stop - s.start
+        buf = self.scratch(w16.device, 2 * k)
+        q, g = buf[:k].copy_(w16[s]), buf[k:].copy_(g16[s])
+        q.grad = g if f is None else g.mul_(f)
+        return q
+
+    def _land_slice(self, w16:Tensor, s:slice, q:Tensor):
+        "The stepped slice `q` rounded back into the 16-bit param (`w16`, in memory order), in place in the scratch."
+        w16[s].copy_(round_to(q, w16.dtype, self.stochastic, self.generator, inplace=True))
 
     def _step_torch(self, step, *args, **kwargs):
         """A torch optimizer (`OptimWrapper`): stepped once per chunk of params, those lifted and their state moved to

@@ -133,16 +133,19 @@ class FP32Masters(WeightStore):
         (m, gi, sources), = chunk
         o, n = sources[0][0], self.chunk_limit(m.device)
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
-        lift = partial(self._lift_slice, memory_order(o.grad), self._factor(gi))
+        lift = partial(self._lift_slice, memory_order(m), memory_order(o.grad), self._factor(gi))
         land = partial(self._land_slice, memory_order(o.buf if isinstance(o, FlatRun) else o))
         with self.state16.lifted([m], self.core.state):
             sliced_update(self.core, m, self.core.hypers[gi], n, lift, land)
         return True
 
-    def _lift_slice(self, g16:Tensor, f, s:slice) -> Tensor:
-        "The FP32 grad of a slice (`s` of the 16-bit grad `g16`, in memory order): copied into the scratch, unscaled."
+    def _lift_slice(self, master:Tensor, g16:Tensor, f, s:slice) -> Tensor:
+        """Slice `s` of a master (`master`, in memory order) with its FP32 grad: the 16-bit grad's slice (`g16`) copied
+        into the scratch, unscaled."""
         g = self.scratch(g16.device, s.stop - s.start).copy_(g16[s])
-        return g if f is None else g.mul_(f)
+        q = master[s]
+        q.grad = g if f is None else g.mul_(f)
+        return q
 
     def _land_slice(self, out:Tensor, s:slice, q:Tensor):
         "A stepped slice of a master rounded into the model's param (`out`, in memory order), unless done after the step."

@@ -125,22 +125,22 @@ def elementwise(core) -> bool:
 
 def sliced_update(core, p, hyper:dict, n:int, lift, land):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
-    `lift(slice)` gives its FP32 grad, the optimizer's callbacks run on the slice of `p` and of its state, and
-    `land(slice, values)` takes the stepped values while they are in the caches. The state stays `p`'s: tensors made by
-    the first step are made whole, and a slice's step count is the param's (each slice counts the same step)."""
-    state, flat = core.state[p], memory_order(p)
+    `lift(slice)` gives the FP32 values to step (a slice of `p`'s master, or a copy of `p`'s) with their FP32 grad set,
+    the optimizer's callbacks run on them and on the slice of `p`'s state, and `land(slice, values)` takes the stepped
+    values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
+    slice's step count is the param's (each slice counts the same step)."""
+    state = core.state[p]
     full = {k: memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape and v.stride() == p.stride()}
     st = state
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))
-        q = flat[s]
-        q.grad = lift(s)
+        q = lift(s)
         st = {**state, **{k: v[s] for k, v in full.items()}}
         for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
         for k, v in st.items():
             if k not in full:
                 if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == q.numel()): continue
-                state[k] = torch.zeros_like(p.detach()); full[k] = memory_order(state[k])  # made by this (first) step
+                state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])  # made by this (first) step
             if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
         land(s, q)
         q.grad = None
