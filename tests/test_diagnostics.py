@@ -219,7 +219,8 @@ def test_a_skipped_step_names_the_param_whose_grad_overflowed(mode, monkeypatch)
     assert cb.skips == [False, False, True, False]
     assert cb.overflows == [{'step': 2, 'scale': cb.scales[2], 'params': ['3.weight']}] and cb.n_overflows == 1
     per_step = 2 if mode == 'native_fp16' else 1  # GradScaler's own read, then the scale (test_native_host_reads_per_step)
-    assert len(calls) == 4 * per_step, calls  # the attribution is read later, not in the step
+    confirm = meth == 'to_bf16' and DEVICE.type == 'cpu'  # a CPU's summed check: the overflow step reads the exact one too
+    assert len(calls) == 4 * per_step + confirm, calls  # the attribution is read later, not in the step
 
 def test_attribution_spans_fits_and_names_several_params():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)
