@@ -345,7 +345,10 @@ def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat
 
 # ---- a master bigger than a chunk, under an elementwise optimizer: stepped a slice at a time
 SLICE_OPTS = {'adam': Adam, 'sgd-mom': partial(SGD, mom=.9, wd=1e-2), 'rmsprop': partial(RMSProp, mom=.9),
-              'qhadam': QHAdam, 'radam': RAdam, 'lamb': Lamb}
+              'qhadam': QHAdam, 'radam': RAdam, 'lamb': Lamb,
+              'torch-adamw': partial(OptimWrapper, opt=torch.optim.AdamW),
+              'torch-sgd': partial(OptimWrapper, opt=partial(torch.optim.SGD, momentum=.9, weight_decay=1e-2)),
+              'torch-fused': partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))}
 
 @pytest.mark.parametrize('opt', list(SLICE_OPTS))
 @pytest.mark.parametrize('kw', [dict(), dict(flat_master=True), dict(state_dtype=torch.bfloat16, stochastic_rounding=False),
@@ -358,11 +361,13 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     norms: it is stepped whole (and flat masters are not cut for it)."""
     import fp16cb.weights.masters as masters_mod, fp16cb.weights.half as half_mod
     calls = []  # the slice size of each param stepped in more than one slice
-    sliced = masters_mod.sliced_update
-    def spy(*a, **k):
-        if a[1].numel() > a[3]: calls.append(a[3])
-        return sliced(*a, **k)
-    for mod in (masters_mod, half_mod): monkeypatch.setattr(mod, 'sliced_update', spy)
+    def spy(f, i):  # the param is argument i, the slice size i + 1 (sliced_update: core, p, hyper, n; torch: opt, p, n)
+        def g(*a, **k):
+            if a[1].numel() > a[i]: calls.append(a[i])
+            return f(*a, **k)
+        return g
+    for mod in (masters_mod, half_mod): monkeypatch.setattr(mod, 'sliced_update', spy(masters_mod.sliced_update, 3))
+    monkeypatch.setattr(masters_mod, 'sliced_torch_step', spy(masters_mod.sliced_torch_step, 2))
     res = []
     for chunk in (2**22, 12):
         monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
@@ -371,17 +376,18 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
                              splitter=trainable_params).to_fp16(dynamic=False, loss_scale=2.**6, **kw)
         scratch = []
         quiet_fit(learn, 2, lr=1e-2, cbs=Record(after_step=lambda l: scratch.append(
-            sum(b.numel() for b in l.mixed_precision.store.scratch.bufs.values()) // (2 if kw.get('half_storage') else 1))))
+            sum(b.numel() for b in l.mixed_precision.store.scratch.bufs.values()))))
         state = [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}
                  for p in learn.model.parameters()]
         res.append((weights(learn), state, max(scratch)))
-    assert (len(calls) > 0) == (opt != 'lamb') and set(calls) <= {12}
+    sliceable = opt != 'lamb' and not (kw.get('half_storage') and opt.startswith('torch'))  # half + torch: whole params
+    assert (len(calls) > 0) == sliceable and set(calls) <= {6 if kw.get('half_storage') else 12}  # half: weights and grads in a chunk
     (w0, s0, _), (w1, s1, most) = res
     for a, b in zip(w0, w1): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(s0, s1):
         assert a.keys() == b.keys()
         for k in a: torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
-    assert opt == 'lamb' or most <= 12
+    assert not sliceable or most <= 12
 
 def test_channels_last_masters_step_in_slices_like_whole(monkeypatch):
     "A channels_last conv weight over the chunk limit: its slices (memory order) step as the whole param does."
@@ -407,7 +413,7 @@ def test_channels_last_masters_step_in_slices_like_whole(monkeypatch):
 def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr):
     """`half_storage` with an elementwise optimizer steps each 16-bit param in slices in the scratch: rounded to nearest,
     exactly the weights and state of lifting the whole param to FP32 (the path LAMB and torch optimizers take); rounded
-    stochastically, within a 16-bit spacing of it."""
+    stochastically (the draws fall differently), a few 16-bit spacings from it."""
     import fp16cb.weights.half as half_mod
     res = []
     for whole in (True, False):
@@ -422,7 +428,7 @@ def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr):
                                      for p in learn.model.parameters()]))
     (w0, s0), (w1, s1) = res
     for a, b in zip(w0, w1):
-        if sr: torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
+        if sr: torch.testing.assert_close(a, b, rtol=0, atol=.03)  # other random draws: a few 16-bit spacings apart after 8 steps
         else: assert torch.equal(a, b)
     if not sr:
         for a, b in zip(s0, s1): assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

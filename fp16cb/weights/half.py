@@ -40,8 +40,9 @@ class HalfStorage(WeightStore):
     the weights and no FP32 masters. Each param is lifted to FP32 as the optimizer reaches it (weights, and grads
     unscaled there, never in 16-bit), stepped by the optimizer's own code with FP32 state, and rounded back (to nearest,
     or stochastically: updates under half a 16-bit spacing then still move the weights on average). A fastai
-    `Optimizer` is stepped once, one param lifted at a time; a torch optimizer (`OptimWrapper`) is stepped once per
-    chunk of at most `lift_chunk` elements, that chunk's params lifted (their state moved to the FP32 copies and back).
+    `Optimizer` is stepped once, one param lifted at a time (an elementwise one: a slice at a time, in a scratch kept
+    for the fit); a torch optimizer (`OptimWrapper`) is stepped once per chunk (`chunk_limit`), that chunk's params
+    lifted (their state moved to the FP32 copies and back).
     Params that are not 16-bit (BatchNorm's FP32, float64, complex) are stepped in their own dtype."""
     def __init__(self, opt,
         stochastic:bool=True, # round the stored weights (and 16-bit state) stochastically (False: to nearest even)
@@ -60,11 +61,15 @@ class HalfStorage(WeightStore):
         self._fp32_slow_weights(fp32_of)
         self.state16.narrow_all(opt_state(self.core))
         self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)
-        sizes = {}  # the scratch: a slice's weights and grads in FP32, for the largest slice per device
+        sizes = {}  # the scratch: a slice's weights and grads in FP32, for the largest slice per device (one chunk)
         for p in self.params:
-            if p.dtype in _HALF: sizes[p.device] = max(sizes.get(p.device, 0), 2 * min(p.numel(), self.chunk_limit(p.device)))
+            if p.dtype in _HALF: sizes[p.device] = max(sizes.get(p.device, 0), 2 * min(p.numel(), self._slice(p.device)))
         self.scratch = Scratch(sizes)
         if in_backward: self.arm_in_backward()
+
+    def _slice(self, device) -> int:
+        "Elements of a param stepped at once in the scratch: half a chunk (its weights and grads fill one chunk)."
+        return max(1, self.chunk_limit(device) // 2)
 
     def _fp32_slow_weights(self, fp32_of):
         """fastai's `Lookahead` keeps a slow copy of each param, which would be 16-bit here and outlive the fit: it is
@@ -121,7 +126,7 @@ class HalfStorage(WeightStore):
             if self._sliced_ok and p.dtype in _HALF:
                 f = self._factor(self._group_of.get(id(p), 0))
                 lift, land = partial(self._lift_slice, memory_order(p), memory_order(p.grad), f), partial(self._land_slice, memory_order(p))
-                with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, self.chunk_limit(p.device), lift, land)
+                with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, self._slice(p.device), lift, land)
                 continue
             q = self._lift(p)
             with self.state16.lifted([p], core.state): fastai_update(core, q, hyper, key=p)

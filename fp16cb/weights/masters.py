@@ -8,7 +8,7 @@ from fastai.optimizer import OptimWrapper
 
 from .layout import split_like, memory_order
 from .functional import get_master, _pairs
-from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update
+from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, sliced_torch_step
 from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
@@ -57,7 +57,7 @@ class FP32Masters(WeightStore):
         sources = self._sources()
         self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.chunk_limit)
-        self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)  # a big master: a slice at a time
+        self._sliced_ok = elementwise(self.core)  # a master over a chunk is stepped a slice at a time
         sizes = {}  # the largest chunk of masters per device (a sliced one: a slice): the scratch the lift writes into
         for c in self._chunks:
             n = sum(p.numel() for p, _, src in c if src is not None)
@@ -100,8 +100,9 @@ class FP32Masters(WeightStore):
         "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
         if steps_param_by_param(self.core):  # fastai's loop, run here chunk by chunk (once per param)
             hypers, state = self.core.hypers, self.core.state
+            sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land)
             for chunk in self._chunks:
-                if self._step_sliced(chunk): continue
+                if self._step_sliced(chunk, sliced): continue
                 live = self._lift(chunk)
                 with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
                     for p, gi in live: fastai_update(self.core, p, hypers[gi])
@@ -112,8 +113,15 @@ class FP32Masters(WeightStore):
         fused = self._fused_scale(inner)
         own, out, state = {p: p.grad for p in self.own_params}, None, opt_state(self.core)  # torch steps every param
         for p in own: p.grad = None  # with a grad: each own param in one chunk
+        def step_fused():
+            if fused is not None: inner.grad_scale, inner.found_inf = fused
+            try: return step(*args, **kwargs)
+            finally:
+                if fused is not None: del inner.grad_scale, inner.found_inf
         try:
             for chunk in chunks:
+                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_fused)
+                if self._step_sliced(chunk, sliced, unscale=fused is None): continue
                 live = self._lift(chunk, own, unscale=fused is None)
                 if fused is not None: inner.grad_scale, inner.found_inf = fused
                 try:
@@ -125,18 +133,18 @@ class FP32Masters(WeightStore):
             for p, g in own.items(): p.grad = g
         return out
 
-    def _step_sliced(self, chunk:list) -> bool:
-        """A chunk that is one master bigger than the chunk limit, under an elementwise fastai optimizer: stepped a
-        chunk-sized slice at a time (`sliced_update`), each slice's grad lifted into the scratch, unscaled, stepped and
-        rounded into the model while in the caches. False: not such a chunk (the caller steps it whole)."""
+    def _step_sliced(self, chunk:list, update, unscale:bool=True) -> bool:
+        """A chunk that is one master bigger than the chunk limit, under an elementwise optimizer: stepped a chunk-sized
+        slice at a time (`update(master, group, n, lift, land)`: `sliced_update` for fastai's loop, `sliced_torch_step`
+        for a torch optimizer), each slice's grad lifted into the scratch, unscaled (unless the fused kernel does it),
+        stepped and rounded into the model while in the caches. False: not such a chunk (the caller steps it whole)."""
         if not self._sliceable(chunk): return False
         (m, gi, sources), = chunk
-        o, n = sources[0][0], self.chunk_limit(m.device)
+        o = sources[0][0]
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
-        lift = partial(self._lift_slice, memory_order(m), memory_order(o.grad), self._factor(gi))
+        lift = partial(self._lift_slice, memory_order(m), memory_order(o.grad), self._factor(gi) if unscale else None)
         land = partial(self._land_slice, memory_order(o.buf if isinstance(o, FlatRun) else o))
-        with self.state16.lifted([m], self.core.state):
-            sliced_update(self.core, m, self.core.hypers[gi], n, lift, land)
+        with self.state16.lifted([m], opt_state(self.core)): update(m, gi, self.chunk_limit(m.device), lift, land)
         return True
 
     def _lift_slice(self, master:Tensor, g16:Tensor, f, s:slice) -> Tensor:

@@ -8,10 +8,10 @@ from fastcore.foundation import L
 import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
-from .layout import flat_views, flatten_like, split_like, memory_order
+from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of
 
 __all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param', 'elementwise',
-           'sliced_update']
+           'sliced_update', 'sliced_torch_step']
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
@@ -123,6 +123,47 @@ def elementwise(core) -> bool:
     if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in _TORCH_ELEMENTWISE
     return steps_param_by_param(core) and all(getattr(cb, 'func', cb) in _ELEMENTWISE for cb in core.cbs)
 
+def _sliced(p, state:dict) -> dict:
+    """`{key: 1-d view in memory order}` of `p`'s state tensors of its shape (what a slice of `p` takes a slice of), each
+    laid out as `p` first if it was not (elementwise: the layout changes nothing of the step)."""
+    for k, v in state.items():
+        if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride(): state[k] = with_layout_of(v, p)
+    return {k: memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape}
+
+def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
+    """After a slice's step: its state `st` written into `p`'s whole `state` (`full`: its views) where the step replaced
+    a tensor instead of updating it in place, or made one (the first step); returns the rest (the step count & co.)."""
+    rest = {}
+    for k, v in st.items():
+        if k not in full:
+            if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n): rest[k] = v; continue
+            state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])  # made by this (first) step
+        if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
+    return rest
+
+def sliced_torch_step(opt, p, n:int, lift, land, step):
+    """torch optimizer `opt` (elementwise) steps `p` `n` elements at a time, as `sliced_update` does fastai's: each slice
+    (`lift`) stands in for `p` in its param group with the slices of `p`'s state (a copy of its step count: every slice
+    counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
+    group = next(g for g in opt.param_groups if any(q is p for q in g['params']))
+    i = next(i for i, q in enumerate(group['params']) if q is p)
+    state = opt.state[p]
+    full, out, rest, fresh = _sliced(p, state), None, {}, not state  # fresh: each slice makes its own (the first step)
+    scalars = {k: v for k, v in state.items() if k not in full}
+    try:
+        for o in range(0, p.numel(), n):
+            s = slice(o, min(o + n, p.numel()))
+            q = group['params'][i] = lift(s)
+            opt.state[q] = {} if fresh else {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()},
+                                             **{k: v[s] for k, v in full.items()}}
+            out = step()
+            rest = _keep_slice(p, state, full, opt.state.pop(q), s, q.numel())
+            land(s, q)
+            q.grad = None
+    finally: group['params'][i] = p
+    state.update(rest)
+    return out
+
 def sliced_update(core, p, hyper:dict, n:int, lift, land):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
     `lift(slice)` gives the FP32 values to step (a slice of `p`'s master, or a copy of `p`'s) with their FP32 grad set,
@@ -130,19 +171,14 @@ def sliced_update(core, p, hyper:dict, n:int, lift, land):
     values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
     slice's step count is the param's (each slice counts the same step)."""
     state = core.state[p]
-    full = {k: memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape and v.stride() == p.stride()}
-    st = state
+    full, rest = _sliced(p, state), {}
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))
         q = lift(s)
         st = {**state, **{k: v[s] for k, v in full.items()}}
         for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
-        for k, v in st.items():
-            if k not in full:
-                if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == q.numel()): continue
-                state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])  # made by this (first) step
-            if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
+        rest = _keep_slice(p, state, full, st, s, q.numel())
         land(s, q)
         q.grad = None
-    state.update({k: v for k, v in st.items() if k not in full})  # the step count & co. (the same for every slice)
+    state.update(rest)  # the step count & co. (the same for every slice)
     core.state[p] = state
