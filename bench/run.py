@@ -14,16 +14,16 @@ CPU time (`--clock cpu`), which other processes sharing the cores do not inflate
 params + grads + optimizer state + kept originals + tensors saved for backward; CUDA: `max_memory_allocated` during
 a fit, reset per mode, with every other learner parked on the CPU); the final FP32 loss on the training batches and
 loss/accuracy on a held-out batch; the skipped (overflow) steps; the share of conv weights in channels-last format
-during the fit; and whether the speed targets are met (reported, never asserted): the design issue's CPU ones (the
+during the fit; and whether the speed targets are met (reported, never asserted): the CPU ones (the
 bookkeeping of `to_bf16`/`to_fp16`, flat or not, on the many-tensor model `book` within 1.3x the copy bound and
 >= 3x less than fastai's master-weight algorithm; `to_bf16` at >= 0.97x the speed of `bare-bf16`, a bare bf16 model in the
-same fastai loop, on the compute-bound `mlp`) and issue 10's GPU ones.
+same fastai loop, on the compute-bound `mlp`) and the GPU ones.
 
 The compiled comparison (`--compile`, or `--modes compile` on the workloads given): eager `to_bf16`, `to_bf16` with
 `learn.model = torch.compile(learn.model)` and the plain loop with its model compiled, interleaved like every run, on
 `--compile-backend` (auto: inductor where it compiles, a C++ compiler on a CPU; else aot_eager); the first epoch,
 which compiles, is in the untimed warm-up and its wall time is reported on its own (`first_fit_s`, every run); the
-targets of issue 20 (compiled `to_bf16` >= 1.2x eager, within 1.05x of the compiled plain loop) are reported.
+compiled targets (compiled `to_bf16` >= 1.2x eager, within 1.05x of the compiled plain loop) are reported.
 """
 from __future__ import annotations
 import argparse, contextlib, copy, json, math, os, platform, statistics, sys, time, warnings
@@ -310,13 +310,12 @@ _BOOKKEEPING = {'bf16': 'to_bf16()', 'bf16-flat': 'to_bf16(flat_master=True)', '
 BARE = 'bare-bf16'
 
 def targets(res:dict) -> list:
-    """The speed targets the results can check, each with its value and whether it is met: the CPU ones of the design
-    issue and of the speed issue after it (bookkeeping on the many-tensor model `book` within 1.3x the copy bound and
-    >= 3x less than fastai's master-weight algorithm; `to_bf16` at >= 0.97x the bare bf16 model's speed and >= 1.05x
-    torch autocast's on the compute-bound `mlp`), the GPU ones
-    of issue 10 (item 5), and issue 20's compiled ones on every workload they ran on (compiled `to_bf16` >= 1.2x eager
-    `to_bf16`, within 1.05x of the compiled plain loop; the backend named in the ratio). The bookkeeping rows need the
-    callback timers (`--cb-timers`, default on a CPU)."""
+    """The speed targets the results can check, each with its value and whether it is met: the CPU ones (bookkeeping on
+    the many-tensor model `book` within 1.3x the copy bound and >= 3x less than fastai's master-weight algorithm;
+    `to_bf16` at >= 0.97x the bare bf16 model's speed and >= 1.05x torch autocast's on the compute-bound `mlp`), the GPU
+    ones, and the compiled ones on every workload they ran on (compiled `to_bf16` >= 1.2x eager `to_bf16`, within 1.05x
+    of the compiled plain loop; the backend named in the ratio). The bookkeeping rows need the callback timers
+    (`--cb-timers`, default on a CPU)."""
     wls = [k for k in res if k not in ('meta', 'targets')]
     opts = OPTS
     out = []
@@ -360,9 +359,9 @@ def targets(res:dict) -> list:
     for o in opts:
         eager, comp = run_key('bf16', o), run_key('bf16-compile', o)
         for wl in wls:
-            out.append(_target("compiled to_bf16() >= 1.2x faster than eager to_bf16() (issue 20)", wl, o,
+            out.append(_target("compiled to_bf16() >= 1.2x faster than eager to_bf16()", wl, o,
                                f"{eager} ms / {comp} ms ({backend})", _ms(res, wl, eager), _ms(res, wl, comp), '>=', 1.2))
-            out.append(_target("compiled to_bf16() within 1.05x of the compiled plain PyTorch loop (issue 20)", wl, o,
+            out.append(_target("compiled to_bf16() within 1.05x of the compiled plain PyTorch loop", wl, o,
                                f"{comp} ms / {PLAIN_COMPILED} ms ({backend})", _ms(res, wl, comp),
                                _ms(res, wl, PLAIN_COMPILED), '<=', 1.05))
     return [t for t in out if t is not None]
@@ -427,8 +426,8 @@ def _targets_table(res) -> list:
     ts = res.get('targets') or []
     if not ts: return []
     cpu = not res['meta']['device'].startswith('cuda')
-    lines = ['', f"**targets** (reported, never asserted: the design issue's CPU targets first, then issue 10's GPU ones, then "
-             f"issue 20's compiled ones"
+    lines = ['', f"**targets** (reported, never asserted: the CPU targets first, then the GPU ones, then the "
+             f"compiled ones"
              f"{': this run is on a CPU' if cpu else ''})", '',
              '| target | workload | optimizer | ratio | value | needed | met |', '|---|---|---|---|---:|---:|---|']
     for t in ts:
