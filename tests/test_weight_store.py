@@ -432,3 +432,16 @@ def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr):
         else: assert torch.equal(a, b)
     if not sr:
         for a, b in zip(s0, s1): assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+def test_a_grad_replaced_after_the_check_is_the_one_stepped():
+    """A callback after MixedPrecision's `before_step` that replaces a model grad (a new tensor, not in place): the step
+    uses the grad as it is then, as FP32 fastai's optimizer would (the lift's plan is made again for that step)."""
+    class Halve(Callback):
+        order = 15  # after MixedPrecision (10)
+        def before_step(self):
+            for p in self.learn.model.parameters():
+                if p.grad is not None: p.grad = p.grad * 0.  # replaced: zero grads, the step moves nothing but decay
+    learn = make_learner(opt_func=partial(SGD, mom=0.)).to_bf16()
+    w0 = weights(learn)
+    quiet_fit(learn, 1, lr=1e-1, cbs=Halve())
+    for a, b in zip(w0, weights(learn)): torch.testing.assert_close(a, b, rtol=0, atol=2**-8 * a.abs().max().item())
