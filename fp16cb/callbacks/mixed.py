@@ -177,6 +177,7 @@ class MixedPrecision(SessionCallback):
 
     def before_step(self):
         scale, calibrating = self.loss_scale, self.scaler.calibrating
+        self.store.grads_final = not self._runs_after('before_step')  # then the grads it checks are the ones stepped
         stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad)
         if stats is None: return
         if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
@@ -191,6 +192,11 @@ class MixedPrecision(SessionCallback):
         self.record.unscaled()
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
+
+    def _runs_after(self, event:str) -> bool:
+        "Whether another callback of the learner handles `event` after this one (a higher `order`)."
+        return any(cb is not self and cb.order > self.order and any(event in vars(k) for k in type(cb).__mro__[:-1])
+                   for cb in self.learn.cbs)
 
     def after_cancel_step(self):
         "Another callback cancelled a step that the backward already took (`step_in_backward`): say so, loudly."

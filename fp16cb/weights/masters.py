@@ -69,7 +69,7 @@ class FP32Masters(WeightStore):
         self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._chunks if not self._sliceable(c)}  # made now, not in the first step
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
-        self._missing = []
+        self._missing, self._trusted = [], False
         if in_backward: self.arm_in_backward()
 
     # -- the interface
@@ -77,6 +77,7 @@ class FP32Masters(WeightStore):
         if not self.runs and not self.own_params: return []
         for r in self.runs: r.settle()
         self._missing = [p for r in self.runs for p in r.reattach_grads()]  # no grad this step: not to be stepped
+        self._trusted = self.grads_final and not self._missing  # every grad is its view, and stays so until the step
         return self._grads + self.own_grads()
 
     def _step_impl(self, *args, **kwargs):
@@ -211,7 +212,7 @@ class FP32Masters(WeightStore):
         param has no grad this step (no backward reached it), a plan of the others for this step only (None: no master
         has a grad)."""
         plan = self._plans.get(id(chunk))
-        if plan is not None and plan.valid(): return plan  # what the grads are now (a callback may replace one late)
+        if plan is not None and (self._trusted or plan.valid()): return plan  # the grads as they are now
         plan = self._plans[id(chunk)] = LiftPlan.make(chunk, self.scratch)
         if plan is not None: return plan
         return LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])], self.scratch)
@@ -232,6 +233,7 @@ class FP32Masters(WeightStore):
             for r in self.runs: r.reattach_grads()
         if self._grads: torch._foreach_zero_(self._grads)
         self.clear_own_grads()
+        self._trusted = False  # until the next step's `prepare_grads` has looked again
 
     def check_linked(self):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
