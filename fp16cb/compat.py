@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.nn.parallel import DistributedDataParallel
 import torch.distributed as dist
+import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
@@ -104,6 +105,7 @@ class Facts:
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
     state_dtype: torch.dtype|None = None  # the optimizer's state stored in this dtype between steps (None: FP32)
+    whole_param: str|None = None  # the optimizer's step that reads each param whole (LAMB's, LARC's norms), by name
 
     @classmethod
     def of_cell(cls, mode:str, opt:str='adam', ctx:str='plain') -> Facts:
@@ -195,6 +197,11 @@ RULES = (
          "a grad on some steps only, so its own count (Adam's bias correction) would not be kept as FP32 keeps it. Use "
          "flat_master=False (one master per param, each with its own state).",
          reason="a flat group shares one step count: a param with a grad on some steps only cannot keep its own (an error when it happens)."),
+    Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
+         "flat_master=True steps each param group as one flat tensor, but {whole_param} reads each param whole (its "
+         "norms, per param in FP32): over a flat master they would be the whole group's, and the updates not FP32's. Use "
+         "flat_master=False (one master per param).",
+         reason="LAMB's and LARC's per-param norms would be taken over a whole flat group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
                    f"would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the optimizer "
@@ -253,6 +260,15 @@ def optimizer_kind(opt) -> str:
     if isinstance(getattr(opt, 'opt', None), _BaseOptimizer): return 'lookahead'
     return 'fastai' if getattr(type(opt), 'step', None) is Optimizer.step else 'fastai-own-step'
 
+_WHOLE_PARAM = {fo.lamb_step: "fastai's LAMB", fo.larc_layer_lr: "fastai's LARC", fo.larc_step: "fastai's LARC"}
+
+def whole_param_step(opt) -> str|None:
+    "The name of `opt`'s step that reads each param whole (LAMB's and LARC's norms; torch's Adafactor), or None."
+    core = opt.opt if isinstance(getattr(opt, 'opt', None), _BaseOptimizer) and not isinstance(opt, OptimWrapper) else opt
+    if isinstance(core, OptimWrapper):
+        return "torch's Adafactor (factored moments)" if type(core.opt).__name__ == 'Adafactor' else None
+    return next((_WHOLE_PARAM[f] for cb in getattr(core, 'cbs', ()) if (f := getattr(cb, 'func', cb)) in _WHOLE_PARAM), None)
+
 def float64_layers(model) -> tuple:
     "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."
     return tuple(f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if type(m).__module__.startswith('torch.nn.')
@@ -270,6 +286,7 @@ def learner_facts(learn, f:Facts) -> Facts:
     layers are `ModelToHalf.check_model`'s to read: they matter only to a model converted to 16-bit.)"""
     model = learn.model
     return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None,
+                     whole_param=whole_param_step(learn.opt) if learn.opt is not None else None,
                      accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
                      gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),
                      ddp=f.ddp or _distributed(learn), compiled=hasattr(model, '_orig_mod'))

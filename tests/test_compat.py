@@ -29,7 +29,7 @@ def test_every_rule_is_reachable_and_every_axis_named():
              refusal(Facts(float64_layers=('0.weight',))), refusal(Facts(step_in_backward=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, clip=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, flat_master=True)),
-             refusal(Facts(state_dtype=torch.float16))}
+             refusal(Facts(state_dtype=torch.float16)), refusal(Facts(flat_master=True, whole_param="fastai's LAMB"))}
     assert {r.name for r in cells | extra if r is not None} == {r.name for r in RULES}
     assert verdict('bf16', 'adam', 'plain') is None and 'DDP' in verdict('bf16-sib', 'adam', 'ddp')
 
@@ -117,3 +117,17 @@ def test_a_float64_model_is_refused_naming_its_layers():
     learn.to_native_bf16()  # autocast leaves float64 alone: nothing to refuse
     learn.model.float(); learn.to_bf16()
     quiet_fit(learn, 1)
+
+@pytest.mark.parametrize('opt', ['lamb', 'larc', 'lookahead-lamb'])
+def test_flat_masters_refuse_per_param_norms(opt):
+    """LAMB's and LARC's trust ratios take each param's norms: over a flat master they would be a whole group's. The fit
+    is refused at its set-up, before any step, naming the optimizer; one master per param trains like FP32."""
+    from fastai.optimizer import Lamb, Larc, Lookahead
+    opt_func = {'lamb': Lamb, 'larc': Larc, 'lookahead-lamb': lambda ps, **kw: Lookahead(Lamb(ps, **kw))}[opt]
+    learn = make_learner(opt_func=opt_func).to_bf16(flat_master=True)
+    w0 = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match="reads each param whole"): quiet_fit(learn, 1, lr=1e-2)
+    for a, b in zip(w0, learn.model.parameters()): assert torch.equal(a, b) and b.dtype == torch.float32
+    ref = _updates(None, opt_func, lambda: nn.Linear(4, 1))
+    got = _updates('to_bf16', opt_func, lambda: nn.Linear(4, 1))
+    for k in ref: torch.testing.assert_close(got[k], ref[k], rtol=.1, atol=1e-3)

@@ -34,7 +34,7 @@ class MixedPrecision(SessionCallback):
     log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
     def __init__(self,
         loss_scale:float=512, # with `dynamic`: 512 (fastai's default) means calibrate (the first step runs at scale 1, its largest |grad| sets the scale), any other value is the start; without: the fixed scale
-        flat_master:bool=False, # keep one flat FP32 master per param group (the optimizer steps fewer, bigger tensors)
+        flat_master:bool=False, # flat FP32 masters per param group, cut at the lift's chunk size (the optimizer steps fewer, bigger tensors; not with LAMB/LARC)
         dynamic:bool=True, # dynamic loss scaling: divided by `div_factor` on overflow (the step skipped), multiplied after `scale_wait` clean steps
         max_loss_scale:float=2.**24, # ceiling of the dynamic scale
         div_factor:float=2., # the dynamic scale is divided by this on overflow and multiplied after `scale_wait` clean steps
