@@ -9,6 +9,7 @@ from torch import nn
 from fastai.basics import Callback, SGD, Adam
 from fastai.optimizer import Lookahead, ranger, OptimWrapper, RMSProp, QHAdam, RAdam, Lamb
 from fastai.torch_core import trainable_params
+from fastai.optimizer import sgd_step as fastai_sgd_step
 
 from fp16cb.callbacks import MixedPrecision
 from fp16cb.weights import Stage, WeightStore, HalfStorage, FP32Masters
@@ -446,3 +447,21 @@ def test_a_grad_replaced_after_the_check_is_the_one_stepped():
     w0 = weights(learn)
     quiet_fit(learn, 1, lr=1e-1, cbs=Halve())
     for a, b in zip(w0, weights(learn)): torch.testing.assert_close(a, b, rtol=0, atol=2**-8 * a.abs().max().item())
+
+def test_an_optimizer_with_its_own_step_trains_like_fp32():
+    "A fastai `Optimizer` whose `step` is its own (not fastai's loop): stepped once on all the masters, as in FP32."
+    from fastai.optimizer import Optimizer
+    class Counting(Optimizer):
+        n = 0
+        def step(self, closure=None): Counting.n += 1; super().step(closure)
+    opt_func = lambda ps, lr=1e-2, **kw: Counting(ps, [fastai_sgd_step], lr=lr)
+    res = []
+    for mode in (None, 'to_bf16'):
+        torch.manual_seed(0)
+        learn = make_learner(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), opt_func=opt_func,
+                             splitter=trainable_params)
+        if mode: getattr(learn, mode)()
+        quiet_fit(learn, 1, lr=1e-2)
+        res.append(weights(learn))
+    assert Counting.n == 8  # 4 steps each
+    for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=.02, atol=1e-3)

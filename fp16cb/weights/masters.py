@@ -65,7 +65,13 @@ class FP32Masters(WeightStore):
             if n: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
         self.scratch = Scratch(sizes)
         self._out = {id(c): to_model_copies(c) for c in self._chunks}  # each chunk's masters -> the model, coalesced
-        self._owns = {id(c): [(p, gi) for p, gi, src in c if src is None] for c in self._chunks}
+        # the chunks one optimizer `step` takes: each chunk (fastai's loop, run here; a torch optimizer, stepped per chunk),
+        # or all of them at once (an optimizer with a `step` of its own), and whether each is rounded into the model as
+        # soon as it is stepped (a wrapper such as Lookahead, or a flat group's put-back, changes the masters after)
+        chunked = steps_param_by_param(self.core) or isinstance(self.core, OptimWrapper)
+        self._steps = self._chunks if chunked else [[it for c in self._chunks for it in c]]
+        self._fold_ok = chunked and self.opt is self.core
+        self._owns = {id(c): [(p, gi) for p, gi, src in c if src is None] for c in self._chunks + self._steps}
         self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._chunks if not self._sliceable(c)}  # made now, not in the first step
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
@@ -82,11 +88,7 @@ class FP32Masters(WeightStore):
 
     def _step_impl(self, *args, **kwargs):
         held = self._hold(self._missing)
-        # each chunk's masters are rounded into the model right after its step, while they are in the caches (`_land`),
-        # unless something changes the masters after the optimizer's own step (a wrapper: Lookahead's slow weights;
-        # `held`) or the step is not taken a chunk at a time (an optimizer of one's own that is neither fastai's loop nor
-        # a torch optimizer)
-        self._fold = held is None and self.opt is self.core and (steps_param_by_param(self.core) or isinstance(self.core, OptimWrapper))
+        self._fold = held is None and self._fold_ok  # each chunk rounded into the model as it is stepped (`_land`)
         out = self._through_core(self._step_chunks, *args, **kwargs)
         if held is not None: held()
         if not self._fold: self.master_to_model()
@@ -108,7 +110,7 @@ class FP32Masters(WeightStore):
                     for p, gi in live: fastai_update(self.core, p, hypers[gi])
                 self._land(chunk)
             return None
-        chunks = self._chunks if isinstance(self.core, OptimWrapper) else [[it for c in self._chunks for it in c]]
+        chunks = self._steps
         inner = getattr(self.core, 'opt', None)
         fused = self._fused_scale(inner)
         own, out, state = {p: p.grad for p in self.own_params}, None, opt_state(self.core)  # torch steps every param
@@ -195,8 +197,7 @@ class FP32Masters(WeightStore):
 
     def _own_in(self, chunk:list) -> list:
         "`[(param, group)]` of the params of `chunk` that train in their own dtype (no master)."
-        res = self._owns.get(id(chunk))
-        return res if res is not None else [(p, gi) for p, gi, sources in chunk if sources is None]
+        return self._owns[id(chunk)]
 
     def _step_one(self, p):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
