@@ -205,11 +205,17 @@ def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, warmup_ma
     if verbose: print(f"[{wl}] {WORKLOADS[wl].desc} | scale {s:g}, {n_par/1e6:.3g}M params, "
                       f"{sum(1 for _ in init.parameters())} tensors, batch {len(batches[0][0])}"
                       f"{', learners parked on the CPU between fits' if parked else ''}", file=sys.stderr)
-    learners = {}
+    learners, failed = {}, {}
     for k, m, o in runs:  # built and warmed up one by one (untimed; the dynamic loss scales settle meanwhile)
-        learners[k] = _learner(wl, m, o, device, batches, valid, init, lr, cb_timers, fused_ok)
-        if parked: move_state(learners[k][0], 'cpu')
-        _warm_up(*learners[k], device, parked, steps, warmup, warmup_max)
+        try:
+            learners[k] = _learner(wl, m, o, device, batches, valid, init, lr, cb_timers, fused_ok)
+            if parked: move_state(learners[k][0], 'cpu')
+            _warm_up(*learners[k], device, parked, steps, warmup, warmup_max)
+        except Exception as e:  # a mode that cannot train this workload here is reported; the others are measured
+            failed[k] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}"
+            learners.pop(k, None)
+            if verbose: print(f"  {k} failed in its warm-up, left out: {failed[k]}", file=sys.stderr)
+    runs = [r for r in runs if r[0] not in failed]
     keys, bounds = [k for k, _, _ in runs], []
     for r in range(rounds):
         bounds.append(copy_bound(n_par, half_dtype(device), device))
@@ -223,7 +229,7 @@ def _workload_run(wl, s, runs, device, is_cuda, steps, rounds, warmup, warmup_ma
     parked = parked or is_cuda  # `_memory` leaves every learner parked on CUDA
     bound, hot = statistics.median(bounds), copy_bound(n_par, half_dtype(device), device, cold=False)
     out = {'_workload': {'scale': s, 'n_params': n_par, 'bound_ms': 1e3*bound, 'bound_hot_ms': 1e3*hot,
-                         'copy_GBps': 12*n_par/bound/1e9, 'batch': len(batches[0][0]), 'parked': parked}}
+                         'copy_GBps': 12*n_par/bound/1e9, 'batch': len(batches[0][0]), 'parked': parked, 'failed': failed}}
     for k, m, o in runs:
         learn, rec = learners.pop(k)
         out[k] = {'mode': m, 'opt': o, **_figures(learn, rec, batches, valid, mems[k], device, parked, cb_timers)}
@@ -392,6 +398,7 @@ def _workload_table(wl, out) -> list:
                      f"{o['train_loss']:.4f} | {o['loss']:.4f} | {o['acc']:.3f} | {o['skipped']}/{o['all_steps']}"
                      f"{f' ({t} timed)' if (t := o.get('timed_skipped')) else ''} |"
                      + (f" {_f(o['channels_last'], '.0%')} |" if cl else ''))
+    lines += [f"\n{k} failed on this workload and was left out: {why}" for k, why in w.get('failed', {}).items()]
     return lines
 
 _COMPILE_ROWS = ('bf16', 'bf16-compile') + PLAIN_MODES

@@ -3,9 +3,11 @@ callback that records what the learner holds at each training event.
 
 `pytest --device cuda` (default: cpu) runs every test that trains, converts or benchmarks on that device: `DEVICE`
 (and the `device` fixture) is it, `make_learner` puts its model and data there, and fastai's own default device
-follows it (so that a GPU machine still tests the CPU by default). CUDA-only tests (`cuda_only()`) skip unless it is CUDA."""
-import random
+follows it (so that a GPU machine still tests the CPU by default). CUDA-only tests (`cuda_only()`) skip unless it is CUDA.
+The multi-process tests run their ranks where `ranks_device()` says: one GPU per rank, or the CPU (gloo)."""
+import os, random
 from functools import partial
+from pathlib import Path
 import numpy as np
 import pytest
 import torch
@@ -34,7 +36,31 @@ def pytest_configure(config):
     defaults.use_cuda = DEVICE.type == 'cuda'  # fastai's `default_device()`: CUDA only when asked, even on a GPU machine
     if DEVICE.type == 'cuda' and DEVICE.index is not None: torch.cuda.set_device(DEVICE)
 
-def pytest_report_header(config): return f"fp16cb test device: {DEVICE}"
+def pytest_report_header(config): return [f"fp16cb test device: {DEVICE}", f"fp16cb multi-process tests: {ranks_where()}"]
+
+def ranks_device(world:int=2) -> torch.device:
+    """Where the ranks of a multi-process test (`world` processes on this machine) train: CUDA when this run's device is
+    CUDA and the machine has a GPU for every rank (one GPU per rank, nccl, as torch, Accelerate and fastai pick them);
+    else the CPU with gloo, as in CI, also under `--device cuda` on a machine with fewer GPUs than ranks (two ranks on
+    one GPU is no valid DDP set-up: nccl refuses it)."""
+    return torch.device('cuda' if DEVICE.type == 'cuda' and torch.cuda.device_count() >= world else 'cpu')
+
+def ranks_env(world:int=2) -> dict:
+    """What the ranks' environment adds: this checkout's fp16cb first on `PYTHONPATH` (not an installed one), and for
+    `ranks_device(world)` the CPU no visible GPU (`CUDA_VISIBLE_DEVICES` empty), so that `torch.cuda.is_available()` is
+    False in every rank and each of them (torch, Accelerate, fastai, the recipe's `cpu=not torch.cuda.is_available()`)
+    chooses the CPU and gloo by itself."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get('PYTHONPATH')]))
+    return {'PYTHONPATH': path, **({} if ranks_device(world).type == 'cuda' else {'CUDA_VISIBLE_DEVICES': ''})}
+
+def ranks_where(world:int=2) -> str:
+    "`ranks_device(world)` in words, with the backend its ranks use and why (the run's report header says it)."
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ranks_device(world).type == 'cuda': return f"{world} ranks on CUDA, one GPU each (nccl)"
+    why = (f"{n} CUDA device{'s' if n != 1 else ''} for {world} ranks" if DEVICE.type == 'cuda' else f"--device {DEVICE}")
+    return f"{world} ranks on the CPU (gloo; {why})"
+
+def ranks_backend(world:int=2) -> str: return 'nccl' if ranks_device(world).type == 'cuda' else 'gloo'
 
 def cuda_only():
     "`pytest.mark.skipif` for tests that need `--device cuda`."
@@ -175,15 +201,19 @@ def learner(): return make_learner
 
 _HOST_READS = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'numpy')
 
+_HOST_DATA = ((torch, 'tensor'), (torch, 'as_tensor'), (torch.Tensor, 'new_tensor'))  # a tensor made of host data
+
 def count_host_reads(monkeypatch, cls, events=('before_step', 'after_step', 'before_backward')) -> list:
-    "Patch `Tensor`'s device-to-host reads to be logged (in the returned list) while `cls` runs one of its `events`."
+    """Patch `Tensor`'s device-to-host reads to be logged (in the returned list) while `cls` runs one of its `events`;
+    tensors made there from host data too (`'h2d:tensor'`...): on CUDA each is a blocking copy, a host sync as well
+    (`torch.cuda.set_sync_debug_mode` counts it; on a CPU nothing else would show it)."""
     calls, active = [], [False]
-    for name in _HOST_READS:
-        orig = getattr(torch.Tensor, name)
-        def counted(self, *a, _orig=orig, _name=name, **k):
-            if active[0]: calls.append(_name)
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    for obj, name in [(torch.Tensor, n) for n in _HOST_READS] + [(o, n) for o, n in _HOST_DATA]:
+        orig, label = getattr(obj, name), name if obj is torch.Tensor and name != 'new_tensor' else f'h2d:{name}'
+        def counted(*a, _orig=orig, _label=label, **k):
+            if active[0]: calls.append(_label)
+            return _orig(*a, **k)
+        monkeypatch.setattr(obj, name, counted)
     for event in events:
         orig = getattr(cls, event)
         def wrapped(self, _orig=orig):

@@ -1,6 +1,8 @@
 """One rank of the multi-process tests (`tests/test_distributed.py` launches 2 with `fp16cb.demos.ddp.launch`): runs
 every scenario in turn, each with a fresh DDP, and writes what it saw to `OUT/rank{RANK}.json` for the test to compare.
-Every rank starts from a different random init (`seed=rank`) and trains on its own shard of the data."""
+Every rank starts from a different random init (`seed=rank`) and trains on its own shard of the data. The ranks train
+where `init` puts them: on CUDA (nccl, the GPU of their LOCAL_RANK) when CUDA is visible to them, else on the CPU
+(gloo; the test hides CUDA from them where there is no GPU for each rank); `_where` in the results says which."""
 import json, math, os, sys, warnings
 from pathlib import Path
 warnings.filterwarnings('ignore')
@@ -19,6 +21,7 @@ torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
 RANK = init(timeout=60)
 WORLD = dist.get_world_size()
+DEVICE = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
 
 def precision_cb(learn):
     return next(c for c in learn.cbs if isinstance(c, (MixedPrecision, NativeMixedPrecision)))
@@ -48,7 +51,7 @@ def identical(order, mode):
     if order == 'after': learn = MODES[mode](demo_learner(RANK, WORLD, seed=RANK, cbs=DDPWrap(counter)))
     else:
         learn = demo_learner(RANK, WORLD, seed=RANK)
-        learn.model = DDP(learn.model); counter.register(learn.model)
+        learn.model = DDP(learn.model.to(DEVICE)); counter.register(learn.model)  # the user's DDP, on the rank's device
         MODES[mode](learn)
     fit(learn)
     pcb = precision_cb(learn)
@@ -57,7 +60,8 @@ def identical(order, mode):
     if order == 'before':  # the user's DDP model still all-reduces in FP32 after the fit: one plain step
         learn.to_fp32(); fit(learn)
     return dict(fp=fp, dtypes=sorted(counter.dtypes), bytes_per_step=n_bytes / len(pcb.skips), skips=pcb.skips,
-                scales=pcb.scales, after=after, fp_after=fingerprint(learn.model))
+                scales=pcb.scales, after=after, fp_after=fingerprint(learn.model),
+                device=str(next(learn.model.parameters()).device))
 
 def grad_of(learn):
     "The first Linear's weight grad as the precision callback will read it (after DDP's all-reduce)."
@@ -93,7 +97,7 @@ def lognormal_scales():
 def single():
     "No BatchNorm (its batch statistics are per rank): the run a single process on the concatenated batches matches."
     learn = fit(demo_learner(RANK, WORLD, seed=0, bn=False, cbs=DDPWrap()).to_fp16(max_loss_scale=2.**12), 2)
-    if RANK == 0: torch.save(inner(learn).state_dict(), OUT/'ddp_single.pt')
+    if RANK == 0: torch.save({k: v.cpu() for k, v in inner(learn).state_dict().items()}, OUT/'ddp_single.pt')
     return dict(skips=precision_cb(learn).skips, fp=fingerprint(learn.model))
 
 def save_load():
@@ -115,15 +119,16 @@ def save_load():
                 scales=precision_cb(learn).scales)
 
 def fastai_accelerate(mode):
-    "fastai's own path: `distrib_ctx` (Accelerate's DDP), on CPUs with `cpu=True, sync_bn=False` and gloo."
+    "fastai's own path: `distrib_ctx` (Accelerate's DDP); on CPUs with `cpu=True, sync_bn=False` and gloo."
     import fastai.distributed  # noqa: F401  (needs accelerate)
     counter = ByteCounter()
     class Count(Callback):
         order = 12  # after fastai's `DistributedTrainer` (11) has wrapped the model
         def before_fit(self): counter.register(self.learn.model)
     learn = MODES[mode](demo_learner(0, 1, seed=RANK, cbs=Count()))  # the whole data: fastai's DistributedDL shards it
-    with learn.distrib_ctx(sync_bn=False, cpu=True): fit(learn)
-    return dict(fp=fingerprint(learn.model), dtypes=sorted(counter.dtypes), skips=precision_cb(learn).skips)
+    with learn.distrib_ctx(sync_bn=False, cpu=DEVICE.type == 'cpu'): fit(learn)
+    return dict(fp=fingerprint(learn.model), dtypes=sorted(counter.dtypes), skips=precision_cb(learn).skips,
+                device=str(next(learn.model.parameters()).device))
 
 def have_accelerate():
     try: import accelerate  # noqa: F401
@@ -135,7 +140,7 @@ SCENARIOS = {**{f'identical_{o}_{m}': (lambda o=o, m=m: identical(o, m)) for o i
              'inf_loss_native': inf_loss_one_rank, 'lognormal': lognormal_scales, 'single': single, 'save_load': save_load}
 if have_accelerate(): SCENARIOS.update({f'fastai_{m}': (lambda m=m: fastai_accelerate(m)) for m in ('to_fp16', 'to_native_fp16')})
 
-results = {}
+results = {'_where': dict(backend=dist.get_backend(), device=str(DEVICE), world=WORLD)}
 for name, fn in SCENARIOS.items():
     if len(sys.argv) > 2 and name not in sys.argv[2:]: continue
     try: results[name] = fn()

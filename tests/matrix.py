@@ -9,7 +9,8 @@ is in the optimizer but never called (FP32 never touches it) and a frozen param 
 
 `python tests/matrix.py OUT` is one rank of the DDP subset (launched twice by `fp16cb.demos.ddp.launch`): it trains
 every mode of `DDP_MODES` in turn under fastai's `distrib_ctx` and writes what it saw to `OUT/rank{RANK}.json` and
-`OUT/rank{RANK}-{mode}.pt`."""
+`OUT/rank{RANK}-{mode}.pt`: on the GPU of its LOCAL_RANK with nccl when CUDA is visible to it, else on the CPU with gloo
+(the test hides CUDA from the ranks unless each has a GPU of its own)."""
 from __future__ import annotations
 import json, sys
 from functools import partial
@@ -255,13 +256,19 @@ def ddp_order(items:list, bs:int=BS, world:int=2) -> list:
     from fp16cb.demos.ddp import shard
     return [x for r in range(world) for x in shard(items, bs, r, world)]
 
-def ddp_build(mode:str|None, single:bool):
+def ddp_build(mode:str|None, single:bool, device='cpu'):
     """The DDP subset's learner: no BatchNorm (its batch statistics are each rank's own); the data ordered for
-    `DistributedDL`, or (`single`) one process on the 2 ranks' batches concatenated (batches of 32, in order)."""
+    `DistributedDL`, or (`single`) one process on the 2 ranks' batches concatenated (batches of 32, in order); the
+    model and the data on `device` (where the ranks train)."""
     learn, error = build(mode, DDP_OPT, 'ddp', n_train=DDP_N, bn=False)
     train = learn.dls.train
     learn.dls.loaders[0] = train.new(bs=2*BS) if single else train.new(ddp_order(list(train.dataset)))
+    learn.dls.to(device); learn.model.to(device)
     return learn, error
+
+def on_cpu(r:Run) -> Run:
+    "`r` with its params (initial, final) on the CPU: the ranks' and the reference's compared wherever they trained."
+    return r._replace(params={n: (i.cpu(), f.cpu()) for n, (i, f) in r.params.items()})
 
 def _ddp_rank(out:Path):
     import warnings; warnings.filterwarnings('ignore')
@@ -271,17 +278,19 @@ def _ddp_rank(out:Path):
     from fp16cb.demos.ddp import init
     torch.set_num_threads(1)
     rank, res = init(timeout=60), {}
+    device = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+    res['_where'] = dict(backend=dist.get_backend(), device=str(device))
     for mode in DDP_MODES:
-        learn, error = ddp_build(mode, single=False)
+        learn, error = ddp_build(mode, single=False, device=device)
         torch.manual_seed(1000 + rank)  # each rank's own global seed (torchrun, no seed set): the rounding must agree
         init_w = snapshot(learn)
         if error is None:
             try:
-                with learn.distrib_ctx(sync_bn=False, cpu=True,
+                with learn.distrib_ctx(sync_bn=False, cpu=device.type == 'cpu',
                                        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]):
                     quiet_fit(learn, DDP_EPOCHS)
             except (ValueError, TypeError) as e: error = e
-        r = finish(learn, init_w, error)
+        r = on_cpu(finish(learn, init_w, error))
         torch.save(r.params, out/f'rank{rank}-{mode}.pt')
         res[mode] = dict(error=None if error is None else f'{type(error).__name__}: {error}', n_steps=r.n_steps,
                          losses=r.losses, dtypes=sorted({str(d) for d in r.dtypes.values()}),

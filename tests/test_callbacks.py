@@ -459,7 +459,7 @@ def test_precision_columns_only_with_a_dynamic_scale(setup, shown):
 @pytest.mark.parametrize('how', ['fit_one_cycle', 'fit'])
 def test_slow_fp16_warning_says_how_much_and_points_at_the_users_line(reset_warned, monkeypatch, how):
     monkeypatch.setattr(fp16cb.dtypes, 'cpu_has_native', {torch.float16: False, torch.bfloat16: True}.get)
-    learn = make_learner().to_fp16()
+    learn = make_learner(device='cpu').to_fp16()  # the CPU's warning (a GPU's fp16 is native), whatever the test device
     with warnings.catch_warnings(record=True) as w, learn.no_bar(), learn.no_logging():
         warnings.simplefilter('always')
         getattr(learn, how)(1, 1e-2)  # the user's line: fastai's fit -> its callbacks -> fp16cb

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from fastai.callback.tracker import SaveModelCallback
 
-from conftest import make_learner, quiet_fit, weights
+from conftest import DEVICE, make_learner, quiet_fit, weights
 
 dynamo = pytest.importorskip('torch._dynamo')
 from torch._dynamo.utils import counters
@@ -87,7 +87,7 @@ def test_fp32_islands_compile_into_the_models_graphs(fullgraph, tmp_path):
     try:
         assert [p.dtype for p in model.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2 + [torch.float32] * 2
         learn.model.eval()
-        x = torch.randn(5, 4)
+        x = torch.randn(5, 4, device=DEVICE)  # where the model is
         with torch.no_grad(): out, eager = learn.model(x), model(x.to(torch.bfloat16))  # compiled, and eager
         assert out.dtype == torch.float32 and torch.equal(out, eager)  # the classifier's FP32 output, as eager gives it
         assert not torch.equal(out, out.to(torch.bfloat16).float())  # not its 16-bit rounding

@@ -169,8 +169,8 @@ def test_identity_requires_grad_and_ties_survive(flat, mode):
     model = Tied()
     ids = [id(p) for p in model.parameters()]
     flags = [p.requires_grad for p in model.parameters()]
-    bias0 = model.mid.bias.detach().clone()
-    learn = make_learner(model=model, splitter=lambda m: [list(m.parameters())])
+    learn = make_learner(model=model, splitter=lambda m: [list(m.parameters())])  # moves `model` to the test device
+    bias0 = model.mid.bias.detach().clone()  # there, as the fit leaves it
     class _Check(Callback):
         order = 50
         def before_step(self):

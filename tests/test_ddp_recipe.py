@@ -2,18 +2,22 @@
 `distrib_ctx` (Accelerate wraps the model in DDP after our setup, and moves it). For every precision mode the model
 must LEARN: the loss falls as FP32 DDP's does, the ranks agree, and the weights after the fit match one process
 trained on the concatenated batches (what DDP's averaged gradients amount to). A rank that raises ends the job
-promptly, with the user's own error on top."""
+promptly, with the user's own error on top. The ranks run where `conftest.ranks_device` says: on CUDA with one GPU per
+rank (nccl), else on the CPU with gloo, CUDA hidden from them (what the script's `cpu=not torch.cuda.is_available()`
+then chooses); each rank records its device and backend, and the tests check them."""
 import json, os, re, shutil, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ranks_device, ranks_env, ranks_backend
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available() or shutil.which('torchrun') is None
                                 or __import__('importlib').util.find_spec('accelerate') is None,
                                 reason="needs torch.distributed with gloo, torchrun and accelerate")
 
 DOCS = Path(__file__).parents[1]/'nbs'/'distributed.ipynb'
+WORLD = 2  # `torchrun --nproc_per_node=2`
 TIMEOUT = 180  # seconds for one 2-process run (about 15 s on 2 idle cores)
 MODES = {'fp32': '', 'to_bf16': '.to_bf16()', 'to_fp16': '.to_fp16()', 'flat': '.to_bf16(flat_master=True)',
          'half_storage': '.to_bf16(half_storage=True)', 'keep_fp32': ".to_fp16(keep_fp32='classifier')",
@@ -35,7 +39,9 @@ import json, os
 out = os.environ['FP16CB_OUT']
 torch.save({k: v.detach().float().cpu() for k, v in learn.model.state_dict().items()}, f'{out}/rank{rank_distrib()}.pth')
 json.dump({'losses': [[float(x) for x in v[:2]] for v in learn.recorder.values],
-           'dtypes': sorted({str(p.dtype) for p in learn.model.parameters()})}, open(f'{out}/rank{rank_distrib()}.json', 'w'))
+           'dtypes': sorted({str(p.dtype) for p in learn.model.parameters()}),
+           'device': str(next(learn.model.parameters()).device), 'backend': torch.distributed.get_backend()},
+          open(f'{out}/rank{rank_distrib()}.json', 'w'))
 '''
 
 def free_port() -> int:
@@ -43,10 +49,10 @@ def free_port() -> int:
         s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 def torchrun(script:str, out:Path, timeout:int=TIMEOUT) -> subprocess.CompletedProcess:
-    "Run `script` with `torchrun --nproc_per_node=2` in `out` (its working folder), bounded in time."
+    "Run `script` with `torchrun --nproc_per_node=2` in `out` (its working folder), bounded in time, on `ranks_device`."
     (out/'train.py').write_text(script)
-    env = {**os.environ, 'FP16CB_OUT': str(out), 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
-    cmd = ['torchrun', '--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'train.py']
+    env = {**os.environ, **ranks_env(WORLD), 'FP16CB_OUT': str(out), 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
+    cmd = ['torchrun', f'--nproc_per_node={WORLD}', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'train.py']
     return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=timeout)
 
 @pytest.fixture(scope='module')
@@ -63,12 +69,14 @@ def runs(tmp_path_factory) -> dict:
 
 def one_process(mode:str) -> tuple:
     """The same script in this process, with no DDP: each batch is the two ranks' batches of that step together, in the
-    order fastai's `DistributedDL` gives them (rank 0's shuffle, each rank a contiguous half), so 128 rows a step."""
+    order fastai's `DistributedDL` gives them (rank 0's shuffle, each rank a contiguous half), so 128 rows a step; on the
+    ranks' device (fastai's default device for the script's `DataLoaders`)."""
     from fastai.basics import DataLoader
+    from fastai.torch_core import defaults
     script = re.sub(r'with learn\.distrib_ctx\(.*\):', 'if True:', in_mode(readme_script(), mode)).replace("learn.save('final')", '')
     class Concatenated(DataLoader):
         "Rank r's batch i is its half of the shuffled indices, rows i*bs:(i+1)*bs; one step holds both ranks' batch i."
-        def __init__(self, dl): super().__init__(dl.dataset, bs=2*dl.bs, shuffle=False, drop_last=True); self.inner = dl
+        def __init__(self, dl): super().__init__(dl.dataset, bs=2*dl.bs, shuffle=False, drop_last=True, device=dl.device); self.inner = dl
         def randomize(self): self.inner.randomize()  # as `DistributedDL`: the wrapped loader's shuffle, reseeded each epoch
         def get_idxs(self):
             idxs, bs = list(self.inner.get_idxs()), self.inner.bs
@@ -77,8 +85,13 @@ def one_process(mode:str) -> tuple:
     ns = {'Concatenated': Concatenated}
     script = script.replace('learn.fit(', 'init = {k: v.detach().float().clone() for k, v in learn.model.state_dict().items()}; '
                                          'learn.dls.train = Concatenated(learn.dls.train); learn.fit(')
-    exec(script, ns)
-    return ns['init'], {k: v.detach().float() for k, v in ns['learn'].model.state_dict().items()}
+    use_cuda = defaults.use_cuda
+    defaults.use_cuda = ranks_device(WORLD).type == 'cuda'
+    try: exec(script, ns)
+    finally: defaults.use_cuda = use_cuda
+    assert next(ns['learn'].model.parameters()).device.type == ranks_device(WORLD).type
+    cpu = lambda sd: {k: v.detach().float().cpu() for k, v in sd.items()}
+    return cpu(ns['init']), cpu(ns['learn'].model.state_dict())
 
 @pytest.mark.parametrize('mode', list(MODES))
 def test_the_readme_recipe_learns(runs, mode):
@@ -88,6 +101,8 @@ def test_the_readme_recipe_learns(runs, mode):
     assert losses[-1] < 0.5 * losses[0], losses  # it learns
     assert abs(losses[-1] - ref[-1]) <= 0.1 * ref[-1] + 0.01, (losses, ref)  # as FP32 DDP does
     assert r0['dtypes'] == ['torch.float32']
+    assert (r0['backend'], r1['backend']) == (ranks_backend(WORLD),) * 2  # where `ranks_device` says the ranks run
+    assert [r0['device'], r1['device']] == (['cuda:0', 'cuda:1'] if ranks_device(WORLD).type == 'cuda' else ['cpu', 'cpu'])
     for k in w0: assert torch.equal(w0[k], w1[k]), k  # the ranks agree, bit for bit
 
 @pytest.mark.parametrize('mode', list(MODES))
@@ -116,16 +131,29 @@ def test_a_rank_that_raises_ends_the_job_promptly_with_its_own_error(tmp_path):
     assert errors and errors[-1].startswith('ValueError: Exception occured in `Boom`'), p.stderr[-3000:]  # on top
     assert 'the user error on rank 1' in p.stderr
 
-def test_a_rewrap_keeps_the_users_ddp_arguments():
-    "A model the user wrapped with `broadcast_buffers=False` (and a bucket size) is wrapped again with the same ones."
+def syncs_buffers(ddp) -> bool:
+    "Whether `ddp` syncs its buffers in the forward: `forward_sync_buffers` in newer torch (2.14), `broadcast_buffers` before (2.11)."
+    d = vars(ddp)
+    return d['forward_sync_buffers'] if 'forward_sync_buffers' in d else d['broadcast_buffers']
+
+@pytest.mark.parametrize('recorded', [True, False], ids=['recorded', 'made-before-fp16cb'])
+def test_a_rewrap_keeps_the_users_ddp_arguments(recorded):
+    """A model the user wrapped with `broadcast_buffers=False` (and a bucket size) is wrapped again with the same ones:
+    those fp16cb recorded when the DDP was made, or, for a DDP made before fp16cb was imported, those the DDP keeps as
+    attributes (which differ between torch versions: the rewrap must not read one that this torch lacks)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from fp16cb.distributed import _ddp_kwargs
+    from fp16cb.distributed import _ddp_kwargs, rewrap
     if not dist.is_initialized():
         dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)
     try:
         ddp = DDP(torch.nn.Linear(2, 2), broadcast_buffers=False, bucket_cap_mb=7, find_unused_parameters=True)
-        kw = _ddp_kwargs(ddp)
-        assert kw['broadcast_buffers'] is False and kw['bucket_cap_mb'] == 7 and kw['find_unused_parameters'] is True
-        again = DDP(ddp.module, **kw)
-        assert again.forward_sync_buffers == ddp.forward_sync_buffers and again.bucket_bytes_cap == ddp.bucket_bytes_cap
+        if recorded:
+            kw = _ddp_kwargs(ddp)
+            assert kw['broadcast_buffers'] is False and kw['bucket_cap_mb'] == 7 and kw['find_unused_parameters'] is True
+        else: del ddp.__dict__['_fp16cb_args']
+        again = rewrap(ddp)
+        assert again is not ddp and again.module is ddp.module
+        assert syncs_buffers(again) is syncs_buffers(ddp) is False
+        assert again.bucket_bytes_cap == ddp.bucket_bytes_cap == 7 * 2**20
+        assert again.find_unused_parameters is ddp.find_unused_parameters is True
     finally: dist.destroy_process_group()

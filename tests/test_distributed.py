@@ -1,6 +1,8 @@
-"""Multi-process training under torch's `DistributedDataParallel`: 2 CPU processes (gloo on 127.0.0.1), launched once for
-the module by `fp16cb.demos.ddp.launch` and bounded in time; `tests/ddp_worker.py` runs the scenarios on each rank and
-these tests compare what the ranks saw. Every rank starts from its own random init and trains on its own data."""
+"""Multi-process training under torch's `DistributedDataParallel`: 2 processes on 127.0.0.1, launched once for the module
+by `fp16cb.demos.ddp.launch` and bounded in time; `tests/ddp_worker.py` runs the scenarios on each rank and these tests
+compare what the ranks saw. Every rank starts from its own random init and trains on its own data. The ranks run where
+`conftest.ranks_device` says: on CUDA with one GPU per rank (nccl), else on the CPU with gloo (CUDA hidden from them),
+as in CI; `test_ranks_run_where_the_run_says` checks that they did."""
 import json, sys
 from pathlib import Path
 import pytest
@@ -11,10 +13,12 @@ from fastai.callback.progress import ProgressCallback
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.demos.ddp import launch, demo_learner, shard
 from fp16cb.distributed import reduce_max_, syncs, is_multiprocess
+from conftest import ranks_device, ranks_env, ranks_backend
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 
 WORKER = Path(__file__).with_name('ddp_worker.py')
+WORLD = 2
 TIMEOUT = 90  # seconds for the 2 processes to run every scenario (about 25 s on 2 idle cores)
 MODES = ('to_fp16', 'to_fp16_flat', 'to_bf16', 'to_native_fp16')
 HALF = {'to_fp16': 'torch.float16', 'to_fp16_flat': 'torch.float16', 'to_bf16': 'torch.bfloat16'}
@@ -23,7 +27,7 @@ HALF = {'to_fp16': 'torch.float16', 'to_fp16_flat': 'torch.float16', 'to_bf16': 
 def ranks(tmp_path_factory):
     "`(rank 0's results, rank 1's results, output folder)`: one launch of 2 processes for the whole module."
     out = tmp_path_factory.mktemp('ddp')
-    launch([sys.executable, str(WORKER), str(out)], nprocs=2, timeout=TIMEOUT)
+    launch([sys.executable, str(WORKER), str(out)], nprocs=WORLD, timeout=TIMEOUT, env=ranks_env(WORLD))
     r0, r1 = (json.loads((out/f'rank{r}.json').read_text()) for r in (0, 1))
     return r0, r1, out
 
@@ -32,10 +36,18 @@ def both(ranks, name):
     for r in (r0, r1): assert 'error' not in r[name], r[name]['error']
     return r0[name], r1[name]
 
+def test_ranks_run_where_the_run_says(ranks):
+    "On CUDA (nccl), rank r on GPU r, when this run is on CUDA with a GPU for each rank; else on the CPU (gloo)."
+    r0, r1, _ = ranks
+    cuda = ranks_device(WORLD).type == 'cuda'
+    for rank, r in enumerate((r0, r1)):
+        assert r['_where'] == dict(backend=ranks_backend(WORLD), device=f'cuda:{rank}' if cuda else 'cpu', world=WORLD)
+
 @pytest.mark.parametrize('order', ['after', 'before'])  # DDP wraps after our callbacks (fastai's way), or the user wrapped first
 @pytest.mark.parametrize('mode', MODES)
 def test_ranks_bit_identical(ranks, order, mode):
     a, b = both(ranks, f'identical_{order}_{mode}')
+    assert (a['device'], b['device']) == (ranks[0]['_where']['device'], ranks[1]['_where']['device'])  # the rank's own
     assert a['fp'] == b['fp']  # different inits and data, the same FP32 weights and buffers, bit for bit
     assert a['skips'] == b['skips'] and not any(a['skips'])  # steps were taken
     assert a['dtypes'] == sorted(['torch.float32', HALF[mode]] if mode in HALF else ['torch.float32'])
@@ -78,10 +90,12 @@ def test_matches_one_process_on_the_concatenated_batches(ranks):
     a, _ = both(ranks, 'single')
     ddp = torch.load(ranks[2]/'ddp_single.pt')
     learn = demo_learner(0, 1, bs=32, seed=0, bn=False).to_fp16(max_loss_scale=2.**12)
+    learn.dls.to(ranks_device(WORLD))  # where the ranks trained (`demo_learner` picks CUDA whenever this process sees it)
     learn.remove_cb(ProgressCallback)
     with learn.no_logging(): learn.fit(2)
     assert learn.mixed_precision.skips == a['skips']
-    ref = learn.model.state_dict()
+    assert next(learn.model.parameters()).device.type == ranks_device(WORLD).type
+    ref = {k: v.cpu() for k, v in learn.model.state_dict().items()}
     for k, v in ddp.items():  # fp16 grads are averaged in fp16 by DDP: equal up to 16-bit rounding
         torch.testing.assert_close(v, ref[k], rtol=2e-2, atol=2e-3)
     assert max((v - ref[k]).abs().max().item() for k, v in ddp.items()) > 0  # not the same run by accident
@@ -93,10 +107,11 @@ def test_save_and_export_write_on_rank_0_and_load_restores_the_scaler(ranks):
     assert a['fp'] == b['fp']  # the save wrapped DDP again on every rank: it still all-reduces afterwards
 
 @pytest.mark.parametrize('mode', ['to_fp16', 'to_native_fp16'])
-def test_fastai_distrib_ctx_on_cpu(ranks, mode):
-    "fastai's own path (`distrib_ctx`, Accelerate's DDP), on CPUs: gloo, `cpu=True, sync_bn=False`."
+def test_fastai_distrib_ctx(ranks, mode):
+    "fastai's own path (`distrib_ctx`, Accelerate's DDP): on CPUs gloo and `cpu=True, sync_bn=False`; on GPUs nccl."
     pytest.importorskip('accelerate')
     a, b = both(ranks, f'fastai_{mode}')
+    assert (a['device'], b['device']) == (ranks[0]['_where']['device'], ranks[1]['_where']['device'])
     assert a['fp'] == b['fp'] and a['skips'] == b['skips']
     assert a['dtypes'] == (['torch.float16', 'torch.float32'] if mode == 'to_fp16' else ['torch.float32'])
 
@@ -110,3 +125,21 @@ def test_shard_concatenates_to_the_global_batches():
     items = list(range(10))
     r0, r1 = shard(items, 2, 0, 2), shard(items, 2, 1, 2)
     assert r0 == [0, 1, 4, 5, 8, 9] and r1 == [2, 3, 6, 7]
+
+@pytest.mark.parametrize('gpus,local_world,backend', [(0, 2, 'gloo'), (1, 2, 'gloo'), (2, 2, 'nccl'), (1, 1, 'nccl')])
+def test_the_demo_puts_ranks_on_gpus_only_one_each(monkeypatch, gpus, local_world, backend):
+    """`python -m fp16cb.demos.ddp` launches two ranks itself: on a machine with one GPU it picked nccl and both ranks
+    asked for it (rank 1 'invalid device ordinal', rank 0 waiting until the timeout; an H100 machine). nccl now only
+    when each local process has a GPU, else gloo on the CPU, and the demo's learner follows."""
+    import fp16cb.demos.ddp as demo
+    chosen = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: gpus)
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda d: chosen.append(('device', d)))
+    monkeypatch.setattr(demo.dist, 'is_initialized', lambda: False)
+    monkeypatch.setattr(demo.dist, 'init_process_group', lambda b, **k: chosen.append(('backend', b)))
+    monkeypatch.setattr(demo.dist, 'get_rank', lambda: 0)
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', str(local_world)); monkeypatch.setenv('LOCAL_RANK', '0')
+    demo.init()
+    assert chosen[0] == ('backend', backend) and (('device', 0) in chosen) == (backend == 'nccl')
+    assert demo.ranks_on_cuda() == (backend == 'nccl')

@@ -369,10 +369,11 @@ def complex_run(mode, flat=False): return own_dtype_run(WithComplex, 'c', mode, 
 def test_complex_param_trains_in_its_own_dtype(mode, flat):
     """Before the fix: fp16 kept the real part only (`[1+2j, 3-4j]` -> `[0.99+0j, 2.99+0j]`: the master was
     `c.float()`); bf16 died with `NotImplementedError ... 'ComplexFloat'` in the overflow check."""
-    c0 = torch.tensor([1+2j, 3-4j])
+    c0 = torch.tensor([1+2j, 3-4j], device=DEVICE)  # WithComplex's initial `c`, where the runs train it
     ref, _ = complex_run('fp32')
     c, dtypes = complex_run(mode, flat)
     assert set(dtypes) == {torch.complex64} and c.dtype == torch.complex64  # never altered to real, not even mid-fit
+    assert c.device == ref.device == c0.device  # and it stays on the model's device
     assert (ref.imag - c0.imag).abs().min() > 1e-3  # the reference moves the imaginary part...
     assert torch.allclose(c.imag - c0.imag, ref.imag - c0.imag, rtol=.1, atol=1e-3)  # ...and so does the 16-bit run
     assert torch.allclose(c.real - c0.real, ref.real - c0.real, rtol=.1, atol=1e-3)

@@ -3,18 +3,19 @@ the tiny model of `tests/matrix.py` and held to plain FP32 fastai under the same
 cell must change dtypes only: each param tensor's update within a tolerance of FP32's, a param FP32 leaves untouched
 bit-identical, one loss-scale record per optimizer step taken, an FP32 learner with no precision callback after
 `to_fp32()`. A refused cell must raise at set-up, before any step, with the sentence compat declares, the weights as
-they were. The DDP subset (2 gloo processes through fastai's `distrib_ctx`, launched once) and the compiled subset
+they were. The DDP subset (2 processes through fastai's `distrib_ctx`, launched once: on the CPU with gloo, or on
+CUDA with nccl where each rank has a GPU of its own, `conftest.ranks_device`) and the compiled subset
 (`torch.compile`, dynamo's `aot_eager` backend) hold a few modes to the same."""
-import json, os, sys
+import json, sys
 from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import quiet_fit
+from conftest import quiet_fit, ranks_device, ranks_env, ranks_backend
 from fp16cb import compat
 from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict, refused_at_setup, run,
-                    fp32_reference, rel_errors, untouched, changed, ddp_build, snapshot, finish)
+                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish)
 
 # The largest relative error of a param tensor's update, ||d - d_fp32|| / ||d_fp32||, per 16-bit dtype and weight
 # storage: what the agreeing cells reach (the whole grid on this model, 16 steps; over 5 seeds in brackets), with a
@@ -102,7 +103,7 @@ def test_compiled_trains_like_fp32_compiled(mode):
     problems = differences(got, fp32_reference(mode, 'adam', 'compile'), tolerance(mode))
     assert not problems, '; '.join(problems)
 
-# ---- DDP: 2 gloo processes through fastai's `distrib_ctx`, every mode of DDP_MODES in one launch
+# ---- DDP: 2 processes through fastai's `distrib_ctx`, every mode of DDP_MODES in one launch, where `ranks_device` says
 
 ddp_only = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available()
                               or __import__('importlib').util.find_spec('accelerate') is None,
@@ -111,22 +112,23 @@ RANK = Path(__file__).with_name('matrix.py')
 
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory) -> dict:
-    "`{mode: [(rank 0's summary, its params), (rank 1's ...)]}`: one launch of `python tests/matrix.py OUT` on 2 ranks."
+    """`{mode: [(rank 0's summary, its params), (rank 1's ...)]}`, and `'where'`: each rank's backend and device; one launch
+    of `python tests/matrix.py OUT` on 2 ranks."""
     from fp16cb.demos.ddp import launch
     out = tmp_path_factory.mktemp('matrix-ddp')
-    root = str(Path(__file__).parents[1])  # the ranks import this checkout's fp16cb, not an installed one
-    launch([sys.executable, str(RANK), str(out)], nprocs=2, timeout=180,
-           env={'PYTHONPATH': os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')]))})
+    launch([sys.executable, str(RANK), str(out)], nprocs=2, timeout=180, env=ranks_env(2))  # this checkout's fp16cb
     res = [json.loads((out/f'rank{r}.json').read_text()) for r in (0, 1)]
-    return {m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in DDP_MODES}
+    return {'where': [r['_where'] for r in res],
+            **{m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in DDP_MODES}}
 
 @pytest.fixture(scope='module')
 def one_process():
-    "Plain FP32 fastai in this process, on the two ranks' batches concatenated (what DDP's averaged grads amount to)."
-    learn, _ = ddp_build(None, single=True)
+    """Plain FP32 fastai in this process, on the two ranks' batches concatenated (what DDP's averaged grads amount to),
+    on the ranks' device."""
+    learn, _ = ddp_build(None, single=True, device=ranks_device(2))
     init = snapshot(learn)
     quiet_fit(learn, DDP_EPOCHS)
-    return finish(learn, init, None)
+    return on_cpu(finish(learn, init, None))
 
 @ddp_only
 @pytest.mark.parametrize('mode', DDP_MODES)
@@ -135,6 +137,8 @@ def test_ddp_trains_like_one_fp32_process_or_is_refused(ranks, one_process, mode
     concatenated batches, within the mode's tolerance (DDP's 16-bit all-reduce adds its rounding). Refused: at set-up,
     on every rank, with compat's sentence."""
     (r0, p0), (r1, p1) = ranks[mode]
+    cuda = ranks_device(2).type == 'cuda'  # each rank on its own GPU, or both on the CPU
+    assert ranks['where'] == [dict(backend=ranks_backend(2), device=f'cuda:{r}' if cuda else 'cpu') for r in (0, 1)]
     why = verdict(mode, DDP_OPT, 'ddp')
     agree = all(torch.equal(p0[n][1], p1[n][1]) for n in p0)
     if why is not None:

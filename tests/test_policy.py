@@ -8,7 +8,7 @@ from fastai.layers import BatchNorm
 
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
 from fp16cb.policy import PrecisionPolicy, CATEGORIES
-from conftest import make_learner, quiet_fit, Record
+from conftest import DEVICE, make_learner, quiet_fit, Record
 
 class Probe(nn.Module):
     "Records the dtype of what it is given; returns it unchanged."
@@ -50,7 +50,7 @@ def test_keep_fp32_specs(spec, kept):
     try:
         fp32 = {n.split('.')[0] for n, d in _dtypes(learn.model).items() if d == torch.float32}
         assert fp32 == kept | {'1'}  # BatchNorm stays FP32 too
-        x = torch.randn(5, 4)
+        x = torch.randn(5, 4, device=DEVICE)
         learn.model.train(); assert learn.model(x).dtype == (torch.float32 if '3' in kept else torch.bfloat16)
     finally: cb.teardown()
     assert all(d == torch.float32 for d in _dtypes(learn.model).values())
@@ -81,7 +81,7 @@ def test_one_cast_in_and_out_per_island_none_inside():
     try:
         assert len(cb.islands.handles) == 3  # pre-hook + hook of the island, + the model's output hook
         assert all(not sub._forward_pre_hooks and not sub._forward_hooks for sub in island.modules() if sub is not island)
-        out = learn.model(torch.randn(5, 4))
+        out = learn.model(torch.randn(5, 4, device=DEVICE))
         assert inner.seen == [torch.float32] and out.dtype == torch.bfloat16 and cb.islands.n_casts == 2
     finally: cb.teardown()
     assert not island._forward_pre_hooks and not island._forward_hooks and not m._forward_hooks
@@ -91,7 +91,7 @@ def test_island_output_that_is_the_model_output_stays_fp32():
     m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
     learn, cb = _setup(m, keep_fp32='classifier')
     try:
-        x = torch.randn(5, 4)
+        x = torch.randn(5, 4, device=DEVICE)
         out = learn.model(x)
         h = m[0](x.to(torch.bfloat16))  # what the classifier is given
         assert out.dtype == torch.float32 and torch.equal(out, m[1].forward(h.float()))  # no hooks: the plain FP32 op
@@ -106,7 +106,7 @@ def test_tied_params_stay_one_fp32_tensor():
         rep = cb.policy_report()
         assert rep.set_index('module').loc['head', 'fp32_because'] == 'tied to emb'
         assert m.ff.weight.dtype == torch.bfloat16 and m.norm1.weight.dtype == torch.bfloat16
-        out = m(torch.randint(0, 11, (3, 5)))
+        out = m(torch.randint(0, 11, (3, 5), device=DEVICE))
         assert out.dtype == torch.float32  # the tied head is the last island: the logits stay FP32
     finally: cb.teardown()
     assert m.head.weight is m.emb.weight and m.emb.weight.dtype == torch.float32
@@ -228,7 +228,7 @@ def test_glob_matching_every_child_keeps_the_parent_one_island():
         assert [i.name for i in cb.policy.resolve(m).islands] == ['layer4']
         assert _kept_names(cb.policy, m)['layer4'] == "name 'layer4.*' (all its children)"
         assert len(cb.islands.handles) == 3  # pre-hook + hook of the one island, + the model's output hook
-        x = torch.randn(5, 4)
+        x = torch.randn(5, 4, device=DEVICE)
         m(x)
         h = m.layer3(x.to(torch.bfloat16)).float()
         assert torch.equal(seen[-1], m.layer4[0](h)) and cb.islands.n_casts == 2  # FP32 between the blocks: not rounded
@@ -250,7 +250,7 @@ def test_module_override_inside_a_kept_subtree():
                               'encoder.proj.weight': torch.bfloat16, 'encoder.proj.bias': torch.bfloat16,
                               'encoder.norm.weight': torch.float32, 'encoder.norm.bias': torch.float32,
                               'head.weight': torch.bfloat16, 'head.bias': torch.bfloat16}
-        out = m(torch.randn(5, 4))  # an FP32 input to the bf16 proj would fail: the island casts it down
+        out = m(torch.randn(5, 4, device=DEVICE))  # an FP32 input to the bf16 proj would fail: the island casts it down
         assert probe.seen == [torch.float32] and out.dtype == torch.bfloat16
         assert cb.islands.n_casts == 4  # encoder: in and out; proj: in and out
         row = cb.policy_report().set_index('module').loc['encoder.proj']

@@ -245,14 +245,15 @@ def test_a_fit_loads_no_accelerate():
     in a Jupyter kernel without ipywidgets, Accelerate's `tqdm.auto` import printed "TqdmWarning: IProgress not found"
     on the first fit (the notebooks stored it). Before the fix: the set-up imported `fastai.distributed` to look for its
     `DistributedTrainer`."""
-    import subprocess, sys
+    import os, subprocess, sys
     code = ("import sys, torch; from fastai.basics import *; import fp16cb\n"
             "x = torch.randn(64, 4); dls = DataLoaders.from_dsets(list(zip(x, x.sum(1, keepdim=True))), list(zip(x, x.sum(1, keepdim=True))), bs=16)\n"
             "learn = Learner(dls, torch.nn.Linear(4, 1), loss_func=MSELossFlat()).to_bf16()\n"
             "with learn.no_bar(), learn.no_logging(): learn.fit(1)\n"
             "print(sorted(m for m in ('fastai.distributed', 'accelerate', 'tqdm.auto') if m in sys.modules))")
     p = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True, timeout=120,
-                       cwd=REPO, env={**__import__('os').environ, 'PYTHONPATH': str(REPO)})
+                       cwd=REPO, env={**os.environ,  # this checkout's fp16cb first, then what the parent's path has (fastai)
+                                      'PYTHONPATH': os.pathsep.join(filter(None, [str(REPO), os.environ.get('PYTHONPATH')]))})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == '[]', p.stdout
 

@@ -316,7 +316,8 @@ def test_inference_during_and_after_training(mode):
     assert math.isfinite(vl) and math.isfinite(vmae)
     with learn.no_bar(): _, pred, _ = learn.predict(70)
     assert pred.dtype == torch.float32 and pred.shape == (1,)
-    torch.testing.assert_close(pred, preds[70 - 64])
+    eps = torch.finfo(torch.bfloat16 if 'bf16' in mode else torch.float16).eps  # both run the 16-bit model, as fastai's
+    torch.testing.assert_close(pred, preds[70 - 64], rtol=eps, atol=eps)  # AMP does: batch of 1 vs 32, other GEMM kernels on CUDA
     assert_fp32_between_fits(learn)
 
 @pytest.mark.parametrize('out', ['tuple', 'dict'])

@@ -9,7 +9,10 @@
 #    half_storage, step_in_backward) and the compiled comparison (`--compile`), each to the end even if one failed.
 # Logs and a copy of the results go to $OUT (default ./gpu-check-out); the exit status is 0 only if every step passed.
 # GPU_CHECK_DEVICE=cpu runs the same on a CPU (a rehearsal of the script; its benchmark JSON stays in $OUT);
-# PYTEST_ARGS, DEMO_ARGS and BENCH_ARGS add arguments (e.g. BENCH_ARGS="--workloads lm --rounds 5").
+# PYTEST_ARGS, DEMO_ARGS and BENCH_ARGS add arguments (e.g. BENCH_ARGS="--workloads lm --rounds 5"); GPU_CHECK_STEPS
+# names the checks to run (default: all, "pytest demo bench bench-memory bench-compile"), to split the check over two
+# commands where one command's time is limited. On an H100 (2026-11-25) the steps took: pytest 160-230 s with
+# PYTEST_ARGS="-n 10 --maxfail=300" (pytest-xdist), demo 17 s, bench about 450 s, bench-memory 58 s, bench-compile 133 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${1:-${WHEELS_DIR:-.whl}}"
@@ -69,13 +72,15 @@ run() {  # name, command...: its output to $OUT/name.log, its status remembered
   log "$name: exit $rc after $((SECONDS - t0)) s; tail of $OUT/$name.log:"; tail -n 15 "$OUT/$name.log" | tee -a "$OUT/gpu-check.log"
   return $rc
 }
+STEPS=" ${GPU_CHECK_STEPS:-pytest demo bench bench-memory bench-compile} "
 failed=()
-run pytest "$PY" -m pytest --device "$DEV" -x -q -p no:cacheprovider ${PYTEST_ARGS:-} || failed+=(pytest)
-run demo "$PY" -m fp16cb --device "$DEV" ${DEMO_ARGS:-} || failed+=(demo)
-run bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-} || failed+=(bench)
+step() { [[ "$STEPS" == *" $1 "* ]] || return 0; run "$@" || failed+=("$1"); }  # name, command...: if asked for
+step pytest "$PY" -m pytest --device "$DEV" -x -v -p no:cacheprovider ${PYTEST_ARGS:-}  # -v: each result as it ends
+step demo "$PY" -m fp16cb --device "$DEV" ${DEMO_ARGS:-}
+step bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-}
 # the modes that trade speed for memory (16-bit storage, the step in the backward) and torch.compile, on the LM
-run bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-} || failed+=(bench-memory)
-run bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-} || failed+=(bench-compile)
+step bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-}
+step bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-}
 [ -f "$JSON" ] && cp "$JSON" "$OUT/" 2>/dev/null
 if [ ${#failed[@]} -eq 0 ]; then log "all passed; results in $OUT"; exit 0; fi
 log "FAILED: ${failed[*]} (logs in $OUT)"; exit 1

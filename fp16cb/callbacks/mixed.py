@@ -254,6 +254,6 @@ class MixedPrecision(SessionCallback):
     def load_state_dict(self, sd:dict):
         self.scaler.load_state_dict(sd['scaler'])
         if 'rng' in sd:  # set on the generator of the model's device at the next set-up (`rng`)
-            self._rng_state = sd['rng']
+            self._rng_state = sd['rng'].cpu()  # a generator's state is a CPU tensor; `learn.load` maps it to the model's device
             if self.store is not None: self.rng(self.learn.model)
 

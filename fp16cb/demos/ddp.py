@@ -3,7 +3,7 @@
 buckets' dtypes, the final loss scale, and whether the ranks ended bit-identical.
 
     python -m fp16cb.demos.ddp                             # launches 2 local processes itself (gloo)
-    torchrun --nproc_per_node=2 -m fp16cb.demos.ddp        # the same under torchrun (nccl when CUDA is there)
+    torchrun --nproc_per_node=2 -m fp16cb.demos.ddp        # the same under torchrun (nccl when each process has a GPU)
 
 `launch` (local processes with the environment `torchrun` sets), `init`, `shard`, `DDPWrap` and `ByteCounter` are also
 what the tests of `tests/test_distributed.py` are built from."""
@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from fastai.callback.core import Callback
 
-__all__ = ['free_port', 'launch', 'init', 'shard', 'ByteCounter', 'count_allreduce', 'DDPWrap', 'fingerprint',
+__all__ = ['free_port', 'launch', 'ranks_on_cuda', 'init', 'shard', 'ByteCounter', 'count_allreduce', 'DDPWrap', 'fingerprint',
            'demo_learner', 'shutdown', 'main']
 
 def free_port() -> int:
@@ -46,10 +46,15 @@ def launch(
         if p.returncode: raise RuntimeError(f"rank {rank} of {cmd} exited with {p.returncode}:\n{err[-4000:]}")
     return [o for o, _ in outs]
 
+def ranks_on_cuda() -> bool:
+    """Whether this machine's processes train on GPUs: one for each (`LOCAL_WORLD_SIZE`, as `torchrun` sets it). Else
+    they train on the CPU with gloo: nccl refuses two ranks on one GPU (an H100 machine with one GPU and two ranks)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+
 def init(timeout:float=60.) -> int:
-    "Join the process group the environment describes (nccl on CUDA, else gloo); returns this process's rank."
+    "Join the process group the environment describes (nccl on GPUs, one per process, else gloo); returns this rank."
     if not dist.is_initialized():
-        backend = 'nccl' if torch.cuda.is_available() else 'gloo'
+        backend = 'nccl' if ranks_on_cuda() else 'gloo'
         dist.init_process_group(backend, init_method='env://', timeout=timedelta(seconds=timeout))
         if backend == 'nccl': torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     return dist.get_rank()
@@ -112,7 +117,7 @@ def demo_learner(rank:int=0, world:int=1, bs:int=16, n:int=128, seed:int=0, bn:b
     model = mlp(bn=bn)
     dsets = [Datasets(shard(items, bs, rank, world), tfms=[[ItemGetter(0)], [ItemGetter(1)]])
              for items in (synth(n), synth(32, seed=1))]
-    device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
+    device = torch.device('cuda', torch.cuda.current_device()) if ranks_on_cuda() else torch.device('cpu')
     dls = DataLoaders.from_dsets(*dsets, bs=bs, shuffle=False, num_workers=0, device=device)
     return Learner(dls, model, loss_func=MSELossFlat(), opt_func=partial(SGD, mom=0.9), lr=lr, cbs=cbs)
 

@@ -85,7 +85,8 @@ class WeightStore:
         if not grads: return None
         self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
         stats = self.check(grads, 1., with_max=with_max)
-        return stats if len(stats) == 1 or scale == 1. else stats * stats.new_tensor([1., 1. / scale])
+        if len(stats) == 1 or scale == 1.: return stats
+        return torch.cat((stats[:1], stats[1:] / scale))  # by a Python number: a tensor made from a list is a host copy (a sync)
 
     def recheck(self):
         "`[found]` from the exact check of the grads `prepare_grads` checked (its sums overflowed: an inf/NaN, or not)."
