@@ -1,13 +1,15 @@
-"""Where a step's time goes on a GPU, mode by mode: `python -m bench.profile_gpu [--workload resnet50] [--modes ...]`
-(from the repository root, on a CUDA machine; `--device cpu` rehearses it). For each mode: the step time, the kernels
-launched per step, and the ops with the most self time on the host (launch-bound steps) and on the device. A
-maintainer's tool beside `bench.profile_book` (the CPU's): the benchmark itself never runs the profiler."""
+"""Where a step's time goes on a GPU, mode by mode: `python -m bench.profile_gpu [--workload resnet50] [--modes ...]
+[--lift-chunks 22,25]` (from the repository root, on a CUDA machine; `--device cpu` rehearses it). For each mode (and
+each chunk size of the lift, as powers of 2): the step time, the kernels launched per step, and the ops with the most
+self time on the host (launch-bound steps) and on the device. A maintainer's tool beside `bench.profile_book` (the
+CPU's): the benchmark itself never runs the profiler."""
 import argparse, statistics
 import torch
 from torch.profiler import profile, ProfilerActivity
 from bench import run as R, workloads as W, measure as BM
+from fp16cb.weights.store import WeightStore
 
-def profile_mode(wl, mode, opt, device, batches, valid, init, top):
+def profile_mode(wl, mode, opt, device, batches, valid, init, top, chunk=None):
     learn, rec = R._learner(wl, mode, opt, device, batches, valid, init, 1e-3, cb_timers=False, fused_ok=device.type == 'cuda')
     for _ in range(3): R._fit(learn)  # warm-up: the dynamic scales settle, the allocator caches
     rec.update(steps=[], cb_steps=[], skips=[], events={})
@@ -16,7 +18,8 @@ def profile_mode(wl, mode, opt, device, batches, valid, init, top):
     n = len(rec['steps'])
     evs = prof.key_averages()
     kernels = sum(e.count for e in evs if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"\n## {mode}+{opt}: {1e3*statistics.median(rec['steps']):.1f} ms/step (profiled), {kernels/n:.0f} kernels/step")
+    what = f"{mode}+{opt}" + (f", lift chunk 2^{chunk}" if chunk else '')
+    print(f"\n## {what}: {1e3*statistics.median(rec['steps']):.1f} ms/step (profiled), {kernels/n:.0f} kernels/step")
     print(evs.table(sort_by='self_cpu_time_total', row_limit=top, max_name_column_width=60))
     if device.type == 'cuda': print(evs.table(sort_by='self_cuda_time_total', row_limit=top, max_name_column_width=60))
     del learn
@@ -29,6 +32,7 @@ def main():
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--scale', type=float, default=None)
     p.add_argument('--top', type=int, default=12)
+    p.add_argument('--lift-chunks', default='', help="chunk sizes of the lift to compare, as powers of 2 (e.g. 22,25; default: the device's)")
     a = p.parse_args()
     device = torch.device(a.device)
     s = a.scale if a.scale is not None else (1. if device.type == 'cuda' else R.CPU_SCALE[a.workload])
@@ -36,7 +40,10 @@ def main():
     torch.manual_seed(0)
     init = W.WORKLOADS[a.workload].model(s)
     batches, valid = W.make_data(a.workload, s, device, 3)
-    for o in a.opts.split(','):
-        for m in a.modes.split(','): profile_mode(a.workload, m, o, device, batches, valid, init, a.top)
+    for c in [int(c) for c in a.lift_chunks.split(',') if c] or [None]:
+        WeightStore.lift_chunk = 2**c if c else None
+        for o in a.opts.split(','):
+            for m in a.modes.split(','): profile_mode(a.workload, m, o, device, batches, valid, init, a.top, c)
+    WeightStore.lift_chunk = None
 
 if __name__ == '__main__': main()

@@ -5,7 +5,7 @@ README's figures are one dated benchmark run's (`bench/results_cpu.json` and `be
 machine), its quick start runs as pasted, its compatibility table's columns are explained, its signatures are
 `inspect.signature`'s, it lists every `Learner` method fp16cb patches, user-facing text carries no
 internal work-item labels, and settings.ini holds only keys that setup.py reads."""
-import ast, importlib, importlib.util, inspect, json, os, re, subprocess, sys
+import ast, importlib, importlib.util, inspect, json, os, re, statistics, subprocess, sys
 from pathlib import Path
 import pytest
 import torch
@@ -180,8 +180,35 @@ def test_which_mode_figures_are_dated_with_their_machine():
     assert meta['date'] in text and meta['machine'] in text and meta['torch'].split('+')[0] in text
     assert meta['cpu_flags'] in text and 'bench/results_cpu.json' in text
     assert 'vary between CPUs' in text and 'AVX512-BF16' in text and '(nbs/which_mode.ipynb)' in text
-    has_gpu = (REPO/'bench'/'results_cuda.json').exists()
-    assert ('No GPU figures exist yet' in text) != has_gpu
+    gpu = [f for f in ('results_cuda.json', 'results_cuda_rounds.log') if (REPO/'bench'/f).exists()]
+    assert ('No GPU figures exist yet' in text) != bool(gpu)
+    assert all(f'bench/{f}' in text for f in gpu)
+
+def _cuda_speedups() -> dict:
+    "`{(workload, run): speed vs FP32 with the same optimizer}` from `bench/results_cuda_rounds.log` (medians of its rounds)."
+    runs, wl = {}, None
+    for line in (REPO/'bench'/'results_cuda_rounds.log').read_text().splitlines():
+        if m := re.match(r'\[(\w+)\]', line): wl = m.group(1)
+        elif m := re.match(r'\s+round \d+/\d+ (\S+)\s+([\d.]+) ms/step', line): runs.setdefault((wl, m.group(1)), []).append(float(m.group(2)))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ref = lambda wl, run: med.get((wl, 'fp32+fused' if run.endswith('+fused') or run == 'torch-amp' else 'fp32'))
+    return {(wl, run): ref(wl, run) / ms for (wl, run), ms in med.items() if ref(wl, run)}
+
+def test_gpu_figures_are_the_gpu_runs():
+    "Each speed the README's GPU paragraph gives is the one of the GPU run's rounds that it names, as rounded; no other."
+    if not (REPO/'bench'/'results_cuda_rounds.log').exists(): pytest.skip("no GPU run")
+    text = ' '.join(section(README, 'Which mode').split())
+    para = text[text.index('**On a GPU**'):]
+    para = para[:para.index('**Memory**')] if '**Memory**' in para else para
+    sp = _cuda_speedups()
+    lm = [v for (wl, run), v in sp.items() if wl == 'lm' and run.split('+')[0] in ('bf16', 'bf16-flat', 'fp16', 'fp16-flat', 'native')]
+    f = lambda k, nd=2: f"{sp[k]:.{nd}f}x"
+    expected = [f"{min(lm):.1f}x to {max(lm):.1f}x", f(('lm', 'autocast'), 1), f(('lm', 'autocast+fused'), 1),
+                f(('resnet50', 'fp16-flat')), f(('resnet50', 'autocast')), f(('resnet50', 'fp16')),
+                f"{sp['resnet50', 'fp16+fused']:.2f}x to {sp['resnet50', 'fp16-flat+fused']:.2f}x",
+                f"{sp['resnet50', 'bf16']:.2f}x to {sp['resnet50', 'bf16-flat']:.2f}x"]
+    for e in expected: assert e in para, e
+    assert len(re.findall(r'\d+\.\d+x', para)) == sum(e.count('x') for e in expected)  # no figure without its run
 
 # ---- the README's signatures and calls are the real ones
 

@@ -10,7 +10,7 @@
 # Logs and a copy of the results go to $OUT (default ./gpu-check-out); the exit status is 0 only if every step passed.
 # GPU_CHECK_DEVICE=cpu runs the same on a CPU (a rehearsal of the script; its benchmark JSON stays in $OUT);
 # PYTEST_ARGS, DEMO_ARGS and BENCH_ARGS add arguments (e.g. BENCH_ARGS="--workloads lm --rounds 5"); GPU_CHECK_STEPS
-# names the checks to run (default: all, "pytest demo bench bench-memory bench-compile"), to split the check over two
+# names the checks to run (default: all, "pytest demo bench bench-memory bench-compile"; "profile" on request), to split the check over two
 # commands where one command's time is limited. On an H100 (2026-11-25) the steps took: pytest 160-230 s with
 # PYTEST_ARGS="-n 10 --maxfail=300" (pytest-xdist), demo 17 s, bench about 450 s, bench-memory 58 s, bench-compile 133 s.
 set -uo pipefail
@@ -81,6 +81,8 @@ step bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-}
 # the modes that trade speed for memory (16-bit storage, the step in the backward) and torch.compile, on the LM
 step bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-}
 step bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-}
+# opt-in (GPU_CHECK_STEPS=profile): where a step's time goes, mode by mode, at two chunk sizes of the lift
+step profile "$PY" -m bench.profile_gpu --device "$DEV" --workload "${PROFILE_WORKLOAD:-resnet50}" --lift-chunks 22,25 --opts adam,fused
 [ -f "$JSON" ] && cp "$JSON" "$OUT/" 2>/dev/null
 if [ ${#failed[@]} -eq 0 ]; then log "all passed; results in $OUT"; exit 0; fi
 log "FAILED: ${failed[*]} (logs in $OUT)"; exit 1

@@ -48,7 +48,7 @@ class WeightStore:
     flat = False
     checked = ()  # the grads the last `prepare_grads` checked, as the backward left them (16-bit, loss-scaled)
     master_pgs = None  # FP32 masters per group (None: this store has none)
-    lift_chunk = None  # at most this many elements of grads are in FP32 at once during a step (or one param, if larger); None: by device (`chunk_limit`: 2^19 on a CPU, 2^22 elsewhere)
+    lift_chunk = None  # at most this many elements of grads are in FP32 at once during a step (or one param, if larger); None: by device (`chunk_limit`: 2^19 on a CPU, 2^25 elsewhere)
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
     grads_final = False  # set by the callback: nothing runs between `prepare_grads` and the step that could replace a grad
     state16 = HalfState()  # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
