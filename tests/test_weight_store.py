@@ -411,19 +411,28 @@ def test_channels_last_masters_step_in_slices_like_whole(monkeypatch):
         res.append(weights(learn))
     for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
+def _cl_convnet():
+    "4 features as a 2x2x1 image, a 2x1 conv whose weight is channels-last (another memory order), a Linear head."
+    return nn.Sequential(nn.Unflatten(1, (2, 2, 1)), nn.Conv2d(2, 3, (2, 1)), nn.Flatten(), nn.ReLU(),
+                         nn.Linear(3, 1)).to(memory_format=torch.channels_last)
+
 @pytest.mark.parametrize('sr', [False, True])
-def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr):
-    """`half_storage` with an elementwise optimizer steps each 16-bit param in slices in the scratch: rounded to nearest,
-    exactly the weights and state of lifting the whole param to FP32 (the path LAMB and torch optimizers take); rounded
-    stochastically (the draws fall differently), a few 16-bit spacings from it."""
+@pytest.mark.parametrize('chunk,net', [(12, 'mlp'), (64, 'mlp'), (None, 'mlp'), (None, 'conv-cl'), (12, 'conv-cl')])
+def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr, chunk, net):
+    """`half_storage` with an elementwise optimizer steps each 16-bit param in the scratch, a param of a slice or more a
+    slice at a time, smaller ones together (chunk 12: a slice of 6; 64: the 32-element weight alone, the rest together;
+    the default: all together): rounded to nearest, exactly the weights and state of lifting each param whole to FP32
+    (the path LAMB and torch optimizers take), a channels-last weight too; rounded stochastically (the draws fall
+    differently), a few 16-bit spacings from it."""
     import fp16cb.weights.half as half_mod
     res = []
     for whole in (True, False):
         if whole: monkeypatch.setattr(half_mod, 'elementwise', lambda core: False)
         else: monkeypatch.undo()
-        monkeypatch.setattr(WeightStore, 'lift_chunk', 12)
+        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
         torch.manual_seed(0)
-        learn = make_learner(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), opt_func=Adam,
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)) if net == 'mlp' else _cl_convnet()
+        learn = make_learner(model=model, opt_func=Adam,
                              splitter=trainable_params).to_bf16(half_storage=True, stochastic_rounding=sr)
         quiet_fit(learn, 2, lr=1e-2)
         res.append((weights(learn), [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}

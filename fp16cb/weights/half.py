@@ -9,7 +9,7 @@ from fastai.optimizer import OptimWrapper
 
 from .optstate import fastai_update, opt_state, elementwise, steps_param_by_param, sliced_update
 from .lift import lift_chunks, Scratch
-from .layout import memory_order
+from .layout import memory_order, flat_views
 from .store import WeightStore
 from .state16 import HalfState, round_bf16_stochastic_
 
@@ -34,6 +34,17 @@ def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None,
     if not stochastic or dtype == x.dtype: return x.to(dtype)
     if dtype == torch.bfloat16 and x.dtype == torch.float32: return round_bf16_stochastic_(x if inplace else x.clone(), generator)
     return round_stochastic(x, dtype, generator)
+
+class _Batch:
+    "Small 16-bit params stepped together in the scratch (`HalfStorage._step_batch`): one device, dtype and factor."
+    def __init__(self): self.ps, self.hypers, self.f, self.numel = [], [], None, 0
+    def takes(self, p, f, n:int) -> bool:
+        "Whether `p` (unscaled by `f`) joins: the same device, dtype and factor, and all of it within `n` elements."
+        if not self.ps: return True
+        q = self.ps[0]
+        return p.device == q.device and p.dtype == q.dtype and f == self.f and self.numel + p.numel() <= n
+    def add(self, p, f, hyper:dict):
+        self.ps.append(p); self.hypers.append(hyper); self.f = f; self.numel += p.numel()
 
 class HalfStorage(WeightStore):
     """FP16 master-weight storage (NVIDIA's "Training with mixed precision" NVCaffe slides, 2017): one 16-bit copy of
@@ -61,10 +72,11 @@ class HalfStorage(WeightStore):
         self._fp32_slow_weights(fp32_of)
         self.state16.narrow_all(opt_state(self.core))
         self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)
-        sizes = {}  # the scratch: a slice's weights and grads in FP32, for the largest slice per device (one chunk)
+        sizes = {}  # the scratch: a slice's weights and grads in FP32 per device (one chunk at most; less for a small model)
         for p in self.params:
-            if p.dtype in _HALF: sizes[p.device] = max(sizes.get(p.device, 0), 2 * min(p.numel(), self._slice(p.device)))
-        self.scratch = Scratch(sizes)
+            if p.dtype in _HALF: sizes[p.device] = sizes.get(p.device, 0) + p.numel()
+        sizes = {d: 2 * min(n, self._slice(d)) for d, n in sizes.items()}
+        self.scratch, self._views = Scratch(sizes), {}
         if in_backward: self.arm_in_backward()
 
     def _slice(self, device) -> int:
@@ -118,19 +130,48 @@ class HalfStorage(WeightStore):
         return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop, *args, **kwargs)
 
     def _lifted_loop(self, step, *args, **kwargs):
-        """fastai's `Optimizer.step` loop, on one lifted param at a time (the state stays keyed by the model's param). An
-        elementwise optimizer steps a 16-bit param a chunk-sized slice at a time in the scratch (`sliced_update`): the
-        weights and grads lifted there, stepped, rounded back into the param while in the caches; no allocation."""
-        core = self.core
+        """fastai's `Optimizer.step` loop, on lifted params (the state stays keyed by the model's param). An elementwise
+        optimizer steps in the scratch, no allocation: a 16-bit param of a slice or more a slice at a time
+        (`sliced_update`), smaller ones together (`_step_batch`: lifted by one copy, rounded back by one), each set of
+        weights and grads lifted, stepped and rounded back into the params while in the caches."""
+        core, batch = self.core, _Batch()
         for p, pg, state, hyper in core.all_params(with_grad=True):
             if self._sliced_ok and p.dtype in _HALF:
-                f = self._factor(self._group_of.get(id(p), 0))
+                n, f = self._slice(p.device), self._factor(self._group_of.get(id(p), 0))
+                if p.numel() < n:
+                    if not batch.takes(p, f, n): self._step_batch(batch); batch = _Batch()
+                    batch.add(p, f, hyper); continue
+                self._step_batch(batch); batch = _Batch()  # the scratch is the slices' now
                 lift, land = partial(self._lift_slice, memory_order(p), memory_order(p.grad), f), partial(self._land_slice, memory_order(p))
-                with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, self._slice(p.device), lift, land)
+                with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, n, lift, land)
                 continue
             q = self._lift(p)
             with self.state16.lifted([p], core.state): fastai_update(core, q, hyper, key=p)
             self._store(p, q)
+        self._step_batch(batch)
+
+    def _step_batch(self, b:_Batch):
+        """Small 16-bit params of one device, dtype and unscale factor, together under a slice: their weights and grads
+        lifted into the scratch by one copy each (each view laid out as its param), the grads unscaled by one multiply,
+        each param stepped there by fastai's callbacks (its state keyed by the param), all rounded back by one copy."""
+        if not b.ps: return
+        k = b.numel
+        buf = self.scratch(b.ps[0].device, 2 * k)
+        w, g = buf[:k], buf[k:2 * k]
+        key = (tuple(map(id, b.ps)), buf.data_ptr())  # the same params each step, mostly: their views made once
+        if key not in self._views:
+            if len(self._views) > 64: self._views.clear()
+            self._views[key] = flat_views(w, b.ps), flat_views(g, b.ps)
+        qs, gs = self._views[key]
+        torch._foreach_copy_(qs, [p.detach() for p in b.ps]); torch._foreach_copy_(gs, [p.grad for p in b.ps])
+        if b.f is not None: g.mul_(b.f)
+        with self.state16.lifted(b.ps, self.core.state):
+            for p, view, gq, hyper in zip(b.ps, qs, gs, b.hypers):
+                q = view.detach(); q.grad = gq
+                fastai_update(self.core, q, hyper, key=p)
+                if q.data_ptr() != view.data_ptr(): view.copy_(q)  # a step that replaced the tensor instead of updating it
+        r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
+        with torch.no_grad(): torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
 
     def _lift_slice(self, w16:Tensor, g16:Tensor, f, s:slice) -> Tensor:
         "Slice `s` of a 16-bit param (`w16`, in memory order) and of its grad (`g16`) lifted into the scratch, unscaled."
