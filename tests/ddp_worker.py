@@ -147,4 +147,5 @@ for name, fn in SCENARIOS.items():
     except Exception as e: results[name] = {'error': f'{type(e).__name__}: {e}'}
     dist.barrier()
 (OUT/f'rank{RANK}.json').write_text(json.dumps(results, default=str))
+dist.barrier()  # leave together: a gloo rank exiting while its peer still talks can abort
 dist.destroy_process_group()
