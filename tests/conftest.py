@@ -43,7 +43,8 @@ def ranks_device(world:int=2) -> torch.device:
     CUDA and the machine has a GPU for every rank (one GPU per rank, nccl, as torch, Accelerate and fastai pick them);
     else the CPU with gloo, as in CI, also under `--device cuda` on a machine with fewer GPUs than ranks (two ranks on
     one GPU is no valid DDP set-up: nccl refuses it)."""
-    return torch.device('cuda' if DEVICE.type == 'cuda' and torch.cuda.device_count() >= world else 'cpu')
+    from fp16cb.demos.ddp import ranks_on_cuda  # the demo's rule, for `world` local processes
+    return torch.device('cuda' if DEVICE.type == 'cuda' and ranks_on_cuda(world) else 'cpu')
 
 def ranks_env(world:int=2) -> dict:
     """What the ranks' environment adds: this checkout's fp16cb first on `PYTHONPATH` (not an installed one), and for

@@ -46,10 +46,11 @@ def launch(
         if p.returncode: raise RuntimeError(f"rank {rank} of {cmd} exited with {p.returncode}:\n{err[-4000:]}")
     return [o for o, _ in outs]
 
-def ranks_on_cuda() -> bool:
-    """Whether this machine's processes train on GPUs: one for each (`LOCAL_WORLD_SIZE`, as `torchrun` sets it). Else
-    they train on the CPU with gloo: nccl refuses two ranks on one GPU (an H100 machine with one GPU and two ranks)."""
-    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+def ranks_on_cuda(local_world:int|None=None) -> bool:
+    """Whether this machine's `local_world` processes (default: `LOCAL_WORLD_SIZE`, as `torchrun` sets it) train on GPUs:
+    one for each. Else they train on the CPU with gloo: nccl refuses two ranks on one GPU (a one-GPU H100 machine)."""
+    n = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if local_world is None else local_world
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n
 
 def init(timeout:float=60.) -> int:
     "Join the process group the environment describes (nccl on GPUs, one per process, else gloo); returns this rank."
