@@ -9,17 +9,25 @@ from torch.profiler import profile, ProfilerActivity
 from bench import run as R, workloads as W, measure as BM
 from fp16cb.weights.store import WeightStore
 
+# what waits for the device (a tensor read on the host; the runtime's waits) or copies across, counted per step
+SYNCS = ('aten::_local_scalar_dense', 'aten::item', 'cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaMemcpyAsync',
+         'cudaEventSynchronize')
+
 def profile_mode(wl, mode, opt, device, batches, valid, init, top, chunk=None):
     learn, rec = R._learner(wl, mode, opt, device, batches, valid, init, 1e-3, cb_timers=False, fused_ok=device.type == 'cuda')
     for _ in range(3): R._fit(learn)  # warm-up: the dynamic scales settle, the allocator caches
+    rec.update(steps=[], cb_steps=[], skips=[], events={})
+    R._fit(learn); plain = statistics.median(rec['steps'])  # the same steps without the profiler
     rec.update(steps=[], cb_steps=[], skips=[], events={})
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     with profile(activities=acts) as prof: R._fit(learn)
     n = len(rec['steps'])
     evs = prof.key_averages()
     kernels = sum(e.count for e in evs if e.device_type == torch.autograd.DeviceType.CUDA)
+    counts = {k: sum(e.count for e in evs if e.key == k) / n for k in SYNCS}
     what = f"{mode}+{opt}" + (f", lift chunk 2^{chunk}" if chunk else '')
-    print(f"\n## {what}: {1e3*statistics.median(rec['steps']):.1f} ms/step (profiled), {kernels/n:.0f} kernels/step")
+    print(f"\n## {what}: {1e3*plain:.1f} ms/step ({1e3*statistics.median(rec['steps']):.1f} profiled), {kernels/n:.0f} kernels/step")
+    print('per step: ' + ', '.join(f"{v:g} {k}" for k, v in counts.items()))
     print(evs.table(sort_by='self_cpu_time_total', row_limit=top, max_name_column_width=60))
     if device.type == 'cuda': print(evs.table(sort_by='self_cuda_time_total', row_limit=top, max_name_column_width=60))
     del learn

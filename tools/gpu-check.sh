@@ -81,8 +81,9 @@ step bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-}
 # the modes that trade speed for memory (16-bit storage, the step in the backward) and torch.compile, on the LM
 step bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-}
 step bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-}
-# opt-in (GPU_CHECK_STEPS=profile): where a step's time goes, mode by mode, at two chunk sizes of the lift
-step profile "$PY" -m bench.profile_gpu --device "$DEV" --workload "${PROFILE_WORKLOAD:-resnet50}" --lift-chunks 22,25 --opts adam,fused
+# opt-in (GPU_CHECK_STEPS=profile): where a step's time goes, mode by mode, at two chunk sizes of the lift (PROFILE_ARGS
+# replaces the arguments, e.g. PROFILE_ARGS="--workload lm --modes bf16 --lift-chunks 22,25")
+step profile "$PY" -m bench.profile_gpu --device "$DEV" ${PROFILE_ARGS:---workload resnet50 --lift-chunks 22,25 --opts adam,fused}
 [ -f "$JSON" ] && cp "$JSON" "$OUT/" 2>/dev/null
 if [ ${#failed[@]} -eq 0 ]; then log "all passed; results in $OUT"; exit 0; fi
 log "FAILED: ${failed[*]} (logs in $OUT)"; exit 1
