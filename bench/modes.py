@@ -15,7 +15,7 @@ from fp16cb.callbacks import model_device
 from fp16cb.dtypes import convert_network
 from fp16cb.callbacks import cast_floats
 
-__all__ = ['AutocastCB', 'FastaiNonNative', 'BareBF16', 'bare_bf16', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key',
+__all__ = ['AutocastCB', 'FastaiAMP', 'KeepsScale', 'FastaiNonNative', 'BareBF16', 'bare_bf16', 'MODES', 'POLICY_MODES', 'OPTS', 'PLAIN', 'run_key',
            'fused_adamw_ok', 'half_dtype', 'PLAIN_COMPILED', 'PLAIN_MODES', 'COMPILED_MODES', 'COMPILE_MODES', 'MODE_SETS',
            'set_compile_backend', 'compile_backend', 'compile_model', 'pick_compile_backend']
 
@@ -23,7 +23,25 @@ def half_dtype(device) -> torch.dtype:
     "The 16-bit dtype of the autocast modes: fp16 on CUDA, bf16 on a CPU."
     return torch.float16 if torch.device(device).type == 'cuda' else torch.bfloat16
 
-class AutocastCB(Callback):
+class KeepsScale:
+    """A fastai AMP callback whose GradScaler's state (the loss scale, its growth count) goes on from one of the
+    benchmark's fits to the next. fastai's `MixedPrecision` makes a new GradScaler at 2^16 in every `before_fit`: over
+    the benchmark's fits of 3 steps each it skipped 39 of 45 steps of ResNet-50 (H200, 2026-11-26), and its timed steps
+    were all skipped ones, without the optimizer. In one long fit its scale settles after the first steps: carried
+    over, the benchmark times the steps of that long fit."""
+    _scale_state = None
+    def before_fit(self):
+        super().before_fit()
+        if self._scale_state is not None and self.learn.scaler.is_enabled(): self.learn.scaler.load_state_dict(self._scale_state)
+    def after_fit(self):
+        scaler = getattr(self.learn, 'scaler', None)
+        if scaler is not None and scaler.is_enabled(): self._scale_state = scaler.state_dict()
+        super().after_fit()
+
+class FastaiAMP(KeepsScale, ffp16.MixedPrecision):
+    "fastai's `to_fp16()` callback itself (CUDA), its loss scale carried across the benchmark's fits (`KeepsScale`)."
+
+class _AutocastCB(Callback):
     "fastai's `MixedPrecision` (autocast + GradScaler) on the model's device instead of hard-coded 'cuda'."
     order = 10
     def __init__(self, dtype): self.dtype = dtype
@@ -31,6 +49,7 @@ class AutocastCB(Callback):
         dev = model_device(self.learn.model).type
         self.autocast = torch.autocast(dev, dtype=self.dtype)
         self.learn.scaler = torch.amp.GradScaler(dev, enabled=self.dtype == torch.float16)
+    def after_fit(self): pass
     def before_batch(self): self.autocast.__enter__()
     def after_pred(self): self.learn.pred = cast_floats(self.learn.pred, torch.float32)
     def after_loss(self): self.autocast.__exit__(None, None, None)
@@ -43,6 +62,9 @@ class AutocastCB(Callback):
     @property
     def param_groups(self): return self.learn.opt.param_groups
     def step(self, *args, **kwargs): self.skipped = False
+
+class AutocastCB(KeepsScale, _AutocastCB):
+    "fastai's AMP pattern on any device (`_AutocastCB`), its loss scale carried across the benchmark's fits (`KeepsScale`)."
 
 def _move_torch_state(opt, old_pgs, new_pgs):
     "A torch optimizer's own state (`OptimWrapper`), re-keyed from `old_pgs` to `new_pgs` (fastai moves only its own)."
@@ -87,7 +109,7 @@ def bare_bf16(learn, device=None):
 
 def _fastai_amp(learn, device):
     "fastai's own `to_fp16()`: its `MixedPrecision` callback itself on CUDA; elsewhere the same on the model's device (bf16)."
-    if torch.device(device).type == 'cuda': return learn.add_cb(ffp16.MixedPrecision())
+    if torch.device(device).type == 'cuda': return learn.add_cb(FastaiAMP())
     return learn.add_cb(AutocastCB(half_dtype(device)))
 
 # ------------------------------------------------------------------------------------------------ torch.compile
@@ -133,7 +155,8 @@ PLAIN, PLAIN_COMPILED = 'torch-amp', 'torch-amp-compile'
 PLAIN_MODES = (PLAIN, PLAIN_COMPILED)
 MODES = {
     'fp32':      ('plain FP32', lambda l, d: l),
-    'autocast':  ("fastai's own to_fp16() (AMP: autocast + GradScaler; on a CPU the same callback with bf16 autocast)",
+    'autocast':  ("fastai's own to_fp16() (AMP: autocast + GradScaler, its loss scale carried across the benchmark's fits; "
+                  "on a CPU the same callback with bf16 autocast)",
                   _fastai_amp),
     'fastai':    ("fastai's original master-weight algorithm: ModelToHalf + NonNativeMixedPrecision (fp16, FP32 masters, "
                   "dynamic scale)", lambda l, d: l.add_cbs([ffp16.ModelToHalf(), FastaiNonNative()])),

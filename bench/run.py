@@ -167,9 +167,10 @@ def _figures(learn, rec, batches, valid, mem, device, parked, timed) -> dict:
     train_loss = statistics.mean(evaluate(model, b)[0] for b in batches)
     if parked: move_state(learn, 'cpu')
     n, steps = len(rec['steps']), len(batches)
-    kept = [i for i, s in enumerate(rec['skips']) if not s] or range(n)  # a skipped step skips the optimizer: not timed
-    return {'ms_step': 1e3*statistics.median(rec['steps'][i] for i in kept),
-            'ms_cb': 1e3*statistics.median(rec['cb_steps'][i] for i in kept) if timed else None,
+    # a skipped step runs no optimizer: it is not timed, and a run whose timed steps were all skipped has no step time
+    kept = [i for i, s in enumerate(rec['skips']) if not s]
+    return {'ms_step': 1e3*statistics.median(rec['steps'][i] for i in kept) if kept else None,
+            'ms_cb': 1e3*statistics.median(rec['cb_steps'][i] for i in kept) if timed and kept else None,
             'ms_rounds': [1e3*statistics.median(rec['steps'][i:i+steps]) for i in range(0, n, steps)],
             'first_fit_s': rec.get('first_fit_s'), 'first_fit_graphs': rec.get('first_fit_graphs'),
             'timed_graphs': rec.get('timed_graphs', 0),
@@ -182,7 +183,7 @@ def _ratios(out, runs):
     for k, m, o in runs:
         ref = out.get(run_key('fp32', o)) or out.get('fp32')
         f = out[k]
-        f['speedup'] = ref['ms_step']/f['ms_step'] if ref else None
+        f['speedup'] = _div(ref['ms_step'], f['ms_step']) if ref else None
         f['mem_ratio'] = f['mem_MB']/ref['mem_MB'] if ref and ref['mem_MB'] else None
         f['cb_over_bound'] = f['ms_cb']/out['_workload']['bound_ms'] if f['ms_cb'] is not None else None
 
@@ -383,6 +384,7 @@ def _machine(device):
     return f"{name}, {os.cpu_count()} cores"
 
 def _f(v, fmt, none='-'): return none if v is None else format(v, fmt)
+def _div(a, b): return None if a is None or not b else a / b  # None: a side has no figure (every timed step skipped)
 
 def _workload_table(wl, out) -> list:
     w, cl = out['_workload'], WORKLOADS[wl].channels_last
@@ -393,7 +395,7 @@ def _workload_table(wl, out) -> list:
              '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|' + ('---:|' if cl else '')]
     for k, o in out.items():
         if k == '_workload': continue
-        lines.append(f"| {k} | {o['ms_step']:.1f} | {_f(o['speedup'], '.2f')}x | {_f(o['ms_cb'], '.2f')} | "
+        lines.append(f"| {k} | {_f(o['ms_step'], '.1f', 'every timed step skipped')} | {_f(o['speedup'], '.2f')}x | {_f(o['ms_cb'], '.2f')} | "
                      f"{_f(o['cb_over_bound'], '.2f')} | {o['mem_MB']:.1f} | {_f(o['mem_ratio'], '.2f')} | "
                      f"{o['train_loss']:.4f} | {o['loss']:.4f} | {o['acc']:.3f} | {o['skipped']}/{o['all_steps']}"
                      f"{f' ({t} timed)' if (t := o.get('timed_skipped')) else ''} |"
@@ -421,9 +423,9 @@ def _compile_table(wl, out, meta) -> list:
     for k, o in rows:
         compiled = o['mode'] in COMPILED_MODES
         twin = out.get(run_key({'bf16-compile': 'bf16', PLAIN_COMPILED: PLAIN}.get(o['mode'], ''), o['opt'])) if compiled else None
-        speedup = twin['ms_step']/o['ms_step'] if twin else None
-        vs_plain = o['ms_step']/plain_c['ms_step'] if o['mode'] == 'bf16-compile' and plain_c else None
-        lines.append(f"| {k} | {'yes' if compiled else 'no'} | {backend if compiled else 'eager'} | {o['ms_step']:.1f} | "
+        speedup = _div(twin['ms_step'], o['ms_step']) if twin else None
+        vs_plain = _div(o['ms_step'], plain_c['ms_step']) if o['mode'] == 'bf16-compile' and plain_c else None
+        lines.append(f"| {k} | {'yes' if compiled else 'no'} | {backend if compiled else 'eager'} | {_f(o['ms_step'], '.1f')} | "
                      f"{' / '.join(format(v, '.1f') for v in o.get('ms_rounds') or [])} | {_f(o.get('first_fit_s'), '.2f')} | "
                      f"{_f(o.get('first_fit_graphs'), 'd')}, {_f(o.get('timed_graphs'), 'd')} | "
                      f"{_f(speedup, '.2f')}{'x' if speedup else ''} | {_f(vs_plain, '.2f')} |")

@@ -4,13 +4,13 @@ from functools import partial
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
-from fastai.basics import Learner, DataLoaders, Callback, SGD, Adam, CrossEntropyLossFlat
+from fastai.basics import Learner, DataLoaders, Callback, SGD, Adam, CrossEntropyLossFlat, CancelStepException
 from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
 from bench.workloads import GPT
 from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, MEMORY_MODES, pick_compile_backend
-from bench.modes import PLAIN, PLAIN_COMPILED, fused_adamw_ok
+from bench.modes import PLAIN, PLAIN_COMPILED, fused_adamw_ok, AutocastCB, FastaiAMP
 import bench.modes
 from bench.measure import evaluate
 from conftest import DEVICE
@@ -426,10 +426,45 @@ def test_a_run_that_fails_is_reported_and_the_others_are_measured(monkeypatch):
     def fails(learn, device): raise RuntimeError("params, grads, exp_avgs, and exp_avg_sqs must have same dtype, device, and layout")
     monkeypatch.setitem(bench.modes.MODES, 'fastai', (MODES['fastai'][0], fails))
     res = run_bench(['book'], ['fp32', 'fastai', 'bf16'], steps=1, rounds=1, warmup=1, warmup_max=1, device=DEVICE,
-                    scale=.002, verbose=False)
+                    scale=.002, verbose=False, opts=['adam'])  # one optimizer (CUDA's default adds fused AdamW)
     book = res['book']
     assert 'fastai' not in book and book['fp32']['ms_step'] > 0 and book['bf16']['ms_step'] > 0
     assert book['_workload']['failed'] == {'fastai': 'RuntimeError: params, grads, exp_avgs, and exp_avg_sqs must have '
                                                      'same dtype, device, and layout'}
     assert 'fastai failed on this workload and was left out: RuntimeError' in format_table(res)
     assert targets(res) is not None
+
+class _SkipsEveryStep(Callback):
+    "Cancels every optimizer step, as a loss scale that overflows on every step does."
+    order = 10
+    def before_step(self): raise CancelStepException()
+
+def test_a_run_whose_timed_steps_were_all_skipped_has_no_step_time(monkeypatch):
+    """A skipped step runs no optimizer. fastai's AMP skipped every timed step of ResNet-50 on an H200, and its time, that
+    of steps without the optimizer, was reported as its step time (1.43x FP32's speed). Such a run has no step time now."""
+    monkeypatch.setitem(bench.modes.MODES, 'skips', ('skips every step', lambda l, d: l.add_cb(_SkipsEveryStep())))
+    res = run_bench(['book'], ['fp32', 'skips'], steps=2, rounds=1, warmup=1, warmup_max=1, device=DEVICE,
+                    scale=.002, verbose=False, opts=['adam'])
+    book = res['book']
+    assert book['skips']['ms_step'] is None and book['skips']['speedup'] is None and book['fp32']['ms_step'] > 0
+    assert book['skips']['timed_skipped'] == book['skips']['n_steps'] == 2
+    assert '| skips | every timed step skipped | -x |' in format_table(res)
+
+def test_fastai_amp_carries_its_loss_scale_across_the_benchmarks_fits():
+    """fastai's `MixedPrecision` makes a new GradScaler at 2^16 each fit; the benchmark's fits are a few steps long, so its
+    AMP mode carries the scale over (`KeepsScale`), as one long fit would: each fit starts where the last one ended."""
+    cls = (lambda: FastaiAMP()) if DEVICE.type == "cuda" else (lambda: AutocastCB(torch.float16))
+    learn = Learner(DataLoaders(Batches(_batches()), Batches(_batches(1))), _model(), loss_func=CrossEntropyLossFlat(),
+                    opt_func=SGD, lr=LR, cbs=cls())
+    starts, ends = [], []
+    class Scales(Callback):
+        order = 11
+        def before_batch(self):
+            if self.training and self.iter == 0: starts.append(self.learn.scaler.get_scale())
+        def after_fit(self): ends.append(self.learn.scaler.get_scale())
+    learn.add_cb(Scales())
+    learn.model.register_forward_hook(lambda m, i, o: o * 2.**12)  # logits large enough that 2^16 overflows fp16's grads
+    for _ in range(3):
+        with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert starts[0] == 2.**16 and ends[0] < 2.**16  # the first fit backs off from fastai's start
+    assert starts[1:] == ends[:-1]
