@@ -134,6 +134,11 @@ def test_flat_params_are_views_during_fit_and_ordinary_after():
     learn.to_fp32()  # an interrupted fit skipped after_fit: to_fp32 gives the model its FP32 values back
     _ordinary(learn.model)
 
+def has_figure(o, key='ms_step') -> bool:
+    """A run's time figure is positive, or None when every timed step was skipped (a loss scale still settling after a
+    warm-up of one step: fp16 on CUDA; a skipped step runs no optimizer, and is never timed)."""
+    return o[key] > 0 if o['timed_skipped'] < o['n_steps'] else o[key] is None
+
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path/'res.json'
     res = main(['--workloads', 'book,act', '--modes', 'fp32,fastai,bf16,bf16-flat,native', '--steps', '1', '--rounds', '1',
@@ -144,11 +149,11 @@ def test_bench_smoke(tmp_path, capsys):
     data = json.loads(out.read_text())
     book = data['book']
     assert book['_workload']['bound_ms'] > 0 and book['fp32']['speedup'] == 1.
-    assert book['fp32']['ms_cb'] == 0 and book['fastai']['ms_cb'] > 0 and book['bf16-flat']['ms_cb'] > 0
+    assert book['fp32']['ms_cb'] == 0 and book['bf16-flat']['ms_cb'] > 0 and has_figure(book['fastai'], 'ms_cb')
     assert set(book['bf16-flat']['events_ms']) >= {'before_step', 'after_step'}
     for m in ('fp32', 'fastai', 'bf16-flat', 'native'):
         o = book[m]
-        assert o['ms_step'] > 0 and o['mem_MB'] > 0 and 0 <= o['acc'] <= 1 and o['loss'] > 0 and o['n_steps'] == 1
+        assert has_figure(o) and o['mem_MB'] > 0 and 0 <= o['acc'] <= 1 and o['loss'] > 0 and o['n_steps'] == 1
         assert o['all_steps'] == 3 and 0 <= o['skipped'] <= 3  # warm-up, timed round, memory fit
         assert 0 <= o['timed_skipped'] <= min(o['n_steps'], o['skipped'])  # timed only when not skipped (unless all were)
         assert o['mode'] == m and o['opt'] == 'adam'
@@ -169,7 +174,7 @@ def test_bench_gpu_workloads_smoke():
         assert list(res[wl])[1:] == keys
         for k in keys:
             o = res[wl][k]
-            assert o['ms_step'] > 0 and o['mem_MB'] > 0 and o['all_steps'] == 3 and o['loss'] > 0 and o['speedup'] > 0
+            assert has_figure(o) and has_figure(o, 'speedup') and o['mem_MB'] > 0 and o['all_steps'] == 3 and o['loss'] > 0
         assert res[wl]['torch-amp']['opt'] == 'fused' and res[wl]['fp16+fused']['mode'] == 'fp16'
     lm = GPT(vocab=66, d=16, n_heads=1, seq=8)  # the LM at scale .002: vocab 32768*s, d 1024*s (16 at least), seq 256*s
     assert res['lm']['_workload']['n_params'] == sum(p.numel() for p in lm.parameters()) and lm.head.weight is lm.tok.weight
@@ -294,7 +299,8 @@ def test_bare_bf16_mode_trains_bf16_params_directly():
 
 def test_report_prints_the_design_issues_cpu_targets():
     "The bookkeeping targets (copy bound, fastai's algorithm) on `book` and to_bf16 vs bare-bf16 on `mlp`: reported lines."
-    res = run_bench(['mlp', 'book'], ['fastai', 'bf16', 'bare-bf16', 'native'], steps=1, rounds=1, warmup=1, warmup_max=1,
+    # warm-up steps while fastai's loss scale (2^24 at first) skips them: its timed step must step (fp16 on CUDA)
+    res = run_bench(['mlp', 'book'], ['fastai', 'bf16', 'bare-bf16', 'native'], steps=1, rounds=1, warmup=1, warmup_max=40,
                     device=DEVICE, scale=.002, verbose=False, cb_timers=True)
     assert res['mlp']['bare-bf16']['ms_step'] > 0 and res['mlp']['bare-bf16']['skipped'] == 0
     got = {(t['workload'], t['what'], t['op'], t['threshold']) for t in res['targets']}
@@ -458,10 +464,10 @@ def test_fastai_amp_carries_its_loss_scale_across_the_benchmarks_fits():
                     opt_func=SGD, lr=LR, cbs=cls())
     starts, ends = [], []
     class Scales(Callback):
-        order = 11
+        order = 9
         def before_batch(self):
             if self.training and self.iter == 0: starts.append(self.learn.scaler.get_scale())
-        def after_fit(self): ends.append(self.learn.scaler.get_scale())
+        def after_fit(self): ends.append(self.learn.scaler.get_scale())  # before fastai's own `after_fit` drops it
     learn.add_cb(Scales())
     learn.model.register_forward_hook(lambda m, i, o: o * 2.**12)  # logits large enough that 2^16 overflows fp16's grads
     for _ in range(3):

@@ -18,7 +18,7 @@ SYNC_WARNING = 'called a synchronizing CUDA operation'
 
 def count_syncs(monkeypatch, cls, events=('before_step', 'after_step')) -> list:
     """Patch `cls`'s `events` to run under `torch.cuda.set_sync_debug_mode('warn')`, the device idle first; returns
-    the list that gets `(event, number of synchronising CUDA calls)` per call."""
+    the list that gets `(event, number of synchronising CUDA calls, the file:line of each)` per call."""
     log = []
     for ev in events:
         orig = getattr(cls, ev)
@@ -30,14 +30,15 @@ def count_syncs(monkeypatch, cls, events=('before_step', 'after_step')) -> list:
                 try: return _orig(self)
                 finally:
                     torch.cuda.set_sync_debug_mode('default')
-                    log.append((_ev, sum(SYNC_WARNING in str(o.message) for o in w)))
+                    where = [f"{o.filename}:{o.lineno}" for o in w if SYNC_WARNING in str(o.message)]
+                    log.append((_ev, len(where), where))  # where: the Python line of each sync, for the failure message
         monkeypatch.setattr(cls, ev, wrapped)
     return log
 
 def per_step(log) -> list:
     "Syncs per optimizer step: each `before_step` and the `after_step` that follows it (none when the step was skipped)."
     steps = []
-    for ev, n in log:
+    for ev, n, _ in log:
         if ev == 'before_step': steps.append(n)
         else: steps[-1] += n
     return steps

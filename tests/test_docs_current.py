@@ -180,7 +180,7 @@ def test_which_mode_figures_are_dated_with_their_machine():
     assert meta['date'] in text and meta['machine'] in text and meta['torch'].split('+')[0] in text
     assert meta['cpu_flags'] in text and 'bench/results_cpu.json' in text
     assert 'vary between CPUs' in text and 'AVX512-BF16' in text and '(nbs/which_mode.ipynb)' in text
-    gpu = [f for f in ('results_cuda.json', 'results_cuda_rounds.log') if (REPO/'bench'/f).exists()]
+    gpu = [f for f in ('results_cuda.json', 'results_cuda_rounds.log') + H200_RUNS if (REPO/'bench'/f).exists()]
     assert ('No GPU figures exist yet' in text) != bool(gpu)
     assert all(f'bench/{f}' in text for f in gpu)
 
@@ -194,21 +194,33 @@ def _cuda_speedups() -> dict:
     ref = lambda wl, run: med.get((wl, 'fp32+fused' if run.endswith('+fused') or run == 'torch-amp' else 'fp32'))
     return {(wl, run): ref(wl, run) / ms for (wl, run), ms in med.items() if ref(wl, run)}
 
+H200_RUNS = ('results_cuda_h200_resnet50.json', 'results_cuda_h200_resnet50_cl.json', 'results_cuda_h200_lm.json')
+
+def _h200(wl:str) -> dict:
+    "One workload's runs of the H200 benchmark (`bench/results_cuda_h200_<wl>.json`)."
+    return json.loads((REPO/'bench'/f'results_cuda_h200_{wl}.json').read_text())[wl]
+
 def test_gpu_figures_are_the_gpu_runs():
-    "Each speed the README's GPU paragraph gives is the one of the GPU run's rounds that it names, as rounded; no other."
+    """Each speed the README's GPU paragraph gives is the one of the GPU run that it names, as rounded; no other: ResNet-50
+    from the H200's JSON (speed vs FP32 with the same optimizer), the LM vs FP32 from the H100's rounds, the LM vs
+    fastai's AMP from the H200's JSON (time ratios within its one run)."""
     if not (REPO/'bench'/'results_cuda_rounds.log').exists(): pytest.skip("no GPU run")
     text = ' '.join(section(README, 'Which mode').split())
     para = text[text.index('**On a GPU**'):]
     para = para[:para.index('**Memory**')] if '**Memory**' in para else para
-    sp = _cuda_speedups()
-    lm = [v for (wl, run), v in sp.items() if wl == 'lm' and run.split('+')[0] in ('bf16', 'bf16-flat', 'fp16', 'fp16-flat', 'native')]
-    f = lambda k, nd=2: f"{sp[k]:.{nd}f}x"
-    expected = [f"{min(lm):.1f}x to {max(lm):.1f}x", f(('lm', 'autocast'), 1), f(('lm', 'autocast+fused'), 1),
-                f(('resnet50', 'fp16-flat')), f(('resnet50', 'autocast')), f(('resnet50', 'fp16')),
-                f"{sp['resnet50', 'fp16+fused']:.2f}x to {sp['resnet50', 'fp16-flat+fused']:.2f}x",
-                f"{sp['resnet50', 'bf16']:.2f}x to {sp['resnet50', 'bf16-flat']:.2f}x"]
+    r, cl, lm = _h200('resnet50'), _h200('resnet50_cl'), _h200('lm')
+    sp = lambda d, k: f"{d[k]['speedup']:.2f}x"
+    ratio = lambda a, b: f"{lm[a]['ms_step']/lm[b]['ms_step']:.2f}x"
+    h100 = [v for (wl, run), v in _cuda_speedups().items()
+            if wl == 'lm' and run.split('+')[0] in ('bf16', 'bf16-flat', 'fp16', 'fp16-flat', 'native')]
+    expected = [sp(r, 'fp16-flat'), sp(r, 'fp16'), sp(r, 'autocast'), sp(cl, 'fp16-flat'), sp(cl, 'fp16'), sp(cl, 'autocast'),
+                sp(r, 'fp16+fused'), sp(r, 'autocast+fused'), sp(cl, 'fp16+fused'), sp(cl, 'autocast+fused'),
+                f"{sp(r, 'bf16')[:-1]}x to {sp(r, 'bf16-flat')}", f"{min(h100):.1f}x to {max(h100):.1f}x",
+                ratio('bf16', 'autocast'), ratio('fp16-flat', 'autocast'), ratio('bf16+fused', 'autocast+fused'),
+                ratio('fp16-flat+fused', 'autocast+fused')]
     for e in expected: assert e in para, e
     assert len(re.findall(r'\d+\.\d+x', para)) == sum(e.count('x') for e in expected)  # no figure without its run
+    assert all(f'bench/{f}' in para for f in H200_RUNS) and 'H200' in para and 'H100' in para
 
 # ---- the README's signatures and calls are the real ones
 
