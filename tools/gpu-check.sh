@@ -12,7 +12,8 @@
 # PYTEST_ARGS, DEMO_ARGS and BENCH_ARGS add arguments (e.g. BENCH_ARGS="--workloads lm --rounds 5"); GPU_CHECK_STEPS
 # names the checks to run (default: all, "pytest demo bench bench-memory bench-compile"; "profile" on request), to split the check over two
 # commands where one command's time is limited. On an H100 (2026-11-25) the steps took: pytest 160-230 s with
-# PYTEST_ARGS="-n 10 --maxfail=300" (pytest-xdist), demo 17 s, bench about 450 s, bench-memory 58 s, bench-compile 133 s.
+# PYTEST_ARGS="-n 10 --maxfail=300" (pytest-xdist), demo 17 s, bench about 450 s, bench-memory 58 s, bench-compile 133 s;
+# on an H200 (2026-11-26): pytest 140 s with -n 12, demo 10 s, bench's two ResNet-50 workloads about 60 s each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${1:-${WHEELS_DIR:-.whl}}"
