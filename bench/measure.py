@@ -6,7 +6,7 @@ import time
 import torch
 from fastai.basics import Callback, CrossEntropyLossFlat
 
-__all__ = ['set_clock', 'clock', 'sync', 'new_record', 'end_step', 'StepClock', 'time_events', 'SavedTensors', 'CpuMemory',
+__all__ = ['set_clock', 'clock', 'sync', 'new_record', 'clear_steps', 'stepped', 'end_step', 'StepClock', 'time_events', 'SavedTensors', 'CpuMemory',
            'held_bytes', 'copy_bound', 'evaluate', 'channels_last_share', 'move_state']
 
 _now = time.perf_counter
@@ -31,6 +31,14 @@ def new_record() -> dict:
     "What a mode's timed steps fill in (`skips`: per step in `steps`, whether it was skipped for an overflow)."
     return {'steps': [], 'cb_steps': [], 'skips': [], 'cb': 0., 'events': {}, 't0': 0., 'skipped': 0, 'all': 0,
             'channels_last': None, 'skip': False}
+
+def clear_steps(rec:dict):
+    "Forget the steps timed so far (after a warm-up); the run's counts of all and skipped steps go on."
+    rec.update(steps=[], cb_steps=[], skips=[], events={})
+
+def stepped(rec:dict) -> list:
+    "Indices of the timed steps that ran the optimizer: a skipped step runs none, so it is never timed as a step."
+    return [i for i, s in enumerate(rec['skips']) if not s]
 
 def channels_last_share(model) -> float|None:
     "The share of the 4-d params with a kernel bigger than 1x1 that are channels-last now (None: there are none)."

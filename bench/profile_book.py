@@ -24,7 +24,7 @@ init=W.WORKLOADS['book'].model(s); batches, valid = W.make_data('book', s, 'cpu'
 BM.set_clock('cpu')
 learn, rec = R._learner('book', mode, 'adam', 'cpu', batches, valid, init, 1e-3, cb_timers=True, fused_ok=False)
 for _ in range(3): R._fit(learn)
-T.clear(); rec.update(steps=[], cb_steps=[], skips=[], events={})
+T.clear(); BM.clear_steps(rec)
 for _ in range(4): R._fit(learn)
 n=len(rec['steps'])
 print(mode, 'per step ms (median):', {k: round(statistics.median(v)*1e3,3) for k,v in T.items()})

@@ -13,12 +13,17 @@ from fp16cb.weights.store import WeightStore
 SYNCS = ('aten::_local_scalar_dense', 'aten::item', 'cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaMemcpyAsync',
          'cudaEventSynchronize')
 
+def _ms(rec) -> str:
+    "The median of the steps that ran the optimizer, in ms (a skipped step is never timed as a step, as in the benchmark)."
+    kept = BM.stepped(rec)
+    return f"{1e3*statistics.median(rec['steps'][i] for i in kept):.1f}" if kept else '-'
+
 def profile_mode(wl, mode, opt, device, batches, valid, init, top, chunk=None):
     learn, rec = R._learner(wl, mode, opt, device, batches, valid, init, 1e-3, cb_timers=False, fused_ok=device.type == 'cuda')
     for _ in range(3): R._fit(learn)  # warm-up: the dynamic scales settle, the allocator caches
-    rec.update(steps=[], cb_steps=[], skips=[], events={})
-    R._fit(learn); plain = statistics.median(rec['steps'])  # the same steps without the profiler
-    rec.update(steps=[], cb_steps=[], skips=[], events={})
+    BM.clear_steps(rec)
+    R._fit(learn); plain = _ms(rec)  # the same steps without the profiler
+    BM.clear_steps(rec)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     with profile(activities=acts) as prof: R._fit(learn)
     n = len(rec['steps'])
@@ -26,7 +31,8 @@ def profile_mode(wl, mode, opt, device, batches, valid, init, top, chunk=None):
     kernels = sum(e.count for e in evs if e.device_type == torch.autograd.DeviceType.CUDA)
     counts = {k: sum(e.count for e in evs if e.key == k) / n for k in SYNCS}
     what = f"{mode}+{opt}" + (f", lift chunk 2^{chunk}" if chunk else '')
-    print(f"\n## {what}: {1e3*plain:.1f} ms/step ({1e3*statistics.median(rec['steps']):.1f} profiled), {kernels/n:.0f} kernels/step")
+    print(f"\n## {what}: {plain} ms/step ({_ms(rec)} profiled; {n - len(BM.stepped(rec))} of its {n} steps skipped), "
+          f"{kernels/n:.0f} kernels/step")
     print('per step: ' + ', '.join(f"{v:g} {k}" for k, v in counts.items()))
     print(evs.table(sort_by='self_cpu_time_total', row_limit=top, max_name_column_width=60))
     if device.type == 'cuda': print(evs.table(sort_by='self_cuda_time_total', row_limit=top, max_name_column_width=60))

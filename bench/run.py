@@ -42,7 +42,7 @@ from .modes import (AutocastCB, FastaiNonNative, BareBF16, MODES, OPTS, PLAIN, r
                     PLAIN_COMPILED, PLAIN_MODES, COMPILED_MODES, MODE_SETS, set_compile_backend, compile_backend,
                     pick_compile_backend)
 from .measure import (set_clock, new_record, StepClock, time_events, CpuMemory, copy_bound, evaluate, move_state, sync,
-                      cpu_flags)
+                      cpu_flags, clear_steps, stepped)
 from .plain import PlainAMP
 
 __all__ = ['run_bench', 'defaults', 'targets', 'format_table', 'main', 'Batches', 'CPU_MODES', 'GPU_MODES',
@@ -133,7 +133,7 @@ def _warm_up(learn, rec, device, parked, steps, warmup, warmup_max):
         with _cold_compile() if i == 0 else contextlib.nullcontext(): _fit_parked(learn, device, parked)
         if i == 0: sync(device); rec['first_fit_s'], rec['first_fit_graphs'] = time.perf_counter() - t0, _graphs() - g0
         if i + 1 >= n_fits and not any(rec['skips'][-steps:]): break
-    rec.update(steps=[], cb_steps=[], skips=[], events={})
+    clear_steps(rec)
 
 def _should_park(park, is_cuda, n_runs, n_par, device) -> bool:
     "'auto': on CUDA when the learners' FP32 params, grads and Adam state (16 bytes/param each) would fill 40% of the GPU."
@@ -167,8 +167,7 @@ def _figures(learn, rec, batches, valid, mem, device, parked, timed) -> dict:
     train_loss = statistics.mean(evaluate(model, b)[0] for b in batches)
     if parked: move_state(learn, 'cpu')
     n, steps = len(rec['steps']), len(batches)
-    # a skipped step runs no optimizer: it is not timed, and a run whose timed steps were all skipped has no step time
-    kept = [i for i, s in enumerate(rec['skips']) if not s]
+    kept = stepped(rec)  # a run whose timed steps were all skipped has no step time
     return {'ms_step': 1e3*statistics.median(rec['steps'][i] for i in kept) if kept else None,
             'ms_cb': 1e3*statistics.median(rec['cb_steps'][i] for i in kept) if timed and kept else None,
             'ms_rounds': [1e3*statistics.median(rec['steps'][i:i+steps]) for i in range(0, n, steps)],

@@ -215,7 +215,7 @@ def test_gpu_figures_are_the_gpu_runs():
             if wl == 'lm' and run.split('+')[0] in ('bf16', 'bf16-flat', 'fp16', 'fp16-flat', 'native')]
     expected = [sp(r, 'fp16-flat'), sp(r, 'fp16'), sp(r, 'autocast'), sp(cl, 'fp16-flat'), sp(cl, 'fp16'), sp(cl, 'autocast'),
                 sp(r, 'fp16+fused'), sp(r, 'autocast+fused'), sp(cl, 'fp16+fused'), sp(cl, 'autocast+fused'),
-                f"{sp(r, 'bf16')[:-1]}x to {sp(r, 'bf16-flat')}", f"{min(h100):.1f}x to {max(h100):.1f}x",
+                f"{sp(r, 'bf16')} to {sp(r, 'bf16-flat')}", f"{min(h100):.1f}x to {max(h100):.1f}x",
                 ratio('bf16', 'autocast'), ratio('fp16-flat', 'autocast'), ratio('bf16+fused', 'autocast+fused'),
                 ratio('fp16-flat+fused', 'autocast+fused')]
     for e in expected: assert e in para, e
