@@ -343,6 +343,19 @@ def targets(res:dict) -> list:
         out.append(_target("to_bf16() >= 1.05x the speed of torch autocast (to_native_bf16 on a CPU, to_native_fp16 on "
                            "a GPU) on the compute-bound MLP", 'mlp', o, f"{native} ms / {bf16} ms", _ms(res, 'mlp', native),
                            _ms(res, 'mlp', bf16), '>=', 1.05))
+    for o in opts:  # the default (per-param masters) as fast as flat masters: fastai's loop steps runs of masters fused
+        for m in ('bf16', 'fp16'):
+            k, flat = run_key(m, o), run_key(m + '-flat', o)
+            for wl in ('book', 'resnet50_cl'):
+                out.append(_target(f"{_BOOKKEEPING[m]} within 1.05x of {_BOOKKEEPING[m + '-flat']}'s step time", wl, o,
+                                   f"{k} ms / {flat} ms", _ms(res, wl, k), _ms(res, wl, flat), '<=', 1.05))
+        fp32, fp16 = run_key('fp32', o), run_key('fp16', o)
+        for wl, need in (('resnet50_cl', 1.9), ('resnet50', 1.4)):
+            out.append(_target(f"to_fp16() >= {need}x the speed of FP32 on ResNet-50 (GPU)", wl, o, f"{fp32} ms / {fp16} ms",
+                               _ms(res, wl, fp32), _ms(res, wl, fp16), '>=', need))
+    for wl in ('resnet50', 'resnet50_cl'):
+        out.append(_target("to_fp16() with fused AdamW within 1.05x of the plain PyTorch AMP loop", wl, 'fused',
+                           f"fp16+fused ms / {PLAIN} ms", _ms(res, wl, 'fp16+fused'), _ms(res, wl, PLAIN), '<=', 1.05))
     for o in opts:
         fp16, amp, bf16 = run_key('fp16', o), run_key('autocast', o), run_key('bf16', o)
         for wl in wls:

@@ -16,7 +16,8 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
 __all__ = ['SEMANTICS', 'STATE16', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT',
-           'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers']
+           'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers',
+           'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH', 'known_elementwise']
 
 SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
     "A param whose grad is None is not stepped (a fastai optimizer skips params that never had a grad; a torch "
@@ -198,9 +199,12 @@ RULES = (
          "flat_master=False (one master per param, each with its own state).",
          reason="a flat group shares one step count: a param with a grad on some steps only cannot keep its own (an error when it happens)."),
     Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
-         "flat_master=True steps each param group as one flat tensor, but {whole_param} reads each param whole (its "
-         "norms, per param in FP32): over a flat master they would be the whole group's, and the updates not FP32's. Use "
-         "flat_master=False (one master per param).",
+         lambda f: f"flat_master=True steps each param group as one flat tensor, but " + (
+             f"{f.whole_param} reads each param whole (its norms, per param in FP32)" if not f.whole_param.startswith('`') else
+             f"{f.whole_param} is not known to update each element on its own (`fp16cb.compat.ELEMENTWISE_TORCH` lists "
+             f"the torch optimizers that do), so it may read each param whole (as LAMB's norms do)") +
+             ": over a flat master they would be the whole group's, and the updates not FP32's. Use flat_master=False "
+             "(one master per param).",
          reason="LAMB's and LARC's per-param norms would be taken over a whole flat group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
@@ -258,15 +262,36 @@ def optimizer_kind(opt) -> str:
     "`opt`'s kind among `OPTIMIZERS`' ('fastai', 'lookahead', 'torch', 'fused'), or 'fastai-own-step'."
     if isinstance(opt, OptimWrapper): return 'fused' if opt.opt.defaults.get('fused') else 'torch'
     if isinstance(getattr(opt, 'opt', None), _BaseOptimizer): return 'lookahead'
-    return 'fastai' if getattr(type(opt), 'step', None) is Optimizer.step else 'fastai-own-step'
+    return 'fastai' if getattr(type(opt), 'step', None) is Optimizer.step else 'fastai-own-step'  # read at set-up, before the fit's routing
+
+# ---- which optimizers update each element from that element alone (the step engine's one source for it)
+# An elementwise optimizer steps a param cut in parts (flat masters cut at the lift's chunk, a slice at a time, a run of
+# params as one flat tensor) exactly as it steps it whole, so fp16cb may step it a bounded chunk at a time. It is KNOWN
+# to be elementwise, never guessed: a fastai `Optimizer` whose step callbacks are all in `ELEMENTWISE_FASTAI`; an
+# `OptimWrapper` around an optimizer whose class (exactly: a subclass may change the step) is in `ELEMENTWISE_TORCH`.
+# Any other optimizer (timm's Adan or Lamb, torch's Adafactor or LBFGS, your own) is stepped whole: its `step` runs
+# once per training step over all its params, with every FP32 master grad lifted at once (fastai's memory, not a chunk's).
+ELEMENTWISE_FASTAI = {fo.sgd_step, fo.weight_decay, fo.l2_reg, fo.average_grad, fo.average_sqr_grad, fo.momentum_step,
+                      fo.step_stat, fo.adam_step, fo.radam_step, fo.qhadam_step, fo.rms_prop_step}  # not LAMB's, LARC's norms
+ELEMENTWISE_TORCH = tuple(getattr(torch.optim, k) for k in ('SGD', 'Adam', 'AdamW', 'RMSprop', 'Adagrad', 'Adamax', 'NAdam',
+                                                            'RAdam', 'Adadelta', 'Rprop', 'ASGD') if hasattr(torch.optim, k))
+
+def known_elementwise(core) -> bool:
+    "Whether the innermost optimizer `core` (a fastai `Optimizer` or an `OptimWrapper`) is known to be elementwise (above)."
+    if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in ELEMENTWISE_TORCH
+    return bool(getattr(core, 'cbs', None)) and all(getattr(cb, 'func', cb) in ELEMENTWISE_FASTAI for cb in core.cbs)
 
 _WHOLE_PARAM = {fo.lamb_step: "fastai's LAMB", fo.larc_layer_lr: "fastai's LARC", fo.larc_step: "fastai's LARC"}
 
 def whole_param_step(opt) -> str|None:
-    "The name of `opt`'s step that reads each param whole (LAMB's and LARC's norms; torch's Adafactor), or None."
+    """The name of `opt`'s step that reads each param whole (LAMB's and LARC's norms; torch's Adafactor), or of a torch
+    optimizer not known to be elementwise, in backquotes (timm's, your own: it may), or None."""
     core = opt.opt if isinstance(getattr(opt, 'opt', None), _BaseOptimizer) and not isinstance(opt, OptimWrapper) else opt
     if isinstance(core, OptimWrapper):
-        return "torch's Adafactor (factored moments)" if type(core.opt).__name__ == 'Adafactor' else None
+        if known_elementwise(core): return None
+        cls = type(core.opt)
+        if cls.__name__ == 'Adafactor': return "torch's Adafactor (factored moments)"
+        return f"`{cls.__module__}.{cls.__qualname__}`"  # not known to be elementwise (the rule's sentence says so)
     return next((_WHOLE_PARAM[f] for cb in getattr(core, 'cbs', ()) if (f := getattr(cb, 'func', cb)) in _WHOLE_PARAM), None)
 
 def float64_layers(model) -> tuple:

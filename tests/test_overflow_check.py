@@ -206,7 +206,7 @@ def test_static_scale_stays(scale):
 
 @pytest.mark.parametrize('clip_global', [False, True])
 @pytest.mark.parametrize('clip', [1e-3, 0.1, 1e3])
-def test_clip_unscaled_master_grads(clip, clip_global):
+def test_clip_unscaled_master_grads(clip, clip_global, per_param_steps):
     "Each param group's norm (seed 001), or with `clip_global` the norm over all groups, as fastai's `GradientClip`."
     learn = make_learner()
     learn.to_fp16(dynamic=False, loss_scale=128., clip=clip, clip_global=clip_global)

@@ -13,15 +13,20 @@ OPTS = {'fastai SGD': partial(SGD, mom=0.9), 'fastai Adam': Adam,
 @pytest.mark.parametrize('opt', list(OPTS))
 @pytest.mark.parametrize('flat', [False, True])
 def test_optimizer_gets_its_own_step_back(opt, flat):
-    "During the fit the optimizer's step also copies the masters into the model; after it, nothing of ours is left on it."
+    """During the fit the optimizer is the same object, of a class whose step goes through the weight store (which also
+    copies the masters into the model); nothing is assigned on the instance; after the fit, its own class is back."""
     learn = make_learner(opt_func=OPTS[opt]).to_bf16(flat_master=flat)
-    seen = []
+    learn.create_opt()
+    opt_obj, cls, seen = learn.opt, type(learn.opt), []
     class Spy(Callback):
         order = 50
-        def after_step(self): seen.append('step' in vars(self.learn.opt))
+        def after_step(self):
+            o = self.learn.opt
+            seen.append((o is opt_obj, isinstance(o, cls), type(o) is not cls, 'step' in vars(o), 'zero_grad' in vars(o)))
     quiet_fit(learn, 1, cbs=Spy())
-    assert seen and all(seen)
-    assert 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
+    assert seen and all(s == (True, True, True, False, False) for s in seen) and learn.opt is opt_obj
+    assert type(learn.opt) is cls and 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
+    assert '_fp16cb_route' not in vars(learn.opt)
     w = [p.detach().clone() for p in learn.model.parameters()]
     quiet_fit(learn.to_fp32(), 1)  # a plain FP32 fit with the same optimizer trains
     assert any(not torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))

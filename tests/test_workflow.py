@@ -237,7 +237,7 @@ class GradSpy(StepSpy):
     def grads(self): return [torch.cat([g.float().reshape(-1) for g in gs]) for gs in super().grads()]
 
 @pytest.mark.parametrize('mode', ['fp16', 'native'])
-def test_gradient_accumulation_matches_fp32(mode):
+def test_gradient_accumulation_matches_fp32(mode, per_param_steps):  # the spy compares grads param by param
     res = {}
     for m in [None, mode]:
         kw = dict(dynamic=False, loss_scale=64.) if m == 'fp16' else dict(init_scale=64.) if m == 'native' else {}

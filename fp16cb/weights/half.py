@@ -9,7 +9,7 @@ from fastai.optimizer import OptimWrapper
 
 from .optstate import fastai_update, opt_state, elementwise, steps_param_by_param, sliced_update
 from .lift import lift_chunks, Scratch
-from .layout import memory_order, flat_views
+from .layout import memory_order, flat_views, laid_out_as
 from .store import WeightStore
 from .state16 import HalfState, round_bf16_stochastic_
 
@@ -142,7 +142,7 @@ class HalfStorage(WeightStore):
                     if not batch.takes(p, f, n): self._step_batch(batch); batch = _Batch()
                     batch.add(p, f, hyper); continue
                 self._step_batch(batch); batch = _Batch()  # the scratch is the slices' now
-                lift, land = partial(self._lift_slice, memory_order(p), memory_order(p.grad), f), partial(self._land_slice, memory_order(p))
+                lift, land = partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), f), partial(self._land_slice, memory_order(p))
                 with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, n, lift, land)
                 continue
             q = self._lift(p)
@@ -165,13 +165,15 @@ class HalfStorage(WeightStore):
         qs, gs = self._views[key]
         torch._foreach_copy_(qs, [p.detach() for p in b.ps]); torch._foreach_copy_(gs, [p.grad for p in b.ps])
         if b.f is not None: g.mul_(b.f)
-        with self.state16.lifted(b.ps, self.core.state):
-            for p, view, gq, hyper in zip(b.ps, qs, gs, b.hypers):
-                q = view.detach(); q.grad = gq
-                fastai_update(self.core, q, hyper, key=p)
-                if q.data_ptr() != view.data_ptr(): view.copy_(q)  # a step that replaced the tensor instead of updating it
-        r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
-        with torch.no_grad(): torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
+        try:
+            with self.state16.lifted(b.ps, self.core.state):
+                for p, view, gq, hyper in zip(b.ps, qs, gs, b.hypers):
+                    q = view.detach(); q.grad = gq
+                    fastai_update(self.core, q, hyper, key=p)
+                    if q.data_ptr() != view.data_ptr(): view.copy_(q)  # a step that replaced the tensor instead of updating it
+        finally:  # even when interrupted: the params stepped so far keep their step (the others round back to themselves)
+            r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
+            with torch.no_grad(): torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
 
     def _lift_slice(self, w16:Tensor, g16:Tensor, f, s:slice) -> Tensor:
         "Slice `s` of a 16-bit param (`w16`, in memory order) and of its grad (`g16`) lifted into the scratch, unscaled."
@@ -186,14 +188,16 @@ class HalfStorage(WeightStore):
         w16[s].copy_(round_to(q, w16.dtype, self.stochastic, self.generator, inplace=True))
 
     def _step_torch(self, step, *args, **kwargs):
-        """A torch optimizer (`OptimWrapper`): stepped once per chunk of params, those lifted and their state moved to
-        the lifted copies and back; the other params' grads are set aside meanwhile (torch skips params without one)."""
+        """A torch optimizer (`OptimWrapper`): stepped once per chunk of params (an optimizer not known to be elementwise:
+        once, all of them), those lifted and their state moved to the lifted copies and back; the other params' grads are
+        set aside meanwhile (torch skips params without one)."""
         groups, state = self.core.opt.param_groups, self.core.opt.state
         with_grad = [(p, (gi, i), True) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
         grads, out = {p: p.grad for p, _, _ in with_grad}, None
         for p in grads: p.grad = None
         try:
-            for chunk in lift_chunks(with_grad, self.chunk_limit):
+            whole = lambda device: float('inf')  # not known to be elementwise (`fp16cb.compat`): one `step` for all params
+            for chunk in lift_chunks(with_grad, self.chunk_limit if elementwise(self.core) else whole):
                 lifted = []
                 for p, (gi, i), _ in chunk:
                     p.grad = grads[p]

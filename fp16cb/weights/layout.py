@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'split_like']
+__all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'laid_out_as',
+           'split_like']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -51,6 +52,11 @@ def with_layout_of(t:Tensor, like:Tensor) -> Tensor:
     strides = dense_strides(like)
     if owns_storage(t) and tuple(t.stride()) == strides: return t
     return torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+def laid_out_as(t:Tensor, like:Tensor) -> Tensor:
+    """`t` when its elements are in `like`'s memory order (the same strides), else a copy laid out as `like`: what a
+    step that reads both in memory order (a slice at a time) needs of a grad someone replaced with another layout."""
+    return t if tuple(t.stride()) == tuple(like.stride()) else with_layout_of(t, like)
 
 def split_like(pg, flats):
     "Cut the params `pg` (in flat-master order) into the consecutive runs that each of `flats` holds."

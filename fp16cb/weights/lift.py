@@ -200,7 +200,8 @@ class LiftPlan:
         items = [it for it in items if it[2] is not None]
         self.live = [(m, gi) for m, gi, _ in items]
         items = sorted(items, key=lambda it: _region(it[2][0][0].grad)[:2])
-        self.masters = [m for m, _, _ in items]
+        self.masters, self.gis = [m for m, _, _ in items], [gi for _, gi, _ in items]
+        self.runs = None  # the fastai driver's `FusedRun`s of this plan (made at its first fused step)
         self.objs, pairs, self.groups = [], [], {}
         buf = scratch(self.masters[0].device, sum(m.numel() for m in self.masters))
         self.views = flat_views(buf, self.masters)
@@ -214,13 +215,24 @@ class LiftPlan:
         self.dsts, self.copy_srcs = _coalesce(pairs)
         self.groups = {gi: _coalesce([(v, v) for v in vs])[0] for gi, vs in self.groups.items()}  # a group's scratch, merged
 
+    absent = ()  # the sources left out because they had no grad (a partial plan: valid while they still have none)
+
     @classmethod
-    def make(cls, items:list, scratch:Scratch):
-        "The plan of `items`, or None when it has no master or one of their sources has no grad now."
+    def make(cls, items:list, scratch:Scratch, partial:bool=False):
+        """The plan of `items`, or None when it has no master or one of their sources has no grad now. `partial`: of the
+        masters whose sources all have a grad now (a param no backward reached is not stepped, as in FP32)."""
+        if partial:
+            has = lambda it: it[2] is not None and all(o.grad is not None for o, _ in it[2])
+            absent = [o for it in items if it[2] is not None and not has(it) for o, _ in it[2]]
+            plan = cls.make([it for it in items if has(it)], scratch)
+            if plan is not None: plan.absent = absent
+            return plan
         objs = [o for _, _, sources in items if sources is not None for o, _ in sources]
         return cls(items, scratch) if objs and all(o.grad is not None for o in objs) else None
 
-    def valid(self) -> bool: return all(map(operator.is_, map(_grad_of, self.objs), self.srcs))
+    def valid(self) -> bool:
+        "Whether the sources' grads are still the tensors the plan copies from (and the absent ones still absent)."
+        return all(map(operator.is_, map(_grad_of, self.objs), self.srcs)) and all(o.grad is None for o in self.absent)
 
     def lift(self) -> dict:
         "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: its scratch}`."

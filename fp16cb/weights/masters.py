@@ -6,9 +6,10 @@ import torch
 from torch import Tensor
 from fastai.optimizer import OptimWrapper
 
-from .layout import split_like, memory_order
+from .layout import split_like, memory_order, laid_out_as
 from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, sliced_torch_step
+from .drivers import fused_runs
 from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
@@ -58,21 +59,24 @@ class FP32Masters(WeightStore):
         self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
                                      for gi, pg in enumerate(self.opt_pgs) for p in pg], self.chunk_limit)
         self._sliced_ok = elementwise(self.core)  # a master over a chunk is stepped a slice at a time
+        # fastai's loop steps runs of consecutive per-param masters as one flat tensor (16-bit state: widened per param)
+        self._fuse = not self.flat and self._sliced_ok and steps_param_by_param(self.core) and state_dtype is None
+        # the chunks one optimizer `step` takes: each chunk (fastai's loop, run here; an elementwise torch optimizer,
+        # stepped per chunk), or all of them at once (an optimizer with a `step` of its own, a torch optimizer not known to
+        # be elementwise: `fp16cb.compat`), and whether each is rounded into the model as soon as it is stepped (a wrapper
+        # such as Lookahead, or a flat group's put-back, changes the masters after)
+        chunked = steps_param_by_param(self.core) or (isinstance(self.core, OptimWrapper) and self._sliced_ok)
+        self._steps = self._chunks if chunked else [[it for c in self._chunks for it in c]]
+        self._fold_ok = chunked and self.opt is self.core
         sizes = {}  # the largest chunk of masters per device (a sliced one: a slice): the scratch the lift writes into
-        for c in self._chunks:
+        for c in self._steps:
             n = sum(p.numel() for p, _, src in c if src is not None)
             if self._sliceable(c): n = self.chunk_limit(c[0][0].device)
             if n: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
         self.scratch = Scratch(sizes)
         self._out = {id(c): to_model_copies(c) for c in self._chunks}  # each chunk's masters -> the model, coalesced
-        # the chunks one optimizer `step` takes: each chunk (fastai's loop, run here; a torch optimizer, stepped per chunk),
-        # or all of them at once (an optimizer with a `step` of its own), and whether each is rounded into the model as
-        # soon as it is stepped (a wrapper such as Lookahead, or a flat group's put-back, changes the masters after)
-        chunked = steps_param_by_param(self.core) or isinstance(self.core, OptimWrapper)
-        self._steps = self._chunks if chunked else [[it for c in self._chunks for it in c]]
-        self._fold_ok = chunked and self.opt is self.core
         self._owns = {id(c): [(p, gi) for p, gi, src in c if src is None] for c in self._chunks + self._steps}
-        self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._chunks if not self._sliceable(c)}  # made now, not in the first step
+        self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._steps if not self._sliceable(c)}  # made now, not in the first step
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing, self._trusted = [], False
@@ -107,7 +111,7 @@ class FP32Masters(WeightStore):
                 if self._step_sliced(chunk, sliced): continue
                 live = self._lift(chunk)
                 with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
-                    for p, gi in live: fastai_update(self.core, p, hypers[gi])
+                    for p, gi in self._fused(chunk, live): fastai_update(self.core, p, hypers[gi])
                 self._land(chunk)
             return None
         chunks = self._steps
@@ -135,6 +139,17 @@ class FP32Masters(WeightStore):
             for p, g in own.items(): p.grad = g
         return out
 
+    def _fused(self, chunk:list, live:list) -> list:
+        """The chunk's runs of consecutive masters stepped by fastai's callbacks as one flat tensor each (`FusedRun`):
+        returns `live` less the params they stepped (those step one at a time, as fastai's loop would)."""
+        plan = self._lifting.get(id(chunk))
+        if not self._fuse or plan is None: return live
+        if plan.runs is None: plan.runs = fused_runs(plan.masters, plan.views, plan.gis)
+        hypers, done = self.core.hypers, set()
+        for run in plan.runs:
+            if run.step(self.core, hypers[run.gi]): done.update(map(id, run.params))
+        return [it for it in live if id(it[0]) not in done] if done else live
+
     def _step_sliced(self, chunk:list, update, unscale:bool=True) -> bool:
         """A chunk that is one master bigger than the chunk limit, under an elementwise optimizer: stepped a chunk-sized
         slice at a time (`update(master, group, n, lift, land)`: `sliced_update` for fastai's loop, `sliced_torch_step`
@@ -144,7 +159,7 @@ class FP32Masters(WeightStore):
         (m, gi, sources), = chunk
         o = sources[0][0]
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
-        lift = partial(self._lift_slice, memory_order(m), memory_order(o.grad), self._factor(gi) if unscale else None)
+        lift = partial(self._lift_slice, memory_order(m), memory_order(laid_out_as(o.grad, m)), self._factor(gi) if unscale else None)
         land = partial(self._land_slice, memory_order(o.buf if isinstance(o, FlatRun) else o))
         with self.state16.lifted([m], opt_state(self.core)): update(m, gi, self.chunk_limit(m.device), lift, land)
         return True
@@ -210,13 +225,12 @@ class FP32Masters(WeightStore):
 
     def _plan(self, chunk:list):
         """The chunk's `LiftPlan`: made once and kept while its sources' grads are the same tensors; when a master's
-        param has no grad this step (no backward reached it), a plan of the others for this step only (None: no master
-        has a grad)."""
+        param has no grad (no backward reached it: an unused head), a plan of the others, kept while the same ones have
+        none (None: no master has a grad)."""
         plan = self._plans.get(id(chunk))
-        if plan is not None and (self._trusted or plan.valid()): return plan  # the grads as they are now
-        plan = self._plans[id(chunk)] = LiftPlan.make(chunk, self.scratch)
-        if plan is not None: return plan
-        return LiftPlan.make([it for it in chunk if it[2] is not None and all(o.grad is not None for o, _ in it[2])], self.scratch)
+        if plan is not None and ((self._trusted and not plan.absent) or plan.valid()): return plan  # the grads as they are now
+        plan = self._plans[id(chunk)] = LiftPlan.make(chunk, self.scratch) or LiftPlan.make(chunk, self.scratch, partial=True)
+        return plan
 
     def _land(self, chunk:list):
         """The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the scratch) and, unless something

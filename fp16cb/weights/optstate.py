@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from fastcore.foundation import L
-import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
+from ..compat import known_elementwise
+from .route import own_class
 from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of
 
 __all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param', 'elementwise',
@@ -15,7 +16,7 @@ __all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_upd
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
-    while not isinstance(opt, OptimWrapper) and type(opt) is not Optimizer and isinstance(getattr(opt, 'opt', None), _BaseOptimizer):
+    while not isinstance(opt, OptimWrapper) and own_class(opt) is not Optimizer and isinstance(getattr(opt, 'opt', None), _BaseOptimizer):
         opt = opt.opt
     return opt
 
@@ -105,23 +106,13 @@ def fastai_update(core, p, hyper:dict, key=None):
 
 def steps_param_by_param(core) -> bool:
     "Whether `core` is a fastai `Optimizer` whose `step` is fastai's own loop over params (so we may run it ourselves)."
-    return isinstance(core, Optimizer) and getattr(type(core), 'step', None) is Optimizer.step
-
-# fastai's step callbacks that update each element of a param (and of its state) from the same element alone: SGD,
-# momentum, Adam, RAdam, QHAdam, RMSProp, weight decay. Not LAMB's or LARC's, which take whole-param norms.
-_ELEMENTWISE = {fo.sgd_step, fo.weight_decay, fo.l2_reg, fo.average_grad, fo.average_sqr_grad, fo.momentum_step,
-                fo.step_stat, fo.adam_step, fo.radam_step, fo.qhadam_step, fo.rms_prop_step}
-
-# torch's optimizers that update each element on its own (not LBFGS, nor Adafactor's factored moments)
-_TORCH_ELEMENTWISE = tuple(getattr(torch.optim, k) for k in ('SGD', 'Adam', 'AdamW', 'RMSprop', 'Adagrad', 'Adamax', 'NAdam',
-                                                             'RAdam', 'Adadelta', 'Rprop', 'ASGD') if hasattr(torch.optim, k))
+    return isinstance(core, Optimizer) and getattr(own_class(core), 'step', None) is Optimizer.step
 
 def elementwise(core) -> bool:
-    """Whether optimizer `core` steps each element on its own: a fastai `Optimizer` whose callbacks are all in
-    `_ELEMENTWISE`, or an `OptimWrapper` around one of torch's elementwise optimizers. Such an optimizer steps a param
-    cut in parts (flat masters cut at the chunk limit, a slice at a time) exactly as it steps it whole."""
-    if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in _TORCH_ELEMENTWISE
-    return steps_param_by_param(core) and all(getattr(cb, 'func', cb) in _ELEMENTWISE for cb in core.cbs)
+    """Whether optimizer `core` steps each element on its own, as `fp16cb.compat` declares it (`known_elementwise`): a
+    fastai `Optimizer` run by fastai's own loop whose callbacks are all elementwise, or an `OptimWrapper` around one of
+    torch's elementwise optimizers. Such an optimizer steps a param cut in parts exactly as it steps it whole."""
+    return (isinstance(core, OptimWrapper) or steps_param_by_param(core)) and known_elementwise(core)
 
 def _sliced(p, state:dict) -> dict:
     """`{key: 1-d view in memory order}` of `p`'s state tensors of its shape (what a slice of `p` takes a slice of), each
@@ -150,6 +141,7 @@ def sliced_torch_step(opt, p, n:int, lift, land, step):
     state = opt.state[p]
     full, out, rest, fresh = _sliced(p, state), None, {}, not state  # fresh: each slice makes its own (the first step)
     scalars = {k: v for k, v in state.items() if k not in full}
+    q, done = None, False
     try:
         for o in range(0, p.numel(), n):
             s = slice(o, min(o + n, p.numel()))
@@ -160,8 +152,14 @@ def sliced_torch_step(opt, p, n:int, lift, land, step):
             rest = _keep_slice(p, state, full, opt.state.pop(q), s, q.numel())
             land(s, q)
             q.grad = None
-    finally: group['params'][i] = p
-    state.update(rest)
+        done = True
+    finally:  # also when interrupted: no slice's state left behind, and `p`'s state that of the completed steps
+        group['params'][i] = p
+        if q is not None:
+            opt.state.pop(q, None)
+            q.grad = None
+        if done: state.update(rest)  # the step count & co. (the same for every slice)
+        elif fresh: state.clear()  # an interrupted first step: no state, as before it (torch makes it afresh)
     return out
 
 def sliced_update(core, p, hyper:dict, n:int, lift, land):

@@ -13,6 +13,7 @@ from .functional import check_unique_params, trainable
 from .optstate import innermost, opt_state
 from .state16 import HalfState
 from .lift import chunk_limit
+from .route import Route
 
 __all__ = ['Stage', 'WeightStore', 'check_same_kind']
 
@@ -68,8 +69,7 @@ class WeightStore:
         self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
         self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
         self.grad_factor, self.coefs = 1., {}  # 1/loss scale; clip coefficients per group (device tensors)
-        self._prev_step, self._inner_step = vars(opt).get('step'), opt.step  # the optimizer's own, to call and give back
-        opt.step = self._step
+        self.route = Route(opt, self.core, self)  # `learn.opt.step()` and `zero_grad()` reach the store (`route`)
 
     # -- the interface the callback uses, in the order of a step
     def prepare_grads(self,
@@ -111,6 +111,16 @@ class WeightStore:
         out = None if self.in_backward else self._step_impl(*args, **kwargs)  # in the backward: stepped already
         self.stage = Stage.STEPPED
         return out
+
+    def zero_grad(self):
+        """The optimizer's `zero_grad` during the fit (fastai's, after each step; a callback's): the model's grads are
+        cleared, as FP32 fastai's `zero_grad` clears them. Called between a backward and its step (a callback dropping a
+        batch's grads), a torch optimizer's grads go (None: nothing is stepped, as in FP32), a fastai one's are zeroed."""
+        self.zero_model_grads()
+        if self.stage is Stage.UNSCALED and self.none_after_step and not self.in_backward:
+            for p in self._hooked_params(): p.grad = None
+            self._trusted = False
+        if self.stage in (Stage.STEPPED, Stage.SKIPPED): self.cleared = True
 
     def skip(self) -> tuple:
         """The step overflowed: its grads go, nothing of them reaches the weights. Returns which params' grads held
@@ -175,8 +185,7 @@ class WeightStore:
         "Give the optimizer its own `step`, params and state (FP32) back (the end of the fit)."
         self.state16.widen_all(opt_state(self.core))
         for h in getattr(self, '_grad_hooks', []): h.remove()
-        if self._prev_step is None: self.opt.__dict__.pop('step', None)
-        else: self.opt.step = self._prev_step
+        self.route.remove()
 
     # -- opt-in: the step in the backward
     def arm_in_backward(self):
@@ -245,13 +254,8 @@ class WeightStore:
         return c if self.grad_factor == 1. else c * self.grad_factor
 
     def _through_core(self, core_step, *args, **kwargs):
-        """Step the optimizer once, `core_step` (`(step, *args)`) doing the innermost optimizer's part: through a wrapper
-        (fastai's `Lookahead`), the wrapper's `step` runs once and calls the wrapped optimizer's, which is ours then."""
-        if self.opt is self.core: return core_step(self._inner_step, *args, **kwargs)
-        core, inner = self.core, self.core.step
-        core.step = lambda *a, **k: core_step(inner, *a, **k)
-        try: return self._inner_step(*args, **kwargs)
-        finally: core.__dict__.pop('step', None)
+        "Step the optimizer once, `core_step` (`(step, *args)`) doing the innermost optimizer's part (`Route.through`)."
+        return self.route.through(core_step, *args, **kwargs)
 
     def _in_model_order(self, params:list) -> tuple:
         "`(order, names)`: `params` as `model.named_parameters()` orders and names them (made once per store)."

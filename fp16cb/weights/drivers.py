@@ -1,0 +1,123 @@
+"""The fastai driver's fused runs: an elementwise fastai optimizer steps a run of per-param FP32 masters that lie
+consecutive in one buffer as ONE call of its step callbacks on the run's flat view, instead of one call per param.
+
+fastai's `Optimizer.step` runs its callbacks (weight decay, Adam's averages, the update) once per param: ~10 kernels
+and ~80 us of host time each on a GPU, so a ResNet-50 (161 tensors) spends more host time in the optimizer than the
+device spends in the whole step. A run's masters are one flat tensor already (`lift.storage_runs`), and their FP32 grads
+one flat part of the lift's scratch, in the same memory order; the state of each param is kept as views into one flat
+buffer per state key, so `opt.state[p]` still holds per-param tensors (checkpoints, `to_fp32()`, Lookahead, the
+optimizer-state moves read them as before) while the step reads the buffer whole.
+
+What steps on its own, as fastai would: a param whose scalar state differs from its neighbours' (its own step count, a
+`do_wd=False` bias), one without a grad this step (not in the chunk's plan), and every param of an optimizer that reads
+a param whole (LAMB, LARC: not `elementwise`)."""
+from __future__ import annotations
+import operator
+import torch
+from torch import Tensor
+from fastai.optimizer import _update
+
+from .layout import flat_views, dense_strides
+
+__all__ = ['FusedRun', 'fused_runs', 'is_param_state']
+
+def is_param_state(v, p) -> bool:
+    "Whether the state entry `v` is a tensor shaped like its param `p` (a moment, a momentum), not a count or a flag."
+    return isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape
+
+def _scalars(st:dict, p) -> dict|None:
+    "The entries of `st` that are not shaped like `p` (the step count, flags), or None when one is a tensor (no fusing)."
+    res = {}
+    for k, v in st.items():
+        if is_param_state(v, p): continue
+        if isinstance(v, Tensor): return None
+        res[k] = v
+    return res
+
+class FusedRun:
+    """Masters consecutive in one FP32 buffer, of one param group, whose grads are consecutive in the scratch: stepped by
+    fastai's callbacks as one flat tensor (`step`) when their states agree, else one at a time (`fallback`)."""
+    def __init__(self, items:list, master:Tensor, grad:Tensor):
+        self.params = [m for m, _ in items]
+        self.gi = items[0][1]
+        self.master, self.grad = master, grad  # 1-d views over the run's masters and over their grads in the scratch
+        self.bufs, self.views = {}, {}  # {state key: flat buffer}, {state key: the per-param views given out}
+
+    def step(self, core, hyper:dict) -> bool:
+        "One fused update of the run (True), or False when the params' states differ (the caller steps them one by one)."
+        if len(self.params) < 2: return False  # one param: fastai's own per-param update
+        state = core.state
+        sts = [state[p] for p in self.params]
+        p0, st0 = self.params[0], sts[0]
+        scalars = _scalars(st0, p0)
+        if scalars is None: return False
+        keys = [k for k, v in st0.items() if is_param_state(v, p0)]
+        for p, st in zip(self.params[1:], sts[1:]):
+            if len(st) != len(st0) or _scalars(st, p) != scalars or any(not is_param_state(st.get(k), p) for k in keys): return False
+        flat = {k: self._flat(k, sts) for k in keys}
+        q = self.master
+        q.grad = self.grad
+        try:
+            st = {**scalars, **flat}
+            for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
+        finally: q.grad = None
+        self._spread(st, sts, flat)
+        return True
+
+    def _flat(self, k, sts:list) -> Tensor:
+        """The flat buffer of state key `k`, whose views the params' states `sts` hold (when they don't: a buffer made,
+        filled with their tensors, and its views given to them in their place)."""
+        ts, views = [st[k] for st in sts], self.views.get(k)
+        if views is not None and all(map(operator.is_, ts, views)): return self.bufs[k]
+        buf = torch.empty(self.master.numel(), dtype=ts[0].dtype, device=self.master.device)
+        views = flat_views(buf, self.params)
+        torch._foreach_copy_(views, [t.detach() for t in ts])
+        for st, v in zip(sts, views): st[k] = v
+        self.bufs[k], self.views[k] = buf, views
+        return buf
+
+    def _spread(self, st:dict, sts:list, flat:dict):
+        """The fused update's state back into each param's: flat tensors the step replaced are copied into the buffer, new
+        ones (the first step's moments) become buffers whose views the params get; scalars (the step count) each its own."""
+        n = self.master.numel()
+        for k, v in st.items():
+            if k in flat:
+                if v is not flat[k]: flat[k].copy_(v)
+                continue
+            if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n:
+                self.bufs[k], self.views[k] = v, flat_views(v, self.params)
+                for s, view in zip(sts, self.views[k]): s[k] = view
+                continue
+            for s in sts: s[k] = v.clone() if isinstance(v, Tensor) else v
+
+def _contiguous(a:Tensor, b:Tensor) -> bool:
+    "Whether the dense tensor `b` starts right where `a` ends, in the same storage."
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() + a.numel() == b.storage_offset())
+
+def fused_runs(masters:list, views:list, groups:list) -> list:
+    """The `FusedRun`s of a chunk's plan: its `masters` with their grads' scratch `views` and param `groups`, in scratch
+    order, cut where a master or its grad does not continue the previous one in memory, or the group changes."""
+    runs, cur = [], []
+    def close():
+        if not cur: return
+        ms, vs = [m for m, _, _ in cur], [v for _, v, _ in cur]
+        master = _span(ms)
+        grad = _span(vs)
+        runs.append(FusedRun([(m, gi) for m, _, gi in cur], master, grad))
+    for m, v, gi in zip(masters, views, groups):
+        if cur:
+            pm, pv, pgi = cur[-1]
+            if not (gi == pgi and _contiguous(pm, m) and _contiguous(pv, v) and _dense(m) and _dense(pm)): close(); cur = []
+        cur.append((m, v, gi))
+    close()
+    return runs
+
+def _dense(t:Tensor) -> bool:
+    "Whether `t` (at least 1-d) fills exactly `t.numel()` elements of its storage (any order of its dims)."
+    return tuple(t.stride()) == dense_strides(t) and t.dim() > 0
+
+def _span(ts:list) -> Tensor:
+    "The 1-d tensor over the memory of the consecutive dense tensors `ts`."
+    t = ts[0].detach()
+    return t.as_strided((sum(x.numel() for x in ts),), (1,), t.storage_offset())
