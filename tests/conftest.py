@@ -244,4 +244,4 @@ def per_param_steps(monkeypatch):
     """fastai's loop steps each master on its own (no `FusedRun`): for tests whose `StepSpy` reads the grads param by
     param (fused, a run of masters is stepped as one flat tensor, which the spy sees as one)."""
     from fp16cb.weights.drivers import FusedRun
-    monkeypatch.setattr(FusedRun, 'step', lambda self, core, hyper: False)
+    monkeypatch.setattr(FusedRun, 'step', lambda self, core, hyper: [])

@@ -211,11 +211,13 @@ def test_clip_unscaled_master_grads(clip, clip_global, per_param_steps):
     learn = make_learner()
     learn.to_fp16(dynamic=False, loss_scale=128., clip=clip, clip_global=clip_global)
     mp = lambda l: l.mixed_precision
-    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs])
-    spy = StepSpy()  # the master grads as the optimizer steps with them
+    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs],
+                 before_step=lambda l: {id(m): (gi, i) for gi, mg in enumerate(mp(l).master_pgs) for i, m in enumerate(mg)})
+    spy = StepSpy()  # the master grads as the optimizer steps with them (in the masters' buffer order)
     quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
-    sizes = [len(pg) for pg in learn.opt.param_lists]
-    stepped = [[gs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))] for gs in spy.grads()]
+    where = rec.log['before_step'][0]  # each master's (group, place in it)
+    stepped = [[[g for _, g in sorted(((where[id(p)], g) for p, g in step if where[id(p)][0] == gi), key=lambda o: o[0])]
+                 for gi in range(2)] for step in spy.steps]
     assert len(stepped) == 4 and len(stepped[0]) == 2  # 4 steps, 2 param groups
     for g16, gm in zip(rec.log['after_backward'], stepped):
         if clip_global: g16, gm = [[g for pg in g16 for g in pg]], [[g for pg in gm for g in pg]]

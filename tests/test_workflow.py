@@ -232,9 +232,18 @@ def test_lr_find_diverging_fp16_stops_instead_of_raising():
 
 # ---- gradient accumulation and clipping -------------------------------------------------------------------------
 class GradSpy(StepSpy):
-    "Records, at each real optimizer step, the gradients the optimizer steps with (unscaled), all params in one vector."
+    """Records, at each real optimizer step, the gradients the optimizer steps with (unscaled), all params in one vector
+    in the model's order (the masters are stepped in their buffer's order: each is named by the model param it holds)."""
+    def before_step(self):
+        super().before_step()
+        mp = getattr(self.learn, 'mixed_precision', None)
+        pairs = mp.master.fp32_views().items() if mp is not None and mp.master is not None else ((p, p) for p in self.learn.model.parameters())
+        rank = {id(p): i for i, p in enumerate(self.learn.model.parameters())}
+        self._rank = {t.data_ptr(): rank[id(p)] for p, t in pairs}
+    def _spy(self, p, **kwargs):
+        if self._cur is not None: self._cur.append((self._rank[p.data_ptr()], self.fn(p)))
     @property
-    def grads(self): return [torch.cat([g.float().reshape(-1) for g in gs]) for gs in super().grads()]
+    def grads(self): return [torch.cat([g.float().reshape(-1) for _, g in sorted(step, key=lambda o: o[0])]) for step in self.steps]
 
 @pytest.mark.parametrize('mode', ['fp16', 'native'])
 def test_gradient_accumulation_matches_fp32(mode, per_param_steps):  # the spy compares grads param by param

@@ -25,35 +25,53 @@ def is_param_state(v, p) -> bool:
     "Whether the state entry `v` is a tensor shaped like its param `p` (a moment, a momentum), not a count or a flag."
     return isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape
 
-def _scalars(st:dict, p) -> dict|None:
-    "The entries of `st` that are not shaped like `p` (the step count, flags), or None when one is a tensor (no fusing)."
-    res = {}
-    for k, v in st.items():
-        if is_param_state(v, p): continue
-        if isinstance(v, Tensor): return None
-        res[k] = v
-    return res
-
 class FusedRun:
-    """Masters consecutive in one FP32 buffer, of one param group, whose grads are consecutive in the scratch: stepped by
-    fastai's callbacks as one flat tensor (`step`) when their states agree, else one at a time (`fallback`)."""
+    """Masters consecutive in one FP32 buffer, of one param group, whose grads are consecutive in the scratch. Each step,
+    its stretches of params with equal scalar state (step count, flags) and the same state keys are stepped by fastai's
+    callbacks as one flat tensor each (`step`); a param alone in its stretch is left to fastai's per-param update."""
     def __init__(self, items:list, master:Tensor, grad:Tensor):
         self.params = [m for m, _ in items]
         self.gi = items[0][1]
         self.master, self.grad = master, grad  # 1-d views over the run's masters and over their grads in the scratch
-        self.bufs, self.views = {}, {}  # {state key: flat buffer}, {state key: the per-param views given out}
+        self.offsets = [0]
+        for p in self.params: self.offsets.append(self.offsets[-1] + p.numel())
+        self.parts = {}  # {(first, end): _Stretch}, kept from step to step (their state buffers with them)
 
-    def step(self, core, hyper:dict) -> bool:
-        "One fused update of the run (True), or False when the params' states differ (the caller steps them one by one)."
-        if len(self.params) < 2: return False  # one param: fastai's own per-param update
-        state = core.state
-        sts = [state[p] for p in self.params]
-        p0, st0 = self.params[0], sts[0]
-        scalars = _scalars(st0, p0)
-        if scalars is None: return False
-        keys = [k for k, v in st0.items() if is_param_state(v, p0)]
-        for p, st in zip(self.params[1:], sts[1:]):
-            if len(st) != len(st0) or _scalars(st, p) != scalars or any(not is_param_state(st.get(k), p) for k in keys): return False
+    def step(self, core, hyper:dict) -> list:
+        "Step the run's stretches of equal state, each as one flat tensor: returns the params stepped so."
+        if len(self.params) < 2: return []
+        state, done, i = core.state, [], 0
+        sigs = [_signature(state[p], p) for p in self.params]
+        while i < len(self.params):
+            j = i + 1
+            while j < len(self.params) and sigs[i] is not None and sigs[j] == sigs[i]: j += 1
+            if j - i > 1:
+                part = self.parts.get((i, j))
+                if part is None: part = self.parts[(i, j)] = _Stretch(self, i, j)
+                part.step(core, hyper, [state[p] for p in self.params[i:j]], sigs[i])
+                done += self.params[i:j]
+            i = j
+        return done
+
+def _signature(st:dict, p) -> tuple|None:
+    "`(scalar entries, state keys shaped like p)` of a param's state: equal ones step together (None: never, a tensor scalar)."
+    scalars, keys = {}, []
+    for k, v in st.items():
+        if is_param_state(v, p): keys.append(k)
+        elif isinstance(v, Tensor): return None
+        else: scalars[k] = v
+    return scalars, tuple(keys)
+
+class _Stretch:
+    "Params `first:end` of a `FusedRun`: its flat views, and one flat buffer per state key whose views the params hold."
+    def __init__(self, run:FusedRun, first:int, end:int):
+        a, b = run.offsets[first], run.offsets[end]
+        self.params, self.master, self.grad = run.params[first:end], run.master[a:b], run.grad[a:b]
+        self.bufs, self.views = {}, {}
+
+    def step(self, core, hyper:dict, sts:list, sig:tuple):
+        "One update by fastai's callbacks of the stretch as one flat tensor, its state spread back into each param's."
+        scalars, keys = sig
         flat = {k: self._flat(k, sts) for k in keys}
         q = self.master
         q.grad = self.grad
@@ -62,7 +80,6 @@ class FusedRun:
             for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
         finally: q.grad = None
         self._spread(st, sts, flat)
-        return True
 
     def _flat(self, k, sts:list) -> Tensor:
         """The flat buffer of state key `k`, whose views the params' states `sts` hold (when they don't: a buffer made,

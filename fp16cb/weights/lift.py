@@ -115,12 +115,13 @@ class FlatRun:
             if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
                 p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
 
-def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=False) -> list:
+def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=False, key=None) -> list:
     """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves
-    into one FP32 buffer per device, ordered by the model's dtype: returns the runs. (No FP32 grad buffer: the grads are
-    lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
-    by_dev = {}
-    for i in sorted(range(len(models)), key=lambda i: str(models[i].dtype)): by_dev.setdefault(models[i].device, []).append(i)
+    into one FP32 buffer per device, ordered by the model's dtype, then by `key(index)` (the masters' param group and
+    optimizer flags: what the fastai driver steps as one flat tensor is then consecutive), stably: returns the runs. (No
+    FP32 grad buffer: the grads are lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
+    by_dev, order = {}, (lambda i: (str(models[i].dtype), key(i))) if key is not None else (lambda i: str(models[i].dtype))
+    for i in sorted(range(len(models)), key=order): by_dev.setdefault(models[i].device, []).append(i)
     runs = []
     for dev, idx in by_dev.items():
         n = sum(models[i].numel() for i in idx)

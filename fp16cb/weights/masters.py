@@ -56,8 +56,8 @@ class FP32Masters(WeightStore):
         self._grads = merged([r.grad for r in self.runs if r.grad is not None])  # none when stepping in the backward
         own, self._lifting = {id(p) for p in self.own_params}, {}  # the plans of this step's chunks
         sources = self._sources()
-        self._chunks = lift_chunks([(p, gi, None if id(p) in own else sources[id(p)])
-                                     for gi, pg in enumerate(self.opt_pgs) for p in pg], self.chunk_limit)
+        self._chunks = lift_chunks(self._in_storage_order([(p, gi, None if id(p) in own else sources[id(p)])
+                                                           for gi, pg in enumerate(self.opt_pgs) for p in pg]), self.chunk_limit)
         self._sliced_ok = elementwise(self.core)  # a master over a chunk is stepped a slice at a time
         # fastai's loop steps runs of consecutive per-param masters as one flat tensor (16-bit state: widened per param)
         self._fuse = not self.flat and self._sliced_ok and steps_param_by_param(self.core) and state_dtype is None
@@ -146,8 +146,7 @@ class FP32Masters(WeightStore):
         if not self._fuse or plan is None: return live
         if plan.runs is None: plan.runs = fused_runs(plan.masters, plan.views, plan.gis)
         hypers, done = self.core.hypers, set()
-        for run in plan.runs:
-            if run.step(self.core, hypers[run.gi]): done.update(map(id, run.params))
+        for run in plan.runs: done.update(map(id, run.step(self.core, hypers[run.gi])))
         return [it for it in live if id(it[0]) not in done] if done else live
 
     def _step_sliced(self, chunk:list, update, unscale:bool=True) -> bool:
@@ -292,6 +291,9 @@ class FP32Masters(WeightStore):
     @property
     def model_grads(self) -> list: return self._grads
 
+    def _in_storage_order(self, items:list) -> list:
+        "The `(master, group, sources)` items in the order the chunks take them (here: the optimizer's)."
+        return items
     def _make_runs(self) -> list: raise NotImplementedError
     def _sources(self) -> dict:
         "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
@@ -359,8 +361,21 @@ class FlatMasters(FP32Masters):
 
 class ParamMasters(FP32Masters):
     "One FP32 master per param (per-param optimizer state and steps), their data in one buffer per device."
-    def _make_runs(self): return storage_runs([p for pg in self.model_pgs for p in pg], self.master_params, self._with_grads,
-                                              per_step=self.none_after_step)
+    def _make_runs(self):
+        "The masters' buffer ordered by dtype, param group and optimizer flags (`do_wd`...): the fastai driver's runs."
+        models, state = [p for pg in self.model_pgs for p in pg], opt_state(self.core)
+        gis = [gi for gi, pg in enumerate(self.model_pgs) for _ in pg]
+        flags = [tuple(sorted((k, repr(v)) for k, v in state.get(p, {}).items() if not isinstance(v, Tensor))) for p in models]
+        first = {}  # each set of flags ranked by where it first appears (a resumed fit orders its masters as the first did)
+        for f in flags: first.setdefault(f, len(first))
+        return storage_runs(models, self.master_params, self._with_grads, per_step=self.none_after_step,
+                            key=lambda i: (gis[i], first[flags[i]]))
+
+    def _in_storage_order(self, items:list) -> list:
+        """Masters in the order of their buffer (each chunk a stretch of it: one copy in, one out, long fused runs), own
+        params after them; elementwise or not, an optimizer's step does not depend on the order of its params."""
+        pos = lambda m: (str(m.device), m.untyped_storage().data_ptr(), m.storage_offset())
+        return sorted(items, key=lambda it: (it[2] is None, pos(it[0]) if it[2] is not None else ("", 0, 0)))
     def _sources(self) -> dict:
         "Each master is fed by its param's grad (a param without grad leaves its master without one, as in FP32)."
         return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}
