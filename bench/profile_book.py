@@ -13,7 +13,7 @@ def wrap(obj, name, key=None):
         if isinstance(r, torch.Tensor): r.tolist()
         T.setdefault(key,[]).append(time.process_time()-t); return r
     setattr(obj,name,w)
-for n in ('prepare_grads','master_to_model','finish','_step_impl','_step_chunks','_hold'): wrap(M.FP32Masters,n)
+for n in ('prepare_grads','master_to_model','finish','_step_impl','_fastai_loop','_torch_step','_hold'): wrap(M.FP32Masters,n)
 wrap(M.FlatMasters,'_hold','flat._hold')
 wrap(O.OverflowCheck,'__call__','overflow_check+sync')
 wrap(Lift.FlatRun,'reattach_grads'); wrap(Lift.FlatRun,'settle')

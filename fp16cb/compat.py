@@ -107,6 +107,7 @@ class Facts:
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
     state_dtype: torch.dtype|None = None  # the optimizer's state stored in this dtype between steps (None: FP32)
     whole_param: str|None = None  # the optimizer's step that reads each param whole (LAMB's, LARC's norms), by name
+    sparse_grads: tuple = ()  # names of the modules whose params get sparse grads (`nn.Embedding(sparse=True)`)
 
     @classmethod
     def of_cell(cls, mode:str, opt:str='adam', ctx:str='plain') -> Facts:
@@ -181,6 +182,12 @@ RULES = (
          "torch optimizer in `OptimWrapper`, `Lookahead`, or an `Optimizer` with its own `step`): use a plain fastai "
          "optimizer (`Adam`, `SGD`, ...) or train without step_in_backward.",
          reason="step_in_backward runs fastai's `Optimizer` loop itself, one param at a time: a plain fastai optimizer only."),
+    Rule('sib-sparse', FIT, lambda f: f.step_in_backward and bool(f.sparse_grads),
+         lambda f: _SIB + f"the model's {', '.join(f.sparse_grads[:3])}{' ...' if len(f.sparse_grads) > 3 else ''} "
+                   f"get{'s' if len(f.sparse_grads) == 1 else ''} sparse gradients (`sparse=True`), which cannot be checked "
+                   "for inf/NaN and stepped inside the backward. Make the embedding dense (`sparse=False`, the default) "
+                   "or train without step_in_backward.",
+         reason="sparse gradients (`nn.Embedding(sparse=True)`) cannot be checked and stepped inside the backward."),
     Rule('sib-accumulate', FIT, lambda f: f.step_in_backward and f.accumulate,
          _SIB + "GradientAccumulation sums several backwards' grads before a step. Train without step_in_backward.",
          reason="gradient accumulation sums several backwards' grads before one step; step_in_backward steps in each backward."),
@@ -236,8 +243,9 @@ STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, ever
            "param (fastai's `grad_avg`, `sqr_avg` and momentum; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, "
            "`momentum_buffer`): it is lifted to FP32 with its param inside the step, updated by the optimizer's own code "
            "and rounded back stochastically (`stochastic_rounding=False`: to nearest). Step counts and scalars, the state "
-           "of 0-dim params and fastai `Lookahead`'s slow weights stay FP32; between fits, in checkpoints and after "
-           "`to_fp32()` the whole state is FP32.")
+           "of 0-dim params (with `flat_master=True` a 0-dim param is part of its group's flat master, and its moments "
+           "of the flat master's, in bfloat16 like them) and fastai `Lookahead`'s slow weights stay FP32; between fits, "
+           "in checkpoints and after `to_fp32()` the whole state is FP32.")
 
 def table() -> str:
     "The compatibility table (markdown): a row per mode, a column per optimizer kind and context; refusals by rule."
@@ -310,7 +318,9 @@ def learner_facts(learn, f:Facts) -> Facts:
     """`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model. (Its float64
     layers are `ModelToHalf.check_model`'s to read: they matter only to a model converted to 16-bit.)"""
     model = learn.model
-    return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None,
+    sparse = tuple(n or 'model' for n, m in model.named_modules() if getattr(m, 'sparse', False) is True
+                   and any(p.requires_grad for p in m.parameters(recurse=False)))
+    return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None, sparse_grads=sparse,
                      whole_param=whole_param_step(learn.opt) if learn.opt is not None else None,
                      accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
                      gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),

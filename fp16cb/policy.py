@@ -100,13 +100,16 @@ def _regex(spec, pattern:str) -> re.Pattern:
     try: return re.compile(pattern)
     except re.error as e: raise ValueError(f"keep_fp32: {spec!r} is not a valid regex ({e}): fix it, or use a glob") from None
 
+_ORIG = re.compile(r'(?:(?<=^)|(?<=\.)|(?<=^re:))_orig_mod\.')  # `torch.compile`'s wrapper in a qualified name
+
 def _matcher(spec) -> _Matcher:
     "The test and the label of one item of `keep_fp32`."
     if isinstance(spec, type) and issubclass(spec, nn.Module): return _Matcher(_IsType(spec), spec.__name__, spec)
     if isinstance(spec, str):
         if spec in CATEGORIES: return _Matcher(CATEGORIES[spec][1], spec, spec)
-        if spec.startswith('re:'): return _Matcher(_NameIs(_regex(spec, spec[3:])), spec, spec, True)
-        return _Matcher(_NameIs(re.compile(fnmatch.translate(spec))), f"name {spec!r}", spec, True)
+        name = _ORIG.sub('', spec)  # a compiled model's name as `named_modules()` shows it: the original module's
+        if spec.startswith('re:'): return _Matcher(_NameIs(_regex(spec, name[3:])), spec, spec, True)
+        return _Matcher(_NameIs(re.compile(fnmatch.translate(name))), f"name {spec!r}", spec, True)
     if isinstance(spec, re.Pattern): return _Matcher(_NameIs(spec), f"re {spec.pattern!r}", spec, True)
     if callable(spec): return _Matcher(_Predicate(spec), getattr(spec, '__name__', 'predicate'), spec)
     raise TypeError(f"keep_fp32: cannot use {spec!r}: expected a module type, a category ({', '.join(CATEGORIES)}), "

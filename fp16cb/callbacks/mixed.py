@@ -186,7 +186,6 @@ class MixedPrecision(SessionCallback):
             found, self.max_grad, under = read_stats(self.store.recheck(), self.learn.model)
         if not (found or under):
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
-            if self._remembered: self._forget_stepped()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         self.record.unscaled()
@@ -217,14 +216,16 @@ class MixedPrecision(SessionCallback):
         stage = self.store.stage
         if stage is Stage.STEPPED or (stage is Stage.UNSCALED and self.store.in_backward):  # in the backward: stepped there
             self.record.record(self.store.scale, False)
+            if self._remembered: self._forget_stepped()
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         elif stage is not Stage.SKIPPED: self.record.cancelled()
         self.store.finish()
         self.record.unscaled()
 
     def _forget_stepped(self):
-        """16-bit storage is about to step these params: the FP32 originals `ModelToHalf` kept for them go stale, let them
-        go (4 bytes/param). A param never stepped keeps its original: after the fit it gets its exact FP32 value back."""
+        """16-bit storage stepped these params: the FP32 originals `ModelToHalf` kept for them are stale, let them go (4
+        bytes/param). Only once the step was taken: a step another callback cancelled after our `before_step` changed
+        nothing, and a param never stepped keeps its original (after the fit it gets its exact FP32 value back)."""
         stepped = self.store.stepping(self._remembered)
         if not stepped: return
         self._model_to_half().forget_originals(stepped)

@@ -5,12 +5,13 @@ filled by copies coalesced in memory order and reused by every chunk; and the co
 masters into the model (`to_model_copies`), made once."""
 from __future__ import annotations
 import operator
+from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
 from .layout import flat_views, split_like, memory_order
 
-__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK',
+__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK',
            'chunk_limit']
 
 _grad_of = operator.attrgetter('grad')
@@ -243,6 +244,25 @@ class LiftPlan:
 
     def free(self):
         for m in self.masters: m.grad = None
+
+@dataclass(eq=False)
+class Chunk:
+    """A bounded part of one optimizer step, decided at the fit's set-up: its `(master, group, sources)` items in the
+    masters' buffer order; whether it is one master bigger than the chunk limit, stepped a slice at a time (`sliced`);
+    its params that train in their own dtype (`owns`, `(param, group)`); the copies that round its masters into the
+    model (`out`); and its `LiftPlan`, kept from step to step while the grads it reads stay the same tensors (`plan`),
+    with the one of the step under way between its lift and its landing (`lifted`)."""
+    items: list
+    sliced: bool = False
+    owns: list = field(default_factory=list)
+    out: tuple = ((), ())
+    plan: LiftPlan|None = None
+    lifted: LiftPlan|None = None
+    def __iter__(self): return iter(self.items)
+    def __len__(self): return len(self.items)
+    @property
+    def device(self): return self.items[0][0].device
+    def elements(self) -> int: return sum(m.numel() for m, _, src in self.items if src is not None)
 
 def to_model_copies(items:list) -> tuple:
     """`(dsts, srcs)`: the copies that round the masters of `items` (`(master, group, sources)`) into the model's 16-bit

@@ -10,7 +10,7 @@ from .layout import split_like, memory_order, laid_out_as
 from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, sliced_torch_step
 from .drivers import fused_runs
-from .lift import Scratch, LiftPlan, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
+from .lift import Scratch, LiftPlan, Chunk, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
 from ..compat import Facts, check, STEP
@@ -50,37 +50,43 @@ class FP32Masters(WeightStore):
         self.runs = self._make_runs()
         self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, self.flat, with_grads=False)
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
+        self._note_state_before()
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
         self.state16.narrow_all(opt_state(self.core))
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = merged([r.grad for r in self.runs if r.grad is not None])  # none when stepping in the backward
-        own, self._lifting = {id(p) for p in self.own_params}, {}  # the plans of this step's chunks
-        sources = self._sources()
-        self._chunks = lift_chunks(self._in_storage_order([(p, gi, None if id(p) in own else sources[id(p)])
-                                                           for gi, pg in enumerate(self.opt_pgs) for p in pg]), self.chunk_limit)
         self._sliced_ok = elementwise(self.core)  # a master over a chunk is stepped a slice at a time
         # fastai's loop steps runs of consecutive per-param masters as one flat tensor (16-bit state: widened per param)
         self._fuse = not self.flat and self._sliced_ok and steps_param_by_param(self.core) and state_dtype is None
-        # the chunks one optimizer `step` takes: each chunk (fastai's loop, run here; an elementwise torch optimizer,
-        # stepped per chunk), or all of them at once (an optimizer with a `step` of its own, a torch optimizer not known to
-        # be elementwise: `fp16cb.compat`), and whether each is rounded into the model as soon as it is stepped (a wrapper
-        # such as Lookahead, or a flat group's put-back, changes the masters after)
-        chunked = steps_param_by_param(self.core) or (isinstance(self.core, OptimWrapper) and self._sliced_ok)
-        self._steps = self._chunks if chunked else [[it for c in self._chunks for it in c]]
-        self._fold_ok = chunked and self.opt is self.core
-        sizes = {}  # the largest chunk of masters per device (a sliced one: a slice): the scratch the lift writes into
-        for c in self._steps:
-            n = sum(p.numel() for p, _, src in c if src is not None)
-            if self._sliceable(c): n = self.chunk_limit(c[0][0].device)
-            if n: sizes[c[0][0].device] = max(sizes.get(c[0][0].device, 0), n)
-        self.scratch = Scratch(sizes)
-        self._out = {id(c): to_model_copies(c) for c in self._chunks}  # each chunk's masters -> the model, coalesced
-        self._owns = {id(c): [(p, gi) for p, gi, src in c if src is None] for c in self._chunks + self._steps}
-        self._plans = {} if in_backward else {id(c): LiftPlan.make(c, self.scratch) for c in self._steps if not self._sliceable(c)}  # made now, not in the first step
+        self.chunks = self._plan_chunks(in_backward)
+        # the driver, picked once: fastai's loop (run here, chunk by chunk), or the torch optimizer's own `step`
+        self._driver = self._fastai_loop if steps_param_by_param(self.core) else self._torch_step
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing, self._trusted = [], False
         if in_backward: self.arm_in_backward()
+
+    def _plan_chunks(self, in_backward:bool) -> list:
+        """The `Chunk`s one optimizer step takes, in the masters' buffer order: each chunk of at most `chunk_limit`
+        elements (fastai's loop; an elementwise torch optimizer, stepped once per chunk), or one chunk of everything (a
+        torch optimizer not known to be elementwise, an `Optimizer` with a `step` of its own: stepped once, as FP32 steps
+        it); whether each is rounded into the model as soon as it is stepped (`_fold_ok`: not when a wrapper such as
+        Lookahead, or a flat group's put-back, changes the masters after); the lift's scratch and the plans, made now."""
+        own, sources = {id(p) for p in self.own_params}, self._sources()
+        items = self._in_storage_order([(p, gi, None if id(p) in own else sources[id(p)])
+                                        for gi, pg in enumerate(self.opt_pgs) for p in pg])
+        chunked = steps_param_by_param(self.core) or (isinstance(self.core, OptimWrapper) and self._sliced_ok)
+        parts = lift_chunks(items, self.chunk_limit) if chunked else [items] if items else []
+        self._fold_ok = chunked and self.opt is self.core
+        chunks = [Chunk(c, self._sliceable(c), [(p, gi) for p, gi, src in c if src is None], to_model_copies(c)) for c in parts]
+        sizes = {}  # the largest chunk of masters per device (a sliced one: a slice): the scratch the lift writes into
+        for c in chunks:
+            n = self.chunk_limit(c.device) if c.sliced else c.elements()
+            if n: sizes[c.device] = max(sizes.get(c.device, 0), n)
+        self.scratch = Scratch(sizes)
+        for c in chunks:
+            if not (in_backward or c.sliced): c.plan = LiftPlan.make(c.items, self.scratch)  # made now, not in the first step
+        return chunks
 
     # -- the interface
     def _grads_to_check(self) -> list:
@@ -93,7 +99,7 @@ class FP32Masters(WeightStore):
     def _step_impl(self, *args, **kwargs):
         held = self._hold(self._missing)
         self._fold = held is None and self._fold_ok  # each chunk rounded into the model as it is stepped (`_land`)
-        out = self._through_core(self._step_chunks, *args, **kwargs)
+        out = self._through_core(self._driver, *args, **kwargs)
         if held is not None: held()
         if not self._fold: self.master_to_model()
         return out
@@ -102,47 +108,50 @@ class FP32Masters(WeightStore):
         "What puts back, after the step, whatever it changed of `params` (without a grad, they are not to be stepped)."
         return None
 
-    def _step_chunks(self, step, *args, **kwargs):
-        "The innermost optimizer's step (`step`), on the masters with FP32 grads, a chunk at a time."
-        if steps_param_by_param(self.core):  # fastai's loop, run here chunk by chunk (once per param)
-            hypers, state = self.core.hypers, self.core.state
-            sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land)
-            for chunk in self._chunks:
-                if self._step_sliced(chunk, sliced): continue
-                live = self._lift(chunk)
-                with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
-                    for p, gi in self._fused(chunk, live): fastai_update(self.core, p, hypers[gi])
-                self._land(chunk)
-            return None
-        chunks = self._steps
+    def _fastai_loop(self, step, *args, **kwargs):
+        """fastai's driver: its `Optimizer.step` loop, run here a chunk at a time on the masters with FP32 grads (each run
+        of consecutive masters with equal state as one flat tensor, the others one at a time); `step` is not called."""
+        hypers, state = self.core.hypers, self.core.state
+        sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land)
+        for chunk in self.chunks:
+            if self._step_sliced(chunk, sliced): continue
+            live = self._lift(chunk)
+            with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
+                for p, gi in self._fused(chunk, live): fastai_update(self.core, p, hypers[gi])
+            self._land(chunk)
+
+    def _torch_step(self, step, *args, **kwargs):
+        """The torch driver: the optimizer's own `step` once per chunk (one chunk of everything unless it is known to be
+        elementwise), only that chunk's masters (and own params) with grads: torch skips the others. A fused optimizer
+        that takes `grad_scale` unscales in its kernel."""
         inner = getattr(self.core, 'opt', None)
         fused = self._fused_scale(inner)
+        step_once = partial(self._step_with_scale, inner, fused, step, *args, **kwargs)
         own, out, state = {p: p.grad for p in self.own_params}, None, opt_state(self.core)  # torch steps every param
         for p in own: p.grad = None  # with a grad: each own param in one chunk
-        def step_fused():
-            if fused is not None: inner.grad_scale, inner.found_inf = fused
-            try: return step(*args, **kwargs)
-            finally:
-                if fused is not None: del inner.grad_scale, inner.found_inf
         try:
-            for chunk in chunks:
-                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_fused)
+            for chunk in self.chunks:
+                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_once)
                 if self._step_sliced(chunk, sliced, unscale=fused is None): continue
                 live = self._lift(chunk, own, unscale=fused is None)
-                if fused is not None: inner.grad_scale, inner.found_inf = fused
-                try:
-                    with self.state16.lifted([p for p, _ in live], state): out = step(*args, **kwargs)
-                finally:
-                    if fused is not None: del inner.grad_scale, inner.found_inf
+                with self.state16.lifted([p for p, _ in live], state): out = step_once()
                 self._land(chunk)
         finally:
             for p, g in own.items(): p.grad = g
         return out
 
+    @staticmethod
+    def _step_with_scale(inner, fused, step, *args, **kwargs):
+        "`step(*args)`, with the fused kernel's `(grad_scale, found_inf)` set on `inner` for the call when there are."
+        if fused is None: return step(*args, **kwargs)
+        inner.grad_scale, inner.found_inf = fused
+        try: return step(*args, **kwargs)
+        finally: del inner.grad_scale, inner.found_inf
+
     def _fused(self, chunk:list, live:list) -> list:
         """The chunk's runs of consecutive masters stepped by fastai's callbacks as one flat tensor each (`FusedRun`):
         returns `live` less the params they stepped (those step one at a time, as fastai's loop would)."""
-        plan = self._lifting.get(id(chunk))
+        plan = chunk.lifted
         if not self._fuse or plan is None: return live
         if plan.runs is None: plan.runs = fused_runs(plan.masters, plan.views, plan.gis)
         hypers, done = self.core.hypers, set()
@@ -154,7 +163,7 @@ class FP32Masters(WeightStore):
         slice at a time (`update(master, group, n, lift, land)`: `sliced_update` for fastai's loop, `sliced_torch_step`
         for a torch optimizer), each slice's grad lifted into the scratch, unscaled (unless the fused kernel does it),
         stepped and rounded into the model while in the caches. False: not such a chunk (the caller steps it whole)."""
-        if not self._sliceable(chunk): return False
+        if not chunk.sliced: return False
         (m, gi, sources), = chunk
         o = sources[0][0]
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
@@ -175,10 +184,10 @@ class FP32Masters(WeightStore):
         "A stepped slice of a master rounded into the model's param (`out`, in memory order), unless done after the step."
         if self._fold: out[s].copy_(q)
 
-    def _sliceable(self, chunk:list) -> bool:
-        "Whether `chunk` is one master (fed by one grad) bigger than the chunk limit, under an elementwise optimizer."
-        if len(chunk) != 1 or not self._sliced_ok: return False
-        m, _, sources = chunk[0]
+    def _sliceable(self, items:list) -> bool:
+        "Whether `items` are one master (fed by one grad) bigger than the chunk limit, under an elementwise optimizer."
+        if len(items) != 1 or not self._sliced_ok: return False
+        m, _, sources = items[0]
         return sources is not None and len(sources) == 1 and m.numel() > self.chunk_limit(m.device)
 
     def _fused_scale(self, inner):
@@ -196,10 +205,10 @@ class FP32Masters(WeightStore):
         """Give the masters of `chunk` FP32 grads: its part of the scratch, the 16-bit grads copied in (one fused copy),
         unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
         aside). Returns `[(param, group)]` of those with a grad."""
-        plan = self._lifting[id(chunk)] = self._plan(chunk)
+        plan = chunk.lifted = self._plan(chunk)
         groups, live = (plan.lift(), list(plan.live)) if plan is not None else ({}, [])
         extra = {}
-        for p, gi in self._own_in(chunk):
+        for p, gi in chunk.owns:
             if own is not None: p.grad = own.get(p)
             if p.grad is None: continue
             extra.setdefault(gi, []).append(p.grad); live.append((p, gi))
@@ -208,10 +217,6 @@ class FP32Masters(WeightStore):
                 f = self._factor(gi)
                 if f is not None: torch._foreach_mul_(groups.get(gi, []) + extra.get(gi, []), f)
         return live
-
-    def _own_in(self, chunk:list) -> list:
-        "`[(param, group)]` of the params of `chunk` that train in their own dtype (no master)."
-        return self._owns[id(chunk)]
 
     def _step_one(self, p):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
@@ -226,19 +231,19 @@ class FP32Masters(WeightStore):
         """The chunk's `LiftPlan`: made once and kept while its sources' grads are the same tensors; when a master's
         param has no grad (no backward reached it: an unused head), a plan of the others, kept while the same ones have
         none (None: no master has a grad)."""
-        plan = self._plans.get(id(chunk))
+        plan = chunk.plan
         if plan is not None and ((self._trusted and not plan.absent) or plan.valid()): return plan  # the grads as they are now
-        plan = self._plans[id(chunk)] = LiftPlan.make(chunk, self.scratch) or LiftPlan.make(chunk, self.scratch, partial=True)
-        return plan
+        chunk.plan = LiftPlan.make(chunk.items, self.scratch) or LiftPlan.make(chunk.items, self.scratch, partial=True)
+        return chunk.plan
 
     def _land(self, chunk:list):
         """The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the scratch) and, unless something
         changes the masters after the step (`_fold`), the masters are rounded into the model's params while in the caches
         (one fused copy per contiguous run)."""
-        plan = self._lifting.pop(id(chunk), None)
+        plan, chunk.lifted = chunk.lifted, None
         if plan is not None: plan.free()
         if self._fold:
-            dsts, srcs = self._out[id(chunk)]
+            dsts, srcs = chunk.out
             if dsts: torch._foreach_copy_(dsts, srcs)
 
     def zero_model_grads(self, reattach:bool=True):
@@ -256,7 +261,7 @@ class FP32Masters(WeightStore):
             p = r.params[0]
             check_same_kind(p, r.buf, 'the FP32 masters', self.names.get(id(p), tuple(p.shape)))
             r.relink()
-            self._plans = {}  # new grad views: the plans are made again at the next lift
+            for c in self.chunks: c.plan = None  # new grad views: the plans are made again at the next lift
 
     def fp32_views(self) -> dict: return dict(zip(self.models, self.masters))
     def _shared(self) -> list: return self._masters + [p.data for p in self.own_params]
@@ -274,7 +279,7 @@ class FP32Masters(WeightStore):
 
     def restore(self):
         for r in self.runs: r.release()
-        self._plans, self._lifting = {}, {}
+        for c in self.chunks: c.plan = c.lifted = None
         self.scratch.release()
         super().restore()
         self._point_opt(to_model=True)
@@ -294,6 +299,8 @@ class FP32Masters(WeightStore):
     def _in_storage_order(self, items:list) -> list:
         "The `(master, group, sources)` items in the order the chunks take them (here: the optimizer's)."
         return items
+    def _note_state_before(self):
+        "What the optimizer's per-param state was before the fit, where the store needs it back after (flat masters)."
     def _make_runs(self) -> list: raise NotImplementedError
     def _sources(self) -> dict:
         "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
@@ -309,12 +316,36 @@ class FlatMasters(FP32Masters):
     flat, _absent = True, None
     def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs, per_step=self.none_after_step)
 
+    def _note_state_before(self):
+        """Each param's state before the fit: its flags and counts, and whether it had moments. A param never stepped in
+        the fit (no grad at any step taken: an unused head) gets that back at the end, not its flat group's (FP32 fastai
+        leaves it no state): its slices of the flat state were put back at every step (`_hold`)."""
+        state = opt_state(self.core)
+        self._before = {id(p): (any(isinstance(v, Tensor) for v in state.get(p, {}).values()),
+                                {k: v for k, v in state.get(p, {}).items() if not isinstance(v, Tensor)})
+                        for pg in self.model_pgs for p in pg}
+        self._stepped, self._all_stepped = set(), False
+
+    def restore(self):
+        super().restore()
+        if self._all_stepped: return
+        state = opt_state(self.core)
+        for p in self.models:
+            if id(p) in self._stepped or p not in state: continue
+            had, flags = self._before[id(p)]
+            state[p] = {**({k: v for k, v in state[p].items() if isinstance(v, Tensor)} if had else {}), **flags}
+
     def _hold(self, params:list):
         """A flat master steps its whole group: the slices of `params` (no grad this step) in the masters and in the
         optimizer's state are copied aside, and put back after the step (slices of state made by the step: zeroed)."""
         state, where = opt_state(self.core), self._flat_of()
         self._check_presence(params, state, where)
-        if not params: return None
+        if not params:
+            self._all_stepped = True
+            return None
+        if not self._all_stepped:
+            missing = set(map(id, params))
+            self._stepped.update(id(p) for p in self.models if id(p) not in missing)
         views, saved, fresh = [], [], []
         for p in params:
             m, o = where[id(p)]

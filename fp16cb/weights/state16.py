@@ -6,7 +6,7 @@ scratch buffer), updated there by the optimizer's own code, and written back rou
 What is stored in 16-bit: every FP32 state tensor with at least one dim and as many elements as its param (fastai's
 `grad_avg`, `sqr_avg`, momentum; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`). Step counts,
 flags and scalars stay as they are, and so does the state of a 0-dim param (its moments cannot be told from a 0-dim
-step count). Between fits, in a checkpoint and in the store's FP32 view the state is FP32 (`widen_all`)."""
+step count), unless flat masters merged it into its group's flat master, whose state is 16-bit. Between fits, in a checkpoint and in the store's FP32 view the state is FP32 (`widen_all`)."""
 from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 import torch

@@ -1,0 +1,116 @@
+"""Data safety, a fifth pass: each case against what plain FP32 fastai does with the same code.
+
+- `half_storage` with every step cancelled by a later callback: nothing trained, so every weight keeps its exact FP32
+  value (the FP32 originals were forgotten in `before_step`, before the cancel: the weights came back rounded).
+- `step_in_backward` with a sparse embedding: refused at the fit's set-up with the declaration's sentence (it crashed
+  inside the backward), the learner untouched.
+- `keep_fp32` on a compiled model names its modules as `named_modules()` shows them (`_orig_mod.lin1`) or as the
+  original's (`lin1`): both keep the module FP32."""
+import warnings
+import pytest
+import torch
+from torch import nn
+from fastai.basics import Callback, CancelStepException, SGD, Adam
+
+from fp16cb.compat import RULES
+from conftest import make_learner, quiet_fit, weights
+
+class _CancelAfterMixedPrecision(Callback):
+    "Cancels every step in `before_step`, after `MixedPrecision`'s (a dry run, a warm-up guard)."
+    order = 50
+    def before_step(self): raise CancelStepException()
+
+@pytest.mark.parametrize('call', ['to_bf16', 'to_fp16'])
+def test_half_storage_keeps_exact_fp32_weights_when_every_step_is_cancelled(call):
+    """FP32 fastai with every step cancelled: the weights end exactly as they began. `half_storage` too (before: every
+    weight ended rounded to 16-bit, 9.7e-4 off in bf16)."""
+    ref = make_learner(opt_func=Adam)
+    w0 = weights(ref)
+    quiet_fit(ref, 1, cbs=_CancelAfterMixedPrecision())
+    assert all(torch.equal(a, b) for a, b in zip(w0, weights(ref)))  # FP32: nothing moves
+    learn = getattr(make_learner(opt_func=Adam), call)(half_storage=True)
+    quiet_fit(learn, 1, cbs=_CancelAfterMixedPrecision())
+    learn.to_fp32()
+    got = weights(learn)
+    assert all(p.dtype == torch.float32 for p in got)
+    for a, b in zip(w0, got): assert torch.equal(a, b), (a - b).abs().max()
+
+def test_half_storage_still_forgets_originals_of_stepped_params():
+    "A step taken: its params' FP32 originals go (4 bytes/param), their trained values come back widened after the fit."
+    learn = make_learner(opt_func=Adam).to_bf16(half_storage=True)
+    w0 = weights(learn)
+    quiet_fit(learn, 1)
+    mth = next(cb for cb in learn.cbs if type(cb).__name__ == 'ModelToHalf')
+    learn.to_fp32()
+    assert all(not torch.equal(a, b) for a, b in zip(w0, weights(learn)))  # trained
+    assert not mth.converted or all(rec.original.is_meta for rec in mth.originals.values() if rec.is_param)
+
+class _SparseNet(nn.Module):
+    "A linear model plus a sparse embedding's first row (an `nn.Embedding(sparse=True)` reached by every batch)."
+    def __init__(self):
+        super().__init__()
+        self.lin, self.emb = nn.Linear(4, 1), nn.Embedding(5, 1, sparse=True)
+    def forward(self, x): return self.lin(x) + self.emb(torch.zeros(len(x), dtype=torch.long, device=x.device))
+
+def test_step_in_backward_refuses_a_sparse_embedding_at_set_up():
+    """FP32 fastai and `to_bf16()` train a sparse embedding with SGD; `step_in_backward` cannot check and step a sparse
+    grad inside the backward (it crashed there: `aten::ne.Scalar` on SparseCPU): refused at the fit's set-up, naming the
+    module, before anything moved."""
+    ref = make_learner(model=_SparseNet(), opt_func=SGD, splitter=lambda m: [list(m.parameters())])
+    w0 = weights(ref)
+    quiet_fit(ref, 1)
+    assert not torch.equal(w0[-1], weights(ref)[-1])  # FP32 trains the embedding
+    ok = make_learner(model=_SparseNet(), opt_func=SGD, splitter=lambda m: [list(m.parameters())]).to_bf16()
+    quiet_fit(ok, 1)
+    learn = make_learner(model=_SparseNet(), opt_func=SGD, splitter=lambda m: [list(m.parameters())])
+    learn.to_bf16(step_in_backward=True)
+    w0 = weights(learn)
+    with pytest.raises(ValueError, match=r"emb get.? sparse gradients"): quiet_fit(learn, 1)
+    assert all(torch.equal(a, b) for a, b in zip(w0, weights(learn)))
+    assert any(r.name == 'sib-sparse' for r in RULES)
+
+@pytest.mark.parametrize('name', ['_orig_mod.0', '0'])
+def test_keep_fp32_on_a_compiled_model_takes_either_name(name):
+    """`torch.compile(model)` shows its modules as `_orig_mod.0`; fp16cb names them as the original model does (`0`).
+    Either name keeps the module FP32 (before: `_orig_mod.0` warned "matches no module" and kept nothing)."""
+    learn = make_learner(model=torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), backend='eager'),
+                         splitter=lambda m: [list(m.parameters())])
+    seen = []
+    class Dtypes(Callback):
+        def before_batch(self):
+            if self.training: seen.append((self.learn.model._orig_mod[0].weight.dtype, self.learn.model._orig_mod[2].weight.dtype))
+    learn.to_bf16(keep_fp32=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', UserWarning)
+        warnings.filterwarnings('ignore', message='.*(jit|deprecated|TorchScript).*')
+        quiet_fit(learn, 1, cbs=Dtypes())
+    assert seen and all(s == (torch.float32, torch.bfloat16) for s in seen)
+
+class _UnusedHead(nn.Module):
+    "A linear model and a head never called (switched on later in training, say)."
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = nn.Linear(4, 1), nn.Linear(4, 1)
+    def forward(self, x): return self.lin(x)
+
+@pytest.mark.parametrize('opt', ['adam', 'adamw'])
+def test_flat_masters_leave_no_state_to_params_that_never_had_a_grad(opt):
+    """FP32 fastai leaves a param that never got a grad no optimizer state (fastai's flags aside). Flat masters step
+    its group as one tensor, its slices put back each step; after the fit it has FP32's state (before: zero moments and
+    the group's step count, so that trained later it moved 0.64x as far as under FP32)."""
+    from functools import partial
+    from fastai.optimizer import OptimWrapper
+    from fp16cb.weights.optstate import opt_state
+    opt_func = Adam if opt == 'adam' else partial(OptimWrapper, opt=torch.optim.AdamW)
+    def run(mode):
+        learn = make_learner(model=_UnusedHead(), opt_func=opt_func, splitter=lambda m: [list(m.parameters())])
+        if mode: learn.to_fp16(flat_master=True)
+        quiet_fit(learn, 1)
+        if mode: learn.to_fp32()
+        st = opt_state(learn.opt)
+        return {n: {k: (tuple(v.shape) if torch.is_tensor(v) and v.dim() else float(v) if torch.is_tensor(v) else v)
+                    for k, v in st.get(p, {}).items()} for n, p in learn.model.named_parameters()}
+    ref, got = run(None), run('fp16')
+    assert ref['head.weight'] == got['head.weight'] and ref['head.bias'] == got['head.bias'], (ref, got)
+    assert got['lin.weight'] == ref['lin.weight']  # the params it stepped keep their state
