@@ -9,7 +9,7 @@ import warnings
 from fastai.learner import Metric
 
 __all__ = ['PrecisionValue', 'add_precision_metrics', 'remove_precision_metrics', 'hide_precision_metrics',
-           'show_precision_metrics', 'COLUMNS', 'scale_health']
+           'show_precision_metrics', 'COLUMNS', 'ScaleColumns', 'scale_health']
 
 COLUMNS = ('loss_scale', 'n_skipped')
 
@@ -71,6 +71,27 @@ def add_precision_metrics(learn, cb):
     remove_precision_metrics(learn, fit_ends=False)
     if not cb.loss_scaler.is_dynamic: return
     learn.metrics = list(learn.metrics) + [PrecisionValue(cb, a, a) for a in COLUMNS]
+
+class ScaleColumns:
+    """For a precision callback (a `SessionCallback` with `loss_scale`, `n_skipped`, `loss_scaler`): its loss scale and
+    skipped steps as the Recorder columns `loss_scale` and `n_skipped` while a fit runs with a dynamic scale, none in a
+    `validate`/`get_preds` run inside the fit (its result as in FP32). Its `setup` calls `show_scale_columns`, its
+    `teardown` `drop_scale_columns`."""
+    log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
+    def before_fit(self):
+        nested = self.session.in_fit and self.session.is_active(self)  # a `validate`/`get_preds` inside the fit
+        super().before_fit()
+        if nested: self._hidden = hide_precision_metrics(self.learn)  # its result as in FP32: no loss-scale columns
+
+    def after_fit(self):
+        super().after_fit()
+        show_precision_metrics(self.learn, self.__dict__.pop('_hidden', None))
+
+    def show_scale_columns(self):
+        if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
+
+    def drop_scale_columns(self, fit_ends:bool):
+        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=fit_ends)
 
 # ---- health of the loss scale
 def _calibration_end(skips) -> int:

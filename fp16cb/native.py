@@ -12,13 +12,13 @@ from .callbacks.casts import cast_floats
 from .session import SessionCallback
 from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_,
                       warn_all_skipped, nonfinite_flags)
-from .monitor import scale_health  # warns once: scale stuck at its floor, many skipped steps
+from .monitor import scale_health, ScaleColumns  # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
 from .compat import Facts, check, OPTIONS
 
 __all__ = ['NativeMixedPrecision']
 
-class NativeMixedPrecision(SessionCallback):
+class NativeMixedPrecision(ScaleColumns, SessionCallback):
     "Mixed precision with PyTorch's autocast and GradScaler, on the model's device (CPU included)."
     order = 10
     family, checkpoint_key = 'native', 'NativeMixedPrecision'
@@ -73,12 +73,14 @@ class NativeMixedPrecision(SessionCallback):
         if not self.session.suspending: self.record.new_fit()
         self.record.setup(self.learn.model); self.skipped_in_a_row = 0
         self._names = {id(p): n for n, p in self.learn.model.named_parameters()}
+        self.show_scale_columns()  # fp16's dynamic GradScaler: `loss_scale` and `n_skipped` columns (bf16 has none)
 
     def teardown(self):
         """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
         came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step;
         one that came after the backward and before `GradScaler.step` leaves the grads unscaled (what FP32 would hold)."""
         self._exit_autocast()
+        self.drop_scale_columns(fit_ends=not self.session.suspending)
         if not self._pausing():
             self._forget_step()
             learn = self.__dict__.get('learn')
@@ -108,6 +110,7 @@ class NativeMixedPrecision(SessionCallback):
     def after_batch(self): self._exit_autocast()
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    n_skipped = property(lambda self: self.record.overflows.count, doc="Steps skipped for inf/NaN gradients so far.")
     overflows = property(lambda self: self.record.overflows.read(), doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held inf/NaN).")
     n_overflows = property(lambda self: self.record.overflows.count, doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
     @property

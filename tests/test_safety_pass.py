@@ -114,3 +114,46 @@ def test_flat_masters_leave_no_state_to_params_that_never_had_a_grad(opt):
     ref, got = run(None), run('fp16')
     assert ref['head.weight'] == got['head.weight'] and ref['head.bias'] == got['head.bias'], (ref, got)
     assert got['lin.weight'] == ref['lin.weight']  # the params it stepped keep their state
+
+def test_a_static_scale_that_flushes_every_gradient_warns():
+    """A loss weighted by 1e-9 with `to_fp16(loss_scale=1, dynamic=False)`: every fp16 gradient flushes to zero and
+    nothing trains, which FP32 would not do. The fit's first step says so (read in its one sync); the dynamic default
+    calibrates the scale and trains, without the warning."""
+    import torch.nn.functional as F
+    loss = lambda p, y: 1e-9 * F.mse_loss(p, y)
+    def tiny_loss_learner():
+        l = make_learner()
+        l.loss_func = loss
+        return l
+    learn = tiny_loss_learner().to_fp16(loss_scale=1., dynamic=False)
+    w0 = weights(learn)
+    with pytest.warns(RuntimeWarning, match=r"underflowed \(flushed to zero\), so nothing trains"): quiet_fit(learn, 1)
+    learn.to_fp32()
+    assert all(torch.equal(a, b) for a, b in zip(w0[:2], weights(learn)[:2]))  # the first Linear never moved
+    ok = tiny_loss_learner().to_fp16()
+    with warnings.catch_warnings():
+        warnings.filterwarnings('error', message='.*underflowed.*')
+        quiet_fit(ok, 1)
+
+def test_native_fp16_shows_its_dynamic_scale_as_columns():
+    """`to_native_fp16()` runs a dynamic GradScaler: the fit's table has `loss_scale` and `n_skipped` as with
+    `to_fp16()` (before: none), a `validate()` inside the fit returns what FP32's does, and after the fit the Recorder
+    has the user's columns only. `to_native_bf16()` runs no GradScaler: no columns."""
+    from fastai.metrics import mae
+    from test_callbacks import _ValidateEachEpoch
+    def run(call):
+        learn = make_learner(metrics=mae)
+        if call: getattr(learn, call)()
+        v = _ValidateEachEpoch()
+        quiet_fit(learn, 2, lr=1e-2, cbs=v)
+        return learn, v
+    (l32, v32), (l16, v16), (lbf, vbf) = run(None), run('to_native_fp16'), run('to_native_bf16')
+    names32 = v32.rows[0][0]
+    assert [n for n, _ in v16.rows] == [names32[:-1] + ['loss_scale', 'n_skipped', names32[-1]]] * 2
+    assert [len(r) for r in v16.results] == [len(r) for r in v32.results] == [2, 2]
+    assert [n for n, _ in vbf.rows] == [names32] * 2
+    assert list(l16.recorder.metric_names) == names32
+    names16, row = v16.rows[-1]
+    native = next(c for c in l16.cbs if type(c).__name__ == 'NativeMixedPrecision')
+    assert row[names16.index('n_skipped')] == native.n_skipped == sum(native.skips)  # the printed row: its values
+    assert row[names16.index('loss_scale')] > 0

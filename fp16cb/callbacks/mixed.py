@@ -2,7 +2,7 @@
 clipping of the unscaled grads. The events of a step; the weight store (`weights`) checks the grads, clips and steps;
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
-import warnings
+import math, warnings
 import torch
 from fastai.callback.core import CancelStepException
 
@@ -11,8 +11,7 @@ from ..weights import MasterWeights, HalfStorage, Stage, resolve_state_dtype
 from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
-from ..monitor import (add_precision_metrics, remove_precision_metrics, hide_precision_metrics, show_precision_metrics,
-                      scale_health)
+from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
 from ..validation import check_bool, check_real, check_int, check_choice, FP32_MAX
 from ..distributed import patch_fastai
@@ -20,7 +19,7 @@ from .model_to_half import ModelToHalf
 
 __all__ = ['MixedPrecision']
 
-class MixedPrecision(SessionCallback):
+class MixedPrecision(ScaleColumns, SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
     The weight store owns the step: `before_step` asks it to check the grads (one fused, read-only pass), reads the one
     host sync, skips or clips; the optimizer's `step` steps the store (the grads reach FP32, unscaled and clipped, a
@@ -31,7 +30,6 @@ class MixedPrecision(SessionCallback):
     `n_skipped`, instead of applied. Any other `loss_scale` is the dynamic scale's start."""
     order = 10
     checkpoint_key = 'MixedPrecision'
-    log_scale = True  # show `loss_scale` and `n_skipped` as Recorder columns during a fit (False: don't)
     def __init__(self,
         loss_scale:float=512, # with `dynamic`: 512 (fastai's default) means calibrate (the first step runs at scale 1, its largest |grad| sets the scale), any other value is the start; without: the fixed scale
         flat_master:bool=False, # flat FP32 masters per param group, cut at the lift's chunk size (the optimizer steps fewer, bigger tensors; not with LAMB/LARC)
@@ -102,15 +100,6 @@ class MixedPrecision(SessionCallback):
         return mth.policy_report(leaves=leaves)
 
     # -- the lifecycle (called by the session)
-    def before_fit(self):
-        nested = self.session.in_fit and self.session.is_active(self)  # a `validate`/`get_preds` inside the fit
-        super().before_fit()
-        if nested: self._hidden = hide_precision_metrics(self.learn)  # its result as in FP32: no loss-scale columns
-
-    def after_fit(self):
-        super().after_fit()
-        show_precision_metrics(self.learn, self.__dict__.pop('_hidden', None))
-
     def setup(self):
         "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
         self._fit_facts = learner_facts(self.learn, self.facts)
@@ -126,8 +115,11 @@ class MixedPrecision(SessionCallback):
         if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
         else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
-        self._remembered = list(self.store.params) if self.half_storage and half else []  # FP32 originals still kept
-        if self.log_scale and self.session.in_fit: add_precision_metrics(self.learn, self)  # not in validate()'s result
+        self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}  # FP32 originals still kept
+        if self._remembered: self.store.stepped_hook = self._forget_originals
+        self.show_scale_columns()
+        # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
+        self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)
 
     def teardown(self):
@@ -137,7 +129,7 @@ class MixedPrecision(SessionCallback):
         fit_ends = not self.session.suspending
         if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
         self.record.teardown()
-        if self.__dict__.get('learn') is not None: remove_precision_metrics(self.learn, fit_ends=fit_ends)
+        self.drop_scale_columns(fit_ends)
         if self.store is None: return
         self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
         self.store.restore()
@@ -178,19 +170,31 @@ class MixedPrecision(SessionCallback):
     def before_step(self):
         scale, calibrating = self.loss_scale, self.scaler.calibrating
         self.store.grads_final = not self._runs_after('before_step')  # then the grads it checks are the ones stepped
-        stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad)
+        watch, self._watch_flush = getattr(self, '_watch_flush', False), False
+        stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad or watch)
         if stats is None: return
         if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
         found, self.max_grad, under = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
         if found and self.store.check.approx:  # the grads' sums said so (a CPU): the exact check decides, on such steps only
             found, self.max_grad, under = read_stats(self.store.recheck(), self.learn.model)
         if not (found or under):
+            if watch: self._warn_flushed(scale)
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         self.record.unscaled()
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
+
+    def _warn_flushed(self, scale:float):
+        "The first step of a static fp16 scale: every 16-bit gradient zero for a nonzero loss means they all underflowed."
+        if self.max_grad != 0: return
+        loss = float(self.learn.loss)  # a second read, on this rare step only
+        if loss == 0 or not math.isfinite(loss): return
+        warnings.warn(f"every fp16 gradient of this fit's first step is zero while its loss is {loss:g}: at the static "
+                      f"loss scale {scale:g} they all underflowed (flushed to zero), so nothing trains. Raise `loss_scale`, "
+                      f"or use the dynamic scale (`dynamic=True`, the default), which sets it from the gradients.",
+                      RuntimeWarning, stacklevel=2)
 
     def _runs_after(self, event:str) -> bool:
         "Whether another callback of the learner handles `event` after this one (a higher `order`)."
@@ -216,21 +220,21 @@ class MixedPrecision(SessionCallback):
         stage = self.store.stage
         if stage is Stage.STEPPED or (stage is Stage.UNSCALED and self.store.in_backward):  # in the backward: stepped there
             self.record.record(self.store.scale, False)
-            if self._remembered: self._forget_stepped()
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         elif stage is not Stage.SKIPPED: self.record.cancelled()
         self.store.finish()
         self.record.unscaled()
 
-    def _forget_stepped(self):
-        """16-bit storage stepped these params: the FP32 originals `ModelToHalf` kept for them are stale, let them go (4
-        bytes/param). Only once the step was taken: a step another callback cancelled after our `before_step` changed
-        nothing, and a param never stepped keeps its original (after the fit it gets its exact FP32 value back)."""
-        stepped = self.store.stepping(self._remembered)
-        if not stepped: return
-        self._model_to_half().forget_originals(stepped)
-        gone = {id(p) for p in stepped}
-        self._remembered = [p for p in self._remembered if id(p) not in gone]
+    def _forget_originals(self, params:list):
+        """16-bit storage has just stepped these params: the FP32 originals `ModelToHalf` kept for them are stale, let
+        them go (4 bytes/param), one param or batch at a time as the step goes, so that the first step's peak holds no
+        more than the others'. A param never stepped keeps its original (a step another callback cancelled after our
+        `before_step` steps nothing): after the fit it gets its exact FP32 value back."""
+        gone = [p for p in params if id(p) in self._remembered]
+        if not gone: return
+        self._model_to_half().forget_originals(gone)
+        for p in gone: del self._remembered[id(p)]
+        if not self._remembered: self.store.stepped_hook = None
 
     def _collapse(self, err:Exception):
         """The scale cannot go lower (the failing step only): the error to raise, or None when the cause was removed.

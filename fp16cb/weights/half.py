@@ -94,11 +94,6 @@ class HalfStorage(WeightStore):
                                       for pg in self.core.param_lists)
         else: self.opt.slow_weights = L(L(s.float() if half(s) else s for s in sg) for sg in self.opt.slow_weights)
 
-    def stepping(self, params:list) -> list:
-        "Which of `params` this step steps (with a grad now; stepping in the backward: reached by it)."
-        if self.in_backward: return [p for p in params if id(p) in self._bad_last or id(p) in self._had_grad]
-        return [p for p in params if p.grad is not None]
-
     def _step_one(self, p):
         "In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored back."
         q = self._lift(p)
@@ -125,6 +120,7 @@ class HalfStorage(WeightStore):
         "`p`'s stepped FP32 value `q` back into its 16-bit storage, rounded once (to nearest, or stochastically)."
         if q is p: return
         with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator, inplace=True))  # q is ours
+        self._stepped([p])
 
     def _step_impl(self, *args, **kwargs):
         return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop, *args, **kwargs)
@@ -144,6 +140,7 @@ class HalfStorage(WeightStore):
                 self._step_batch(batch); batch = _Batch()  # the scratch is the slices' now
                 lift, land = partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), f), partial(self._land_slice, memory_order(p))
                 with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, n, lift, land)
+                self._stepped([p])
                 continue
             q = self._lift(p)
             with self.state16.lifted([p], core.state): fastai_update(core, q, hyper, key=p)
@@ -174,6 +171,7 @@ class HalfStorage(WeightStore):
         finally:  # even when interrupted: the params stepped so far keep their step (the others round back to themselves)
             r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
             with torch.no_grad(): torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
+        self._stepped(b.ps)
 
     def _lift_slice(self, w16:Tensor, g16:Tensor, f, s:slice) -> Tensor:
         "Slice `s` of a 16-bit param (`w16`, in memory order) and of its grad (`g16`) lifted into the scratch, unscaled."

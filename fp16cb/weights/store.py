@@ -53,6 +53,7 @@ class WeightStore:
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
     grads_final = False  # set by the callback: nothing runs between `prepare_grads` and the step that could replace a grad
     state16 = HalfState()  # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
+    stepped_hook = None  # called with params as each is stepped (16-bit storage: the callback lets their FP32 originals go)
     def __init__(self,
         opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
         names:dict=None, # `{id(param): name}`, for error messages
@@ -274,6 +275,8 @@ class WeightStore:
         raise NotImplementedError
     def _shared(self) -> list: return [p.data for pg in self.model_pgs + self.own_pgs for p in pg]
     def _hooked_params(self) -> list: return [p for pg in self.model_pgs + self.own_pgs for p in pg]
+    def _stepped(self, params:list):
+        if self.stepped_hook is not None: self.stepped_hook(params)
     def _step_one(self, p): raise NotImplementedError
     def _after_broadcast(self): pass
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
