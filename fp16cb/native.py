@@ -79,6 +79,7 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
         came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step;
         one that came after the backward and before `GradScaler.step` leaves the grads unscaled (what FP32 would hold)."""
+        self._resume_autocast = self._pausing() and getattr(self, '_autocast', None) is not None  # a pause inside a forward
         self._exit_autocast()
         self.drop_scale_columns(fit_ends=not self.session.suspending)
         if not self._pausing():
@@ -88,6 +89,13 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
                 self.record.unscale_left([getattr(p, 'grad', None) for pg in learn.opt.param_lists for p in pg])
         self.record.teardown()
         if not (self.session.suspending or self.session.failing): warn_all_skipped(self.record.this_fit, self.skip_label)
+
+    def resume(self):
+        "Back from a pause inside a batch (a later callback's `before_batch` saved, loaded or froze): autocast again."
+        if not getattr(self, '_resume_autocast', False): return
+        self._resume_autocast = False
+        self._autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+        self._autocast.__enter__()
 
     def _pausing(self) -> bool:
         "Torn down for a pause mid-fit (`learn.save`...): a step under way goes on after it, its `update` still to come."

@@ -157,3 +157,66 @@ def test_native_fp16_shows_its_dynamic_scale_as_columns():
     native = next(c for c in l16.cbs if type(c).__name__ == 'NativeMixedPrecision')
     assert row[names16.index('n_skipped')] == native.n_skipped == sum(native.skips)  # the printed row: its values
     assert row[names16.index('loss_scale')] > 0
+
+class _HugeValidInputs(Callback):
+    "Validation inputs of ~1e7 (a feature constant in the training split, normalized by std + 1e-7), training ones as they are."
+    def before_batch(self):
+        if not self.training: self.learn.xb = (self.xb[0] * 1e7,)
+
+def test_validation_inputs_beyond_fp16s_range_warn_once():
+    """FP32 reports a large finite validation loss on inputs of ~1e7; fp16 casts them to inf and reports nan. That is
+    said, once (read once per validation, no per-batch sync); bf16 (FP32's range) and ordinary inputs say nothing."""
+    ref = make_learner()
+    quiet_fit(ref, 1, cbs=_HugeValidInputs())
+    assert torch.isfinite(torch.tensor(ref.recorder.values[-1][1]))  # FP32: a finite (huge) valid loss
+    learn = make_learner().to_fp16()
+    with pytest.warns(RuntimeWarning, match="beyond fp16's range") as ws: quiet_fit(learn, 2, cbs=_HugeValidInputs())
+    assert sum("beyond fp16's range" in str(w.message) for w in ws) == 1
+    for l in (make_learner().to_bf16(), make_learner().to_fp16()):
+        cbs = [_HugeValidInputs()] if l.precision_callbacks()[0].dtype == torch.bfloat16 else []
+        with warnings.catch_warnings():
+            warnings.filterwarnings('error', message=".*beyond fp16's range.*")
+            quiet_fit(l, 1, cbs=cbs)
+
+class _CancelEveryOther(Callback):
+    "Cancels every other step after `MixedPrecision`'s `before_step` (the 1st, 3rd, ...)."
+    order = 50
+    def before_fit(self): self.n = 0
+    def before_step(self):
+        self.n += 1
+        if self.n % 2: raise CancelStepException()
+
+def test_lognormal_calibrates_its_first_scale_and_skips_nothing_on_small_gradients():
+    """`scaler='lognormal'` started at 2^16 whatever the gradients; on a model whose gradients overflow fp16 at that
+    scale its first steps were skipped (the updates ended 50% off FP32's). It calibrates now as the backoff scaler does:
+    the first step at scale 1, its largest |grad| the first observation; no step skipped where nothing overflows."""
+    from fp16cb.scaling import LogNormalScaler
+    learn = make_learner(opt_func=Adam).to_fp16(scaler='lognormal')
+    assert isinstance(learn.mixed_precision.scaler, LogNormalScaler) and learn.mixed_precision.loss_scale == 1.
+    quiet_fit(learn, 2, cbs=_CancelEveryOther())
+    mp = learn.mixed_precision
+    assert mp.n_skipped == 0 and not any(mp.skips) and mp.scales[0] == 1. and mp.loss_scale > 1.
+    ref = make_learner(opt_func=Adam)
+    w0 = weights(ref)
+    quiet_fit(ref, 2, cbs=_CancelEveryOther())
+    learn.to_fp32()
+    names = [n for n, _ in learn.model.named_parameters()]
+    for n, a, b, c in zip(names, w0, weights(ref), weights(learn)):
+        if n == '0.bias': continue  # BatchNorm follows: its grad is 0 but for rounding noise, which Adam normalizes
+        assert (c - b).norm() <= 0.1 * (b - a).norm(), n
+
+@pytest.mark.parametrize('call', ['to_native_bf16', 'to_native_fp16'])
+def test_native_autocast_survives_a_pause_inside_a_batch(call):
+    """A callback's `before_batch`, after the native callback's, that saves or unfreezes (a pause: the FP32 learner for
+    a moment) used to leave that batch's forward and backward in FP32. Every training forward runs in autocast."""
+    class PauseEachBatch(Callback):
+        order = 50
+        def before_batch(self):
+            if self.training: self.learn.freeze_to(0)  # a pause of the precision setup, as `learn.save` is
+    learn = getattr(make_learner(), call)()
+    seen = []
+    h = learn.model[0].register_forward_hook(lambda m, a, out: seen.append((m.training, out.dtype)))
+    quiet_fit(learn, 1, cbs=PauseEachBatch())
+    h.remove()
+    half = torch.bfloat16 if call.endswith('bf16') else torch.float16
+    assert [dt for tr, dt in seen if tr] == [half] * 4

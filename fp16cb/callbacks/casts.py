@@ -8,7 +8,7 @@ from torch import nn
 from ..dtypes import convert_network_keeping
 from ..policy import PrecisionPolicy, uncompiled
 
-__all__ = ['cast_floats', 'IslandHooks', 'to_half']
+__all__ = ['cast_floats', 'IslandHooks', 'RangeWatch', 'to_half']
 
 def cast_floats(b, dtype:torch.dtype):
     "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
@@ -18,10 +18,35 @@ def cast_floats(b, dtype:torch.dtype):
     if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
     return b
 
-def _cast_inputs(dtype):
-    "A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp)."
-    def hook(module, args, kwargs): return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+def _cast_inputs(dtype, watch=None):
+    """A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp).
+    `watch(before, after)`: called with the inputs and their cast in eval mode (validation, inference)."""
+    def hook(module, args, kwargs):
+        a, k = cast_floats(args, dtype), cast_floats(kwargs, dtype)
+        if watch is not None and not module.training: watch((args, kwargs), (a, k))
+        return a, k
     return hook
+
+def _floats(b) -> list:
+    "The floating tensors of `b` (nested tensors, lists, tuples, dicts), in order."
+    if isinstance(b, torch.Tensor): return [b] if torch.is_floating_point(b) else []
+    if isinstance(b, dict): return [t for v in b.values() for t in _floats(v)]
+    if isinstance(b, (list, tuple)): return [t for v in b for t in _floats(v)]
+    return []
+
+class RangeWatch:
+    """Whether casting the eval inputs to fp16 made an inf of a finite value (beyond fp16's 65504): a flag on the device,
+    OR-ed batch by batch (no host sync), read once at the end of the validation (`found`)."""
+    def __init__(self): self.flag = None
+    def __call__(self, before, after):
+        for a, b in zip(_floats(before), _floats(after)):
+            if b is a or b.dtype != torch.float16: continue
+            bad = torch.isfinite(a).all() & ~torch.isfinite(b).all()
+            self.flag = bad if self.flag is None else self.flag | bad
+    def found(self) -> bool:
+        "Whether it happened since the last call (one host read; none when nothing was cast)."
+        flag, self.flag = self.flag, None
+        return flag is not None and bool(flag)
 
 class IslandHooks:
     """The boundary casts of the islands of a 16-bit model: an FP32 island's floating inputs to FP32 as it is entered,

@@ -1,6 +1,7 @@
 """`ModelToHalf`: the model in 16-bit during a fit (BatchNorm and the `keep_fp32` islands FP32), its exact FP32 values
 given back at the end."""
 from __future__ import annotations
+import warnings
 import torch
 from torch import nn
 
@@ -11,7 +12,7 @@ from ..scaling import is_ddp
 from ..session import SessionCallback
 from ..policy import PrecisionPolicy, policy_report
 from ..distributed import rewrap
-from .casts import cast_floats, _cast_inputs, IslandHooks
+from .casts import cast_floats, _cast_inputs, IslandHooks, RangeWatch
 
 __all__ = ['ModelToHalf']
 
@@ -52,7 +53,19 @@ class ModelToHalf(SessionCallback):
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
         self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype), with_kwargs=True, prepend=True)
+        self._range = RangeWatch() if in_dtype == torch.float16 else None  # fp16: eval inputs beyond its range
+        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True, prepend=True)
+
+    def after_validate(self):
+        "Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not. Once."
+        watch = getattr(self, '_range', None)
+        if watch is None or not watch.found() or self.__dict__.get('_range_warned'): return
+        self._range_warned = True
+        warnings.warn("the validation (or inference) inputs hold values beyond fp16's range (|x| > 65504): cast to "
+                      "fp16 as they enter the model, they become inf, and the loss and predictions read nan where FP32 "
+                      "gives large finite values. Check the data's normalization (a feature constant in the training "
+                      "split, divided by its std + 1e-7, reaches ~1e7), or train with `learn.to_bf16()` (FP32's range).",
+                      RuntimeWarning, stacklevel=2)
 
     def teardown(self):
         "The mirror of `setup`: hooks off, the exact FP32 values back in the model, DDP wrapped again."

@@ -193,7 +193,7 @@ class LogNormalScaler(LossScaler):
     step there are no statistics: the scale only backs off. For the first `warmup` observations sigma is taken as at
     least 1 bit, since a spread estimated from a handful of steps is unreliable."""
     needs_max_grad = True
-    _state_names = LossScaler._state_names + ('mu', 'var', 'n_obs')
+    _state_names = LossScaler._state_names + ('mu', 'var', 'n_obs', 'calibrated')
 
     def __init__(self,
         init_scale:float=2.**16, # the scale until the first clean step gives a first observation
@@ -207,6 +207,8 @@ class LogNormalScaler(LossScaler):
         pow2:bool=True, # round the scale down to a power of 2 (exact scaling/unscaling, a stable scale)
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
         max_skipped:int=50, # more overflowing steps in a row than this is an error
+        calibrate:bool=False, # the first step runs at `init_scale` (1: nothing to overflow) and its largest |grad| is the first observation; an underflowing one is skipped and still observed (as `BackoffScaler`)
+        min_normal:float=FP16_TINY, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
     ):
         overflow_prob = check_real('overflow_prob', overflow_prob, 0., .5, lo_open=True, hi_open=True)
         window, warmup = check_int('window', window, 1), check_int('warmup', warmup, 0)
@@ -218,6 +220,9 @@ class LogNormalScaler(LossScaler):
         self.min_scale, self.max_scale, self.backoff, self.pow2 = min_scale, max_scale, backoff, pow2
         self.max_value, self.z = max_value, NormalDist().inv_cdf(1 - overflow_prob)
         self.mu, self.var, self.n_obs = 0., 0., 0
+        self.calibrated, self.min_normal = not check_bool('calibrate', calibrate), check_positive('min_normal', min_normal)
+
+    calibrating = property(lambda self: not self.calibrated, doc="Whether the next step is the first observation (run at 1).")
 
     @property
     def sigma(self) -> float:
@@ -239,7 +244,19 @@ class LogNormalScaler(LossScaler):
         if self.pow2: t = math.floor(t)
         return min(max(2. ** max(min(t, 1023.), -1022.), self.min_scale), self.max_scale)
 
+    def _underflow(self, max_grad):
+        "The calibrating step was skipped for underflow: its largest |grad| is observed still (0: every one flushed)."
+        self.calibrated = True
+        if max_grad is not None and max_grad > 0 and math.isfinite(max_grad): self.observe(math.log2(max_grad))
+        self.scale = self.target() if self.n_obs else self.max_scale
+
     def _update(self, found_inf, max_grad):
+        if not self.calibrated:
+            if found_inf:  # an overflow at scale 1 (what fp16 cannot hold anyway): skipped, tried again (max_skipped ends it)
+                self.scale = max(min(self.scale / self.backoff, 1.), self.min_scale)
+                return
+            if max_grad == 0: return  # an all-zero gradient of a zero loss says nothing: calibrate on a later step
+            self.calibrated = True
         if not found_inf:
             if max_grad is None: raise ValueError("LogNormalScaler.update needs the largest |unscaled grad| of the step")
             if max_grad > 0 and math.isfinite(max_grad): self.observe(math.log2(max_grad))
@@ -292,8 +309,10 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
         return BackoffScaler(1. if calibrate else loss_scale, div_factor, scale_wait, min_scale=min_loss_scale,
                              max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate, max_value=_max_value(dtype),
                              min_normal=_min_normal(dtype))
-    if name == 'lognormal':  # starts at 2**16, within [min_loss_scale, max_loss_scale]
-        return LogNormalScaler(min(max(2.**16, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
-                               max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype))
+    if name == 'lognormal':  # the default `loss_scale`: the first step calibrates (at 1); any other: the start
+        calibrate = loss_scale == SEED_LOSS_SCALE
+        return LogNormalScaler(min(max(1. if calibrate else loss_scale, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
+                               max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype),
+                               calibrate=calibrate, min_normal=_min_normal(dtype))
     raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")
 
