@@ -101,7 +101,9 @@ class Facts:
     gradient_clip: float|None = None  # fastai's `GradientClip(max_norm)` among the callbacks
     ddp: bool = False
     compiled: bool = False
-    float64_layers: tuple = ()  # names of float64 params of torch layers, which a 16-bit model would feed 16-bit inputs
+    float64_layers: tuple = ()  # names of float64 params of torch layers (a 16-bit model may feed them 16-bit inputs)
+    float64_model: bool = False  # every floating param of the model is float64 (nothing would be 16-bit)
+    float64_input: str|None = None  # a float64 torch layer that a 16-bit input reached (seen when it happens), by name
     cancels_steps: bool = False  # a callback cancelled a step (`CancelStepException` after the backward)
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
@@ -171,12 +173,19 @@ RULES = (
          "subnormal, 6e-8: it rounds to 0), so the moment reads 0 where FP32's does not and the update lr*m/(sqrt(v)+eps) "
          "is divided by eps alone. Use state_dtype=torch.bfloat16, which has FP32's range.",
          reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has FP32's."),
-    Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers),
-         lambda f: f"the model's layers {', '.join(f.float64_layers[:5])}{' ...' if len(f.float64_layers) > 5 else ''} "
-                   f"are float64: a {str(f.dtype).replace('torch.', '')} model would feed them 16-bit inputs, which "
-                   f"they cannot take. Convert the model to FP32 first (`learn.model.float()`, or `model.float()` "
-                   f"before making the Learner); float64 params outside torch's layers (a scalar offset) may stay.",
-         reason="float64 layers cannot take a 16-bit model's inputs: convert the model to FP32 first."),
+    Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers) and f.float64_model,
+         lambda f: f"the model is float64 (its layers {', '.join(f.float64_layers[:5])}"
+                   f"{' ...' if len(f.float64_layers) > 5 else ''}): a {str(f.dtype).replace('torch.', '')} model would "
+                   f"feed them 16-bit inputs, which they cannot take. Convert the model to FP32 first "
+                   f"(`learn.model.float()`, or `model.float()` before making the Learner).",
+         reason="a float64 model cannot take a 16-bit model's inputs: convert it to FP32 first."),
+    Rule('float64-input', STEP, lambda f: _MASTERS(f) and f.float64_input is not None,
+         lambda f: f"the model's layer {f.float64_input} is float64 and a {str(f.dtype).replace('torch.', '')} input "
+                   f"reached it (in the forward of the first batch that took that path, before its step): a float64 layer "
+                   f"cannot take it. Give it float64 "
+                   f"inputs (`self.{f.float64_input.split('.')[-1]}(x.double())` in the forward), or convert it to FP32 "
+                   f"(`.float()`) before `learn.to_fp16()`/`to_bf16()`.",
+         reason="a float64 layer that a 16-bit input reaches (seen at the first batch): give it float64 inputs or convert it."),
     Rule('sib-optimizer', FIT, lambda f: f.step_in_backward and f.optimizer not in (None, 'fastai'),
          _SIB + "it steps each param with fastai's `Optimizer` loop, and this learner's optimizer is {optimizer} (a "
          "torch optimizer in `OptimWrapper`, `Lookahead`, or an `Optimizer` with its own `step`): use a plain fastai "

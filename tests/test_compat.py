@@ -26,7 +26,8 @@ def test_every_rule_is_reachable_and_every_axis_named():
     assert {'sgd', 'adam', 'lookahead', 'torch', 'fused'} <= set(OPTIMIZERS) and 'plain' in CONTEXTS
     cells = {refusal(Facts.of_cell(m, o, c)) for m in MODES for o in OPTIMIZERS for c in CONTEXTS}
     extra = {refusal(Facts(native=True, dtype=torch.bfloat16, scaler_args=('init_scale',))),
-             refusal(Facts(float64_layers=('0.weight',))), refusal(Facts(step_in_backward=True)),
+             refusal(Facts(float64_layers=('0.weight',), float64_model=True)), refusal(Facts(float64_input='head')),
+             refusal(Facts(step_in_backward=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, clip=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, flat_master=True)),
              refusal(Facts(state_dtype=torch.float16)), refusal(Facts(flat_master=True, whole_param="fastai's LAMB")),
@@ -114,7 +115,7 @@ def test_native_bf16_refuses_gradscaler_arguments():
 def test_a_float64_model_is_refused_naming_its_layers():
     "Before the fix: the first forward failed deep in torch ('mat1 and mat2 ... BFloat16 and Double')."
     learn = make_learner(model=tiny_model().double())
-    with pytest.raises(ValueError, match=r"layers 0.weight, 0.bias, .*are float64.*learn.model.float\(\)"): learn.to_bf16()
+    with pytest.raises(ValueError, match=r"model is float64 \(its layers 0.weight, 0.bias, .*learn.model.float\(\)"): learn.to_bf16()
     learn.to_native_bf16()  # autocast leaves float64 alone: nothing to refuse
     learn.model.float(); learn.to_bf16()
     quiet_fit(learn, 1)

@@ -220,3 +220,35 @@ def test_native_autocast_survives_a_pause_inside_a_batch(call):
     h.remove()
     half = torch.bfloat16 if call.endswith('bf16') else torch.float16
     assert [dt for tr, dt in seen if tr] == [half] * 4
+
+class _Float64Head(nn.Module):
+    "A body and a float64 `nn.Linear` head that casts its own input (`self.head(x.double())`: a physics or calibration head)."
+    def __init__(self, casts:bool=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.casts = nn.Linear(4, 8), nn.Linear(8, 1).double(), casts
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h.double() if self.casts else h).float()
+
+def test_a_float64_layer_that_casts_its_own_input_trains_and_stays_float64():
+    """A model that keeps one torch layer in float64 and feeds it float64 itself trains with `to_bf16()` as in FP32, the
+    layer staying float64 (refused by the layer's type before: a regression); a layer that a 16-bit input reaches is
+    refused at that first forward, before any step, naming it; a model float64 throughout is refused at set-up."""
+    def run(mode, casts=True, **kw):
+        learn = make_learner(model=_Float64Head(casts), splitter=lambda m: [list(m.parameters())])
+        w0 = weights(learn)
+        if mode: learn.to_bf16(**kw)
+        quiet_fit(learn, 1)
+        if mode: learn.to_fp32()
+        return learn, w0
+    (ref, w0), (got, _) = run(None), run('bf16')
+    assert got.model.head.weight.dtype == torch.float64 and got.model.body.weight.dtype == torch.float32
+    for a, b, c in zip(w0, weights(ref), weights(got)): assert (c - b).norm() <= 0.05 * (b - a).norm() + 1e-6
+    kept, _ = run('bf16', keep_fp32='head')  # an FP32 island: its own float64 input is not cast down to FP32
+    assert kept.model.head.weight.dtype == torch.float64
+    for a, b, c in zip(w0, weights(ref), weights(kept)): assert (c - b).norm() <= 0.05 * (b - a).norm() + 1e-6
+    learn = make_learner(model=_Float64Head(casts=False), splitter=lambda m: [list(m.parameters())]).to_bf16()
+    w1 = weights(learn)
+    with pytest.raises(ValueError, match=r"layer head is float64 and a bfloat16 input reached it"): quiet_fit(learn, 1)
+    assert all(torch.equal(a, b) for a, b in zip(w1, weights(learn)))

@@ -10,12 +10,14 @@ from ..policy import PrecisionPolicy, uncompiled
 
 __all__ = ['cast_floats', 'IslandHooks', 'RangeWatch', 'to_half']
 
-def cast_floats(b, dtype:torch.dtype):
-    "Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched."
-    if isinstance(b, torch.Tensor): return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype else b
-    if isinstance(b, dict): return {k: cast_floats(v, dtype) for k, v in b.items()}
-    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype) for o in b))
-    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype) for o in b])
+def cast_floats(b, dtype:torch.dtype, keep64:bool=False):
+    """Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched
+    (`keep64`: float64 ones too, what a float64 layer inside an island is given on purpose)."""
+    if isinstance(b, torch.Tensor):
+        return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype and not (keep64 and b.dtype == torch.float64) else b
+    if isinstance(b, dict): return {k: cast_floats(v, dtype, keep64) for k, v in b.items()}
+    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype, keep64) for o in b))
+    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype, keep64) for o in b])
     return b
 
 def _cast_inputs(dtype, watch=None):
@@ -76,7 +78,7 @@ class IslandHooks:
 
     def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
         self._counted(args, kwargs)
-        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+        return cast_floats(args, dtype, keep64=True), cast_floats(kwargs, dtype, keep64=True)
 
     def _cast_out(self, module, args, out, dtype:torch.dtype):
         if isinstance(out, torch.Tensor) and torch.is_floating_point(out) and out.dtype != dtype:
@@ -85,7 +87,7 @@ class IslandHooks:
             if out.dtype == torch.float32: self._outs.append((res, out))
             return res
         self._counted(out)
-        return cast_floats(out, dtype)
+        return cast_floats(out, dtype, keep64=True)
 
     def _model_out(self, module, args, out):
         "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."

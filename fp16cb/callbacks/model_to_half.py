@@ -2,19 +2,29 @@
 given back at the end."""
 from __future__ import annotations
 import warnings
+from functools import partial
 import torch
 from torch import nn
 
 from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from ..weights import with_layout_of
-from ..compat import Facts, check, float64_layers, FIT
+from ..compat import Facts, check, float64_layers, FIT, STEP
 from ..scaling import is_ddp
 from ..session import SessionCallback
-from ..policy import PrecisionPolicy, policy_report
+from ..policy import PrecisionPolicy, policy_report, named_modules
 from ..distributed import rewrap
-from .casts import cast_floats, _cast_inputs, IslandHooks, RangeWatch
+from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, RangeWatch
 
 __all__ = ['ModelToHalf']
+
+def _float64_layer(m:nn.Module) -> bool:
+    "A torch layer (`torch.nn`: Linear, Conv, LSTM ...) holding float64 params: it cannot take a 16-bit input."
+    return type(m).__module__.startswith('torch.nn.') and any(p.dtype == torch.float64 for p in m.parameters(recurse=False))
+
+def _float64_input(module, args, kwargs, name:str, dtype):
+    "A forward pre-hook on a float64 layer: a 16-bit input reaching it is refused (the declaration's sentence), at once."
+    if any(t.dtype in (torch.float16, torch.bfloat16) for t in _floats((args, kwargs))):
+        check(Facts(dtype=dtype, float64_input=name), STEP)
 
 class ModelToHalf(SessionCallback):
     """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
@@ -31,7 +41,9 @@ class ModelToHalf(SessionCallback):
     def check_model(self, model:nn.Module):
         """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the declaration
         of what combines); in `keep_fp32` a typo raises, a name that matches no module warns, once (not again at each fit)."""
-        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model)), FIT)
+        floating = [p for p in model.parameters() if p.is_floating_point()]
+        check(Facts(dtype=self.dtype, float64_layers=float64_layers(model),
+                    float64_model=bool(floating) and all(p.dtype == torch.float64 for p in floating)), FIT)
         self.policy.check(model)
         warned = self.__dict__.setdefault('_warned', set())  # the names warned of already
         warned.update(self.policy.warn_unmatched(model, skip=warned))
@@ -54,6 +66,8 @@ class ModelToHalf(SessionCallback):
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
         self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
         self._range = RangeWatch() if in_dtype == torch.float16 else None  # fp16: eval inputs beyond its range
+        self._float64 = [m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype), with_kwargs=True)
+                         for n, m in named_modules(model) if _float64_layer(m)]  # refused if a 16-bit input reaches one
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True, prepend=True)
 
     def after_validate(self):
@@ -70,6 +84,8 @@ class ModelToHalf(SessionCallback):
     def teardown(self):
         "The mirror of `setup`: hooks off, the exact FP32 values back in the model, DDP wrapped again."
         if self._hook is not None: self._hook.remove()
+        for h in getattr(self, '_float64', ()): h.remove()
+        self._float64 = []
         if self.islands is not None: self.islands.remove()
         self._hook = self.islands = None
         was_converted = self.converted
