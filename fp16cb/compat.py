@@ -181,10 +181,9 @@ RULES = (
          reason="a float64 model cannot take a 16-bit model's inputs: convert it to FP32 first."),
     Rule('float64-input', STEP, lambda f: _MASTERS(f) and f.float64_input is not None,
          lambda f: f"the model's layer {f.float64_input} is float64 and a {str(f.dtype).replace('torch.', '')} input "
-                   f"reached it (in the forward of the first batch that took that path, before its step): a float64 layer "
-                   f"cannot take it. Give it float64 "
-                   f"inputs (`self.{f.float64_input.split('.')[-1]}(x.double())` in the forward), or convert it to FP32 "
-                   f"(`.float()`) before `learn.to_fp16()`/`to_bf16()`.",
+                   f"reached it (in the forward of the first batch that took that path, before its step): a float64 "
+                   f"layer cannot take it. Give it float64 inputs (`self.{f.float64_input.split('.')[-1]}(x.double())` "
+                   f"in the forward), or convert it to FP32 (`.float()`) before `learn.to_fp16()`/`to_bf16()`.",
          reason="a float64 layer that a 16-bit input reaches (seen at the first batch): give it float64 inputs or convert it."),
     Rule('sib-optimizer', FIT, lambda f: f.step_in_backward and f.optimizer not in (None, 'fastai'),
          _SIB + "it steps each param with fastai's `Optimizer` loop, and this learner's optimizer is {optimizer} (a "
