@@ -1,7 +1,7 @@
 """Diagnostics: the loss-scale history of a fit, where the gradients live relative to fp16's range, warnings, and
 `learn.precision_check()`: a few batches in FP32 and in the learner's precision, compared module by module."""
 from __future__ import annotations
-import math
+import math, re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 import numpy as np
@@ -217,7 +217,7 @@ from fastai.learner import Learner
 from fastcore.basics import patch
 from .overflow import Precision, bare_copy, same_rng, run_batch, find_remedy, unwrap, shown, INPUTS, LOSS, rng_state
 from .dtypes import has_fast_half_math, model_device
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, CATEGORIES
 
 def _precision_of(learn) -> tuple:
     """`(Precision, scale_of, floor, label, half_storage, state16)` of the learner's precision callbacks (`to_fp16()`'s
@@ -295,7 +295,8 @@ def precision_check(self:Learner,
     zero in 16-bit at the loss scale that precision uses), `underflow_act` (the same of the gradient of its output,
     which flows in 16-bit), `swallowed` (share of its SGD updates, at the optimizer's lr, that
     16-bit storage of the weight would round to nothing: FP32 masters keep them), `max_fp32` (largest |output| in
-    FP32) and `rel_diff` (relative difference of its output from FP32's). `df.attrs`: 'advice' (a sentence: 'safe',
+    FP32) and `rel_diff` (relative difference of its output from FP32's: over `DIVERGES` the advice names the first such
+    module, with the `keep_fp32` it checked, even where nothing is inf/NaN). `df.attrs`: 'advice' (a sentence: 'safe',
     "keep_fp32=[...]", 'use to_bf16', ...), 'loss_fp32', 'loss_16bit', 'loss_scale', 'mode', 'keep_fp32'. Works on
     copies of the model: the learner (weights, optimizer, callbacks, RNG, BatchNorm statistics) is left as it was."""
     import pandas as pd
@@ -311,7 +312,7 @@ def precision_check(self:Learner,
         m16.train()
         dev, lrs = model_device(m32), _lrs(self, unwrap(self.model))
         params32, params16 = dict(m32.named_parameters()), dict(m16.named_parameters())
-        sums, overflow, rel, fp32_max, losses, scale, first_bad = _Sums(), {}, {}, {}, [], None, None
+        sums, overflow, rel, fp32_max, losses, scale, first_bad, first = _Sums(), {}, {}, {}, [], None, None, None
         for b in _first_batches(dl, n_batches):
             n_inp = getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)  # as fastai's `Learner._split`
             xb, yb, rng = tuple(b[:n_inp]), tuple(b[n_inp:]), rng_state()
@@ -319,6 +320,7 @@ def precision_check(self:Learner,
             if scale is None:
                 scale = float(scale_of(max((float(g.abs().max()) for g in r32.grads.values() if g is not None and g.numel()), default=0.)))
             r16 = run_batch(m16, xb, yb, self.loss_func, scale, prec.context(dev), ref=r32.outputs, rng=rng)
+            if first is None: first = (xb, yb, rng, r32.outputs)  # what a divergence's remedy is checked on
             losses.append((r32.loss, r16.loss))
             for n, v in r32.out_max.items(): fp32_max[n] = max(fp32_max.get(n, 0.), v)
             for n, v in r16.rel_diff.items():
@@ -329,7 +331,8 @@ def precision_check(self:Learner,
         counts = sums.read()
         # what keeps the first overflowing batch clean at the lowest scale (above it, a dynamic scale backs off)
         rem = find_remedy(m32, prec, first_bad[:3], floor, rng=first_bad[3]) if first_bad is not None else None
-    mods = dict(m32.named_modules())
+        mods = dict(m32.named_modules())
+        div = None if first is None else _divergence(m32, prec, mods, rel, first, self.loss_func, scale, dev)
     rows = [n for n, m in mods.items() if any(True for _ in m.parameters(recurse=False))]
     rows = [o for o in (INPUTS,) if o in overflow] + [n for n in mods if n in rows or n in overflow] + [o for o in (LOSS,) if o in overflow]
     def share(n, k):
@@ -347,8 +350,8 @@ def precision_check(self:Learner,
     }, index=pd.Index([n if n else '(model)' for n in rows], name='module'))
     l32, l16 = (float(np.mean([l[i] for l in losses])) if losses else float('nan') for i in (0, 1))
     df.attrs.update(mode=f"learn.{label}", loss_scale=scale, loss_fp32=l32, loss_16bit=l16, n_batches=len(losses),
-                    keep_fp32=rem.keep if rem is not None and rem.checked else [],
-                    advice=_advice(df, overflow, rem, prec, dev, scale, floor, half_storage, state16))
+                    keep_fp32=rem.keep if rem is not None and rem.checked and rem.keep else [div[0]] if div is not None and div[2] else [],
+                    advice=_advice(df, overflow, rem, prec, dev, scale, floor, half_storage, state16, div))
     if plot: plot_precision_check(df)
     return df
 
@@ -380,9 +383,34 @@ def _count(sums, r32, r16, params32, params16, lrs, prec, scale, half_storage):
         nz = u != 0
         sums.add((mod, 'swallowed'), (nz & kept).sum()); sums.add((mod, 'swallowed_of'), nz.sum())
 
-def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, state16=None) -> str:
-    "One sentence: what to do (the first word says which: safe, keep_fp32=[...], use to_bf16, check, underflow, swallowed)."
+DIVERGES = .2  # a module's output this far from FP32's (relative difference) is named, even with no inf/NaN anywhere
+
+def _divergence(m32, prec, mods:dict, rel:dict, first:tuple, loss_func, scale, device):
+    """`(module, its rel_diff, whether keeping it FP32 fixes the outputs)` for the first module, in the model's order,
+    whose output is over `DIVERGES` off FP32's (a value overflowing inside it that nothing reports: `x**2` in a
+    hand-written norm gives inf, `rsqrt(inf)` 0); None when none is. The fix is tried on the first batch, as the
+    overflow's remedy is: that module kept FP32, every module's output within `DIVERGES` of FP32's."""
+    name = next((n for n in mods if n and np.mean(rel.get(n) or [0.]) > DIVERGES), None)
+    if name is None: return None
+    xb, yb, rng, ref = first
+    spec = name if name not in CATEGORIES else 're:' + re.escape(name)  # 'norm' alone is the category
+    m16, _ = prec.ours.make(m32, [name])  # by its name (`PrecisionPolicy.adding` tells it from the category)
+    m16.train()
+    run = run_batch(m16, xb, yb, loss_func, scale, prec.ours.context(device), ref=ref, rng=rng)
+    after = [v for v in run.rel_diff.values() if v is not None]
+    return spec, float(np.mean(rel[name])), not run.overflowed and bool(after) and max(after) <= DIVERGES
+
+def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, state16=None, div=None) -> str:
+    "One sentence: what to do (the first word says which: safe, keep_fp32=[...], differs, use to_bf16, check, underflow, swallowed)."
     bf16 = prec.dtype == torch.float16 and has_fast_half_math(torch.bfloat16, device)
+    if div is not None and not (overflow and rem is not None and rem.keep and rem.checked):  # a wrong output, said first
+        name, v, fixed = div
+        what = (f"{name!r}'s output is {v:.0%} off FP32's in {prec.label}, finite (a value that overflows inside it and "
+                f"comes out finite, as `x**2` in a hand-written norm)")
+        if fixed: return (f"keep_fp32={[name]!r}: `{prec.call([name])}` ({what}; kept FP32, every module's output follows "
+                          f"FP32's)" + (", or `learn.to_bf16()`" if bf16 else '') + '.')
+        return (f"differs: {what}, and keeping it FP32 does not bring the outputs back: "
+                + ("`learn.to_bf16()`, or train in FP32." if prec.dtype == torch.float16 else "train in FP32."))
     if overflow:
         starts = ', '.join(shown(o) for o in overflow)
         if rem is not None and rem.checked and not rem.keep and scale > floor:

@@ -7,7 +7,7 @@ the 16-bit range again), is checked on that batch. Used on the failing step of a
 (`MixedPrecision`, `NativeMixedPrecision`, imported there and then) and by `learn.precision_check`; never on a clean
 step."""
 from __future__ import annotations
-import copy, math, random, warnings
+import copy, math, random, re, warnings
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 import numpy as np
@@ -16,7 +16,7 @@ from torch import nn, Tensor
 
 from .dtypes import has_fast_half_math, model_device, user_stacklevel
 from .callbacks.casts import cast_floats, to_half
-from .policy import PrecisionPolicy, is_compiled, uncompiled
+from .policy import PrecisionPolicy, is_compiled, uncompiled, CATEGORIES
 from .scaling import is_ddp, syncs, LossScaleError
 
 __all__ = ['INPUTS', 'LOSS', 'MODEL', 'unwrap', 'bare_copy', 'rng_state', 'same_rng', 'Precision', 'Run', 'run_batch',
@@ -108,7 +108,8 @@ class Precision(NamedTuple):
     def call(self, keep:list) -> str:
         "The call that trains with the modules `keep` FP32 (the user's other name specs kept)."
         pol = self.ours.policy
-        specs = [s for s in pol.user_specs() if isinstance(s, str)] + [k for k in keep if k not in pol.specs]
+        named = ['re:' + re.escape(k) if k in CATEGORIES else k for k in keep]  # a module named 'norm' is not the category
+        specs = [s for s in pol.user_specs() if isinstance(s, str)] + [k for k in named if k not in pol.specs]
         meth = 'to_bf16' if self.dtype == torch.bfloat16 else 'to_fp16'
         more = ' with your other keep_fp32 specs' if any(not isinstance(s, str) for s in pol.user_specs()) else ''
         return f"learn.{meth}(keep_fp32={specs!r}){more}"

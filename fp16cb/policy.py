@@ -169,7 +169,8 @@ class PrecisionPolicy:
 
     def adding(self, names) -> PrecisionPolicy:
         "This policy keeping the modules `names` (qualified names, matched exactly) FP32 too: a new policy."
-        new = [n if _is_word(n) or re.fullmatch(r'[\w.]+', n) else 're:' + re.escape(n) for n in names]
+        # a module's name that is also a category's ('norm') is given as a regex: the category would keep other modules
+        new = [n if (_is_word(n) or re.fullmatch(r'[\w.]+', n)) and n not in CATEGORIES else 're:' + re.escape(n) for n in names]
         new = [n for n in new if n not in self.specs]
         if not new: return self
         return type(self)(*[s for s in self.specs if s != 'batchnorm'], *new, batchnorm='batchnorm' in self.specs)

@@ -252,3 +252,50 @@ def test_a_float64_layer_that_casts_its_own_input_trains_and_stays_float64():
     w1 = weights(learn)
     with pytest.raises(ValueError, match=r"layer head is float64 and a bfloat16 input reached it"): quiet_fit(learn, 1)
     assert all(torch.equal(a, b) for a, b in zip(w1, weights(learn)))
+
+@pytest.mark.parametrize('call', ['to_bf16', 'to_fp16'])
+def test_inference_between_fits_makes_no_weight_store(monkeypatch, call):
+    """`get_preds`/`validate`/`predict` between fits run the 16-bit model: no FP32 masters, flat buffers or optimizer
+    moves (they cost 4-5x FP32's time on an 8.4M-param MLP; `bench/RESULTS.md`). The predictions are the 16-bit model's
+    as before, and a fit afterwards makes its store and trains."""
+    from fp16cb.weights import FP32Masters, HalfStorage
+    made = []
+    for cls in (FP32Masters, HalfStorage):
+        init = cls.__init__
+        monkeypatch.setattr(cls, '__init__', lambda self, *a, _init=init, **k: (made.append(type(self).__name__), _init(self, *a, **k))[1])
+    learn = getattr(make_learner(), call)()
+    with learn.no_bar(), learn.no_logging():
+        preds, _ = learn.get_preds()
+        learn.validate()
+    assert made == [] and torch.isfinite(preds).all()
+    w0 = weights(learn)
+    quiet_fit(learn, 1)
+    assert made and any(not torch.equal(a, b) for a, b in zip(w0, weights(learn)))
+
+class _RMSNorm(nn.Module):
+    "A hand-written RMSNorm: `x * rsqrt(mean(x**2) + eps) * weight` (in fp16, `x**2` of activations ~360 is inf: 0 out)."
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+    def forward(self, x): return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+class _NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.norm, self.head = nn.Linear(4, 32), _RMSNorm(32), nn.Linear(32, 1)
+        with torch.no_grad(): self.lin.weight.mul_(400.)  # activations in the hundreds
+    def forward(self, x): return self.head(self.norm(self.lin(x)))
+
+def test_precision_check_names_an_output_far_from_fp32s_with_no_inf_anywhere():
+    """A hand-written RMSNorm after activations of ~360: in fp16 `x**2` overflows to inf and `rsqrt(inf)` is 0, so the
+    norm outputs 0 with no inf/NaN anywhere; the fit fails silently. `precision_check` said "safe" with the norm's
+    `rel_diff` at 0.9. It names the module and the remedy it checked (keeping it FP32); a sound model is still safe."""
+    learn = make_learner(model=_NormNet(), splitter=lambda m: [list(m.parameters())]).to_fp16()
+    df = learn.precision_check(n_batches=2, plot=False)
+    assert df.loc['norm', 'rel_diff'] > .5 and df.attrs['keep_fp32'] == ['re:norm']  # 'norm' alone: the category
+    assert df.attrs['advice'].startswith("keep_fp32=['re:norm']: `learn.to_fp16(keep_fp32=['re:norm'])`")
+    kept = make_learner(model=_NormNet(), splitter=lambda m: [list(m.parameters())]).to_fp16(keep_fp32=['re:norm'])
+    assert kept.precision_check(n_batches=2, plot=False).attrs['advice'].split(':')[0] in ('safe', 'underflow')
+    ok = make_learner().to_fp16().precision_check(n_batches=2, plot=False)
+    assert ok.attrs['advice'].startswith('safe')

@@ -101,7 +101,14 @@ class MixedPrecision(ScaleColumns, SessionCallback):
 
     # -- the lifecycle (called by the session)
     def setup(self):
-        "The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept)."
+        """The weight store for the optimizer's params (masters made from the exact FP32 originals `ModelToHalf` kept),
+        made when a fit sets up. A `validate`/`get_preds`/`predict` outside a fit needs the 16-bit model only: no store
+        (no masters, no optimizer moves), so that inference costs what it costs in 16-bit; events fired by other code
+        that then trains get theirs at the first training batch."""
+        self.store = None
+        if self.session.in_fit: self._make_store()
+
+    def _make_store(self):
         self._fit_facts = learner_facts(self.learn, self.facts)
         check(self._fit_facts, FIT)
         patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
@@ -157,7 +164,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
 
     # -- the events of one step
     def before_batch(self):
-        if not self.training or self.store is None: return
+        if not self.training: return
+        if self.store is None:
+            if not self.session.is_active(self): return
+            self._make_store()
         if self.store.stage is Stage.NEW: self._sync_ranks()
         elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
         self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
