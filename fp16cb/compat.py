@@ -15,7 +15,7 @@ import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-__all__ = ['SEMANTICS', 'STATE16', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT',
+__all__ = ['SEMANTICS', 'STATE16', 'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT',
            'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers',
            'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH', 'known_elementwise']
 
@@ -208,11 +208,6 @@ RULES = (
          "which cannot be undone: the weights moved where FP32 fastai's would not. Train without step_in_backward, or "
          "cancel before the backward (`CancelBackwardException` in `before_backward`).",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an error when it happens)."),
-    Rule('flat-intermittent', STEP, lambda f: f.flat_master and f.intermittent is not None and f.counts_steps,
-         "flat_master=True keeps one optimizer state per param group, with one step count: the param {intermittent} has "
-         "a grad on some steps only, so its own count (Adam's bias correction) would not be kept as FP32 keeps it. Use "
-         "flat_master=False (one master per param, each with its own state).",
-         reason="a flat group shares one step count: a param with a grad on some steps only cannot keep its own (an error when it happens)."),
     Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
          lambda f: f"flat_master=True steps each param group as one flat tensor, but " + (
              f"{f.whole_param} reads each param whole (its norms, per param in FP32)" if not f.whole_param.startswith('`') else
@@ -255,6 +250,11 @@ STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, ever
            "of the flat master's, in bfloat16 like them) and fastai `Lookahead`'s slow weights stay FP32; between fits, "
            "in checkpoints and after `to_fp32()` the whole state is FP32.")
 
+FLAT_PRESENCE = ("`flat_master=True` keeps one step count per flat group: when a param's gradient comes or goes during a "
+                 "fit (a head switched on after warm-up, a layer skipped from some step, a torch optimizer's branch), the "
+                 "fit goes on from that step with one FP32 master per param, each with its own count as FP32 keeps it, "
+                 "and a warning says so; the next fit starts flat again.")
+
 def table() -> str:
     "The compatibility table (markdown): a row per mode, a column per optimizer kind and context; refusals by rule."
     cols = [(o, 'plain') for o in OPTIMIZERS if o not in ('sgd',)] + [('adam', c) for c in CONTEXTS if c != 'plain']
@@ -271,7 +271,7 @@ def table() -> str:
     for rule_name, i in seen.items():
         r = next(r for r in RULES if r.name == rule_name)
         lines.append(f"({i}) {r.reason}  ")
-    return '\n'.join(lines + ['', STATE16])
+    return '\n'.join(lines + ['', STATE16, '', FLAT_PRESENCE])
 
 # ---- the facts of a live learner
 def optimizer_kind(opt) -> str:

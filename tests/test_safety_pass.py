@@ -299,3 +299,44 @@ def test_precision_check_names_an_output_far_from_fp32s_with_no_inf_anywhere():
     assert kept.precision_check(n_batches=2, plot=False).attrs['advice'].split(':')[0] in ('safe', 'underflow')
     ok = make_learner().to_fp16().precision_check(n_batches=2, plot=False)
     assert ok.attrs['advice'].startswith('safe')
+
+class _LateHead(nn.Module):
+    "A body, and a head that joins the forward from the 3rd training forward on (switched on after warm-up)."
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.n = nn.Linear(4, 1), nn.Linear(4, 1), 0
+    def forward(self, x):
+        if self.training: self.n += 1
+        return self.body(x) + (self.head(x) if self.n >= 3 or not self.training else 0.)
+
+class _SkippedLater(nn.Module):
+    "Two layers; the second is skipped from the 4th training forward on (LayerDrop-like)."
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.n = nn.Linear(4, 1), nn.Linear(4, 1), 0
+    def forward(self, x):
+        if self.training: self.n += 1
+        return self.a(x) + (self.b(x) if self.n < 4 or not self.training else 0.)
+
+@pytest.mark.parametrize('model,opt', [(_LateHead, 'adam'), (_SkippedLater, 'adamw')])
+def test_flat_masters_follow_a_param_whose_grad_comes_or_goes(model, opt):
+    """FP32 trains a head that joins at step 3 (fastai's Adam) and a layer skipped from step 4 (torch's AdamW), each
+    with its own step count. Flat masters keep one count per group: they were refused at step 3 or 4, after the
+    weights had moved. The fit now goes on with one master per param from that step (a warning says so) and trains as
+    FP32 does; the next fit starts flat again."""
+    from functools import partial
+    from fastai.optimizer import OptimWrapper
+    opt_func = Adam if opt == 'adam' else partial(OptimWrapper, opt=torch.optim.AdamW)
+    def run(mode):
+        learn = make_learner(model=model(), opt_func=opt_func, splitter=lambda m: [list(m.parameters())])
+        w0 = weights(learn)
+        if mode: learn.to_fp16(flat_master=True)
+        if mode:
+            with pytest.warns(RuntimeWarning, match="one FP32 master per param"): quiet_fit(learn, 2)
+        else: quiet_fit(learn, 2)
+        if mode: learn.to_fp32()
+        return w0, weights(learn), learn
+    (w0, ref, _), (_, got, learn) = run(None), run('fp16')
+    for a, b, c in zip(w0, ref, got): assert (c - b).norm() <= 0.02 * (b - a).norm() + 1e-5, ((c - b).norm(), (b - a).norm())

@@ -69,6 +69,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.state_dtype = resolve_state_dtype(state_dtype)
         check(self.facts, OPTIONS)
         self.store, self.record, self.max_grad, self._rng, self._rng_state = None, StepRecord(), None, None, None
+        self._per_param = False  # this fit went on with one master per param (`_unflatten`)
 
     @property
     def facts(self) -> Facts:
@@ -116,11 +117,12 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         mth, model = self._model_to_half(), self.learn.model
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
-        if not self.session.suspending: self.record.new_fit()
+        if not self.session.suspending: self.record.new_fit(); self._per_param = False  # a new fit: flat again
         kw = dict(names=names, model=model, in_backward=self.step_in_backward, state_dtype=self.state_dtype,
                   stochastic=self.stochastic_rounding, generator=self.rng(model) if self.half_storage or self.state_dtype else None)
         if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
-        else: self.store = MasterWeights(self.learn.opt, self.flat_master, fp32_of=mth.fp32_of if half else None, **kw)
+        else: self.store = MasterWeights(self.learn.opt, self.flat_master and not self._per_param,
+                                         fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}  # FP32 originals still kept
         if self._remembered: self.store.stepped_hook = self._forget_originals
@@ -189,12 +191,24 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             found, self.max_grad, under = read_stats(self.store.recheck(), self.learn.model)
         if not (found or under):
             if watch: self._warn_flushed(scale)
+            if (name := self.store.presence_changed()) is not None: self._unflatten(name)
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         self.record.unscaled()
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
+
+    def _unflatten(self, name:str):
+        """Flat masters keep one step count per group: a param whose grad comes or goes (a head switched on after warm-up,
+        a skipped layer) would not keep its own, as FP32 does. From this step on the fit trains with one master per
+        param (each with its own count; the state so far split, the param never stepped with none), and says so."""
+        warnings.warn(f"flat_master=True: the param {name} has a grad on some steps only, and a flat group keeps one step "
+                      f"count for all its params (Adam's bias correction): from this step on, this fit trains with one "
+                      f"FP32 master per param (flat_master=False), each with its own count, as FP32 keeps it.",
+                      RuntimeWarning, stacklevel=2)
+        self._per_param = True
+        with self.session.suspended(): pass  # the store made again, per param; this step's grads brought in again
 
     def _warn_flushed(self, scale:float):
         "The first step of a static fp16 scale: every 16-bit gradient zero for a nonzero loss means they all underflowed."

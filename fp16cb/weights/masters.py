@@ -13,7 +13,6 @@ from .drivers import fused_runs
 from .lift import Scratch, LiftPlan, Chunk, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
-from ..compat import Facts, check, STEP
 
 __all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights']
 
@@ -362,14 +361,27 @@ class FlatMasters(FP32Masters):
                     if isinstance(v, Tensor) and v.numel() == m.numel(): sl(v).zero_()
         return put_back
 
-    def _check_presence(self, missing:list, state:dict, where:dict):
-        "A param whose grad comes and goes cannot keep its own step count in a flat group's state: the declaration's error."
-        ids, prev = frozenset(map(id, missing)), self._absent
-        self._absent = ids
-        if prev is None or ids == prev: return
+    def presence_changed(self) -> str|None:
+        """The name of a param whose grad came or went since the last step while the optimizer counts steps (None: none
+        did): a flat group's one step count cannot follow it, so the callback goes on with one master per param."""
+        return self._changed(frozenset(map(id, self._missing)), opt_state(self.core), self._flat_of())
+
+    def _changed(self, ids:frozenset, state:dict, where:dict) -> str|None:
+        prev = self._absent
+        if prev is None or ids == prev: return None
         for p in self.models:
             if (id(p) in ids) != (id(p) in prev) and _counts_steps(state.get(where[id(p)][0], {})):
-                check(Facts(flat_master=True, intermittent=self.names.get(id(p), f'of shape {tuple(p.shape)}')), STEP)
+                return self.names.get(id(p), f'of shape {tuple(p.shape)}')
+        return None
+
+    def _check_presence(self, missing:list, state:dict, where:dict):
+        "What `presence_changed` says is never stepped flat (the callback switched to one master per param before)."
+        ids = frozenset(map(id, missing))
+        name = self._changed(ids, state, where)
+        if name is not None:
+            raise RuntimeError(f"flat masters: the param {name} had a grad on some steps only and its flat group keeps one "
+                               f"step count: train with flat_master=False (one master per param).")
+        self._absent = ids
 
     def _flat_of(self) -> dict:
         "`{id(param): (its flat master, its offset in it)}` (made once)."

@@ -139,6 +139,10 @@ class WeightStore:
         if not self.cleared: self.zero_model_grads()
         self.stage, self.cleared = Stage.READY, False
 
+    def presence_changed(self) -> str|None:
+        "A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its name."
+        return None
+
     def check_linked(self):
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 
