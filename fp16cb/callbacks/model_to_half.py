@@ -36,7 +36,7 @@ class ModelToHalf(SessionCallback):
         keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy`, or spec(s) for one (see `fp16cb.policy`)
     ):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
-        self.originals, self.masters, self._hook, self.islands = None, {}, None, None
+        self.originals, self.masters, self._hook, self.islands, self._trained = None, {}, None, None, False
 
     def check_model(self, model:nn.Module):
         """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the declaration
@@ -66,9 +66,13 @@ class ModelToHalf(SessionCallback):
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
         self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
         self._range = RangeWatch() if in_dtype == torch.float16 else None  # fp16: eval inputs beyond its range
+        self._trained = False  # a `validate`/`get_preds` changes no param: its teardown gives the originals back as they are
         self._float64 = [m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype), with_kwargs=True)
                          for n, m in named_modules(model) if _float64_layer(m)]  # refused if a 16-bit input reaches one
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True, prepend=True)
+
+    def before_batch(self):
+        if self.training: self._trained = True  # from now on a param's value may differ from its original
 
     def after_validate(self):
         "Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not. Once."
@@ -148,6 +152,7 @@ class ModelToHalf(SessionCallback):
         master = self.masters.get(id(cur)) if rec.is_param else None
         if master is not None: return master
         if rec.original.is_meta: return cur.to(rec.original.dtype)  # trained in 16-bit, original forgotten
+        if rec.is_param and not self._trained: return rec.original  # no training batch since the set-up (inference)
         if cur.dtype != rec.original.dtype and torch.equal(cur, rec.original.to(cur.dtype)): return rec.original
         return cur.to(rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
 
