@@ -21,6 +21,7 @@ __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision',
            'BNStatsGuard']
 
-from .diagnostics import plot_loss_scale, gradient_report, plot_gradient_range, GradientReport, precision_check, plot_precision_check
+from .diagnostics import plot_loss_scale, gradient_report, plot_gradient_range, GradientReport
+from .precision_check import precision_check, plot_precision_check
 __all__ += ['plot_loss_scale', 'gradient_report', 'plot_gradient_range', 'GradientReport', 'precision_check',
             'plot_precision_check']
