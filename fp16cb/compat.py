@@ -209,7 +209,7 @@ RULES = (
          "cancel before the backward (`CancelBackwardException` in `before_backward`).",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an error when it happens)."),
     Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
-         lambda f: f"flat_master=True steps each param group as one flat tensor, but " + (
+         lambda f: "flat_master=True steps each param group as one flat tensor, but " + (
              f"{f.whole_param} reads each param whole (its norms, per param in FP32)" if not f.whole_param.startswith('`') else
              f"{f.whole_param} is not known to update each element on its own (`fp16cb.compat.ELEMENTWISE_TORCH` lists "
              f"the torch optimizers that do), so it may read each param whole (as LAMB's norms do)") +

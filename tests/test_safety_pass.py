@@ -256,7 +256,7 @@ def test_a_float64_layer_that_casts_its_own_input_trains_and_stays_float64():
 @pytest.mark.parametrize('call', ['to_bf16', 'to_fp16'])
 def test_inference_between_fits_makes_no_weight_store(monkeypatch, call):
     """`get_preds`/`validate`/`predict` between fits run the 16-bit model: no FP32 masters, flat buffers or optimizer
-    moves (they cost 4-5x FP32's time on an 8.4M-param MLP; `bench/RESULTS.md`). The predictions are the 16-bit model's
+    moves (a bf16 `get_preds` on an 8.4M-param MLP took 6.7x FP32's time, 2.2x now: `bench/RESULTS.md`). The predictions are the 16-bit model's
     as before, and a fit afterwards makes its store and trains."""
     from fp16cb.weights import FP32Masters, HalfStorage
     made = []
