@@ -47,7 +47,9 @@ class FusedRun:
             while j < len(self.params) and sigs[i] is not None and sigs[j] == sigs[i]: j += 1
             if j - i > 1:
                 part = self.parts.get((i, j))
-                if part is None: part = self.parts[(i, j)] = _Stretch(self, i, j)
+                if part is None:  # new boundaries: the stretches they overlap go, with their buffers
+                    self.parts = {k: v for k, v in self.parts.items() if k[1] <= i or k[0] >= j}
+                    part = self.parts[(i, j)] = _Stretch(self, i, j)
                 part.step(core, hyper, [state[p] for p in self.params[i:j]], sigs[i])
                 done += self.params[i:j]
             i = j
