@@ -33,7 +33,7 @@ def _floats(b) -> list:
     "The floating tensors of `b` (nested tensors, lists, tuples, dicts), in order."
     if isinstance(b, torch.Tensor): return [b] if torch.is_floating_point(b) else []
     if isinstance(b, dict): return [t for v in b.values() for t in _floats(v)]
-    if isinstance(b, (list, tuple)): return [t for v in b for t in _floats(v)]
+    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return [t for v in b for t in _floats(v)]
     return []
 
 class RangeWatch:
@@ -67,14 +67,8 @@ class IslandHooks:
             self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
         if self.handles: self.handles.append(root.register_forward_hook(self._model_out))
 
-    def _count(self, b) -> int:
-        if isinstance(b, torch.Tensor): return int(torch.is_floating_point(b))
-        if isinstance(b, dict): return sum(self._count(v) for v in b.values())
-        if isinstance(b, (list, tuple)): return sum(self._count(v) for v in b)
-        return 0
-
     def _counted(self, *bs):
-        if not torch.compiler.is_compiling(): self.n_casts += sum(self._count(b) for b in bs)
+        if not torch.compiler.is_compiling(): self.n_casts += len(_floats(bs))
 
     def _cast_in(self, module, args, kwargs, dtype:torch.dtype):
         self._counted(args, kwargs)

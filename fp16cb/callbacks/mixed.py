@@ -176,6 +176,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
 
     def before_backward(self):
+        if self.store is not None: self.store.backward()
         self.record.scaled(self.loss_scale)  # what the grads carry until the step (a fit ending before it divides them)
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
@@ -213,7 +214,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     def _warn_flushed(self, scale:float):
         "The first step of a static fp16 scale: every 16-bit gradient zero for a nonzero loss means they all underflowed."
         if self.max_grad != 0: return
-        loss = float(self.learn.loss)  # a second read, on this rare step only
+        loss = float(self.learn.loss.detach())  # a second read, on this rare step only
         if loss == 0 or not math.isfinite(loss): return
         warnings.warn(f"every fp16 gradient of this fit's first step is zero while its loss is {loss:g}: at the static "
                       f"loss scale {scale:g} they all underflowed (flushed to zero), so nothing trains. Raise `loss_scale`, "

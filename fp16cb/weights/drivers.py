@@ -19,7 +19,16 @@ from fastai.optimizer import _update
 
 from .layout import flat_views, dense_strides
 
-__all__ = ['FusedRun', 'fused_runs', 'is_param_state']
+__all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit']
+
+# The most elements one fused call of fastai's callbacks takes, by device type. On a CPU each callback is a pass over
+# the stretch's weights, grads and moments: unbounded, a stretch of a whole chunk left the caches between the passes,
+# and the compute-bound MLP's step went from 0.84-0.87x the bare bf16 model's speed to 0.77x; at 2^18 FP32 elements
+# (1 MiB an array) it is 0.88-0.90x, and the many-tensor model still steps its small params a dozen to a call. A bigger
+# param steps on its own. Elsewhere (a GPU: the calls' launches are the cost, not the caches) a stretch has no limit.
+FUSE_LIMIT = {'cpu': 2**18}
+
+def fuse_limit(device) -> float: return FUSE_LIMIT.get(torch.device(device).type, float('inf'))
 
 def is_param_state(v, p) -> bool:
     "Whether the state entry `v` is a tensor shaped like its param `p` (a moment, a momentum), not a count or a flag."
@@ -28,9 +37,10 @@ def is_param_state(v, p) -> bool:
 class FusedRun:
     """Masters consecutive in one FP32 buffer, of one param group, whose grads are consecutive in the scratch. Each step,
     its stretches of params with equal scalar state (step count, flags) and the same state keys are stepped by fastai's
-    callbacks as one flat tensor each (`step`); a param alone in its stretch is left to fastai's per-param update."""
+    callbacks as one flat tensor each (`step`), at most `fuse_limit` elements a call; a param alone in its stretch is left
+    to fastai's per-param update."""
     def __init__(self, items:list, master:Tensor, grad:Tensor):
-        self.params = [m for m, _ in items]
+        self.params, self.limit = [m for m, _ in items], fuse_limit(master.device)
         self.gi = items[0][1]
         self.master, self.grad = master, grad  # 1-d views over the run's masters and over their grads in the scratch
         self.offsets = [0]
@@ -42,9 +52,10 @@ class FusedRun:
         if len(self.params) < 2: return []
         state, done, i = core.state, [], 0
         sigs = [_signature(state[p], p) for p in self.params]
-        while i < len(self.params):
+        n, off = len(self.params), self.offsets
+        while i < n:
             j = i + 1
-            while j < len(self.params) and sigs[i] is not None and sigs[j] == sigs[i]: j += 1
+            while j < n and sigs[i] is not None and sigs[j] == sigs[i] and off[j + 1] - off[i] <= self.limit: j += 1
             if j - i > 1:
                 part = self.parts.get((i, j))
                 if part is None:  # new boundaries: the stretches they overlap go, with their buffers

@@ -323,14 +323,14 @@ class FlatMasters(FP32Masters):
         self._before = {id(p): (any(isinstance(v, Tensor) for v in state.get(p, {}).values()),
                                 {k: v for k, v in state.get(p, {}).items() if not isinstance(v, Tensor)})
                         for pg in self.model_pgs for p in pg}
-        self._stepped, self._all_stepped = set(), False
+        self._never = None  # ids of the params without a grad at every step taken (None: no step yet)
 
     def restore(self):
         super().restore()
-        if self._all_stepped: return
+        if self._never is not None and not self._never: return
         state = opt_state(self.core)
         for p in self.models:
-            if id(p) in self._stepped or p not in state: continue
+            if (self._never is not None and id(p) not in self._never) or p not in state: continue
             had, flags = self._before[id(p)]
             state[p] = {**({k: v for k, v in state[p].items() if isinstance(v, Tensor)} if had else {}), **flags}
 
@@ -339,12 +339,9 @@ class FlatMasters(FP32Masters):
         optimizer's state are copied aside, and put back after the step (slices of state made by the step: zeroed)."""
         state, where = opt_state(self.core), self._flat_of()
         self._check_presence(params, state, where)
-        if not params:
-            self._all_stepped = True
-            return None
-        if not self._all_stepped:
-            missing = set(map(id, params))
-            self._stepped.update(id(p) for p in self.models if id(p) not in missing)
+        ids = set(map(id, params))  # never stepped so far: without a grad at every step taken
+        self._never = ids if self._never is None else self._never & ids
+        if not params: return None
         views, saved, fresh = [], [], []
         for p in params:
             m, o = where[id(p)]

@@ -69,6 +69,7 @@ class WeightStore:
         sparse = _sparse_params(model)
         self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
         self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
+        self._fresh = False  # the model's grads are zero and no backward ran since (`finish`, then fastai's `zero_grad`)
         self.grad_factor, self.coefs = 1., {}  # 1/loss scale; clip coefficients per group (device tensors)
         self.route = Route(opt, self.core, self)  # `learn.opt.step()` and `zero_grad()` reach the store (`route`)
 
@@ -137,7 +138,11 @@ class WeightStore:
     def finish(self):
         "After a step (or a skip): the model's grads cleared for the next backward, unless they were already."
         if not self.cleared: self.zero_model_grads()
-        self.stage, self.cleared = Stage.READY, False
+        self.stage, self.cleared, self._fresh = Stage.READY, False, True
+
+    def backward(self):
+        "A backward is coming: the model's grads will hold something again (`zero_grad` clears them then)."
+        self._fresh = False
 
     def presence_changed(self) -> str|None:
         "A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its name."
