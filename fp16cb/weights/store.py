@@ -117,7 +117,9 @@ class WeightStore:
     def zero_grad(self):
         """The optimizer's `zero_grad` during the fit (fastai's, after each step; a callback's): the model's grads are
         cleared, as FP32 fastai's `zero_grad` clears them. Called between a backward and its step (a callback dropping a
-        batch's grads), a torch optimizer's grads go (None: nothing is stepped, as in FP32), a fastai one's are zeroed."""
+        batch's grads), a torch optimizer's grads go (None: nothing is stepped, as in FP32), a fastai one's are zeroed.
+        fastai's own call right after the step finds them cleared by `finish` already: nothing to do again."""
+        if self._fresh and self.stage is Stage.READY: return
         self.zero_model_grads()
         if self.stage is Stage.UNSCALED and self.none_after_step and not self.in_backward:
             for p in self._hooked_params(): p.grad = None
