@@ -15,9 +15,10 @@ import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-__all__ = ['SEMANTICS', 'STATE16', 'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS', 'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT',
-           'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table', 'learner_facts', 'optimizer_kind', 'float64_layers',
-           'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH', 'known_elementwise']
+__all__ = ['SEMANTICS', 'STATE16', 'MOVING_AVERAGES', 'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
+           'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table',
+           'learner_facts', 'optimizer_kind', 'float64_layers', 'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH',
+           'known_elementwise']
 
 SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
     "A param whose grad is None is not stepped (a fastai optimizer skips params that never had a grad; a torch "
@@ -108,7 +109,7 @@ class Facts:
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
     state_dtype: torch.dtype|None = None  # the optimizer's state stored in this dtype between steps (None: FP32)
-    whole_param: str|None = None  # the optimizer's step that reads each param whole (LAMB's, LARC's norms), by name
+    whole_param: str|None = None  # what in the optimizer's step is not known to be elementwise (LAMB's norms), by name
     sparse_grads: tuple = ()  # names of the modules whose params get sparse grads (`nn.Embedding(sparse=True)`)
 
     @classmethod
@@ -150,6 +151,7 @@ _SIB = "step_in_backward=True steps each param as soon as the backward has its g
 _SIB_USE = (" It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, flat_master=False), "
             "`half_storage=True` too, and a fastai optimizer.")
 _MASTERS = lambda f: not f.native
+_bare = lambda name: name.split(' (')[0]  # an optimizer's name without what it is said to do (`whole_param_step`)
 
 RULES = (
     Rule('sib-scale', OPTIONS, lambda f: f.step_in_backward and not f.unit_scale,
@@ -209,13 +211,15 @@ RULES = (
          "cancel before the backward (`CancelBackwardException` in `before_backward`).",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an error when it happens)."),
     Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
-         lambda f: "flat_master=True steps each param group as one flat tensor, but " + (
+         lambda f: f"flat_master=True cannot step {_bare(f.whole_param)}: use flat_master=False (one FP32 master "
+                   "per param, stepped as FP32 steps it), or an optimizer fp16cb knows to update each element on its "
+                   "own (`fp16cb.compat.ELEMENTWISE_TORCH`, `ELEMENTWISE_FASTAI`). Flat masters step each param group "
+                   "as one flat tensor, and " + (
              f"{f.whole_param} reads each param whole (its norms, per param in FP32)" if not f.whole_param.startswith('`') else
-             f"{f.whole_param} is not known to update each element on its own (`fp16cb.compat.ELEMENTWISE_TORCH` lists "
-             f"the torch optimizers that do), so it may read each param whole (as LAMB's norms do)") +
-             ": over a flat master they would be the whole group's, and the updates not FP32's. Use flat_master=False "
-             "(one master per param).",
-         reason="LAMB's and LARC's per-param norms would be taken over a whole flat group."),
+             f"{f.whole_param} is not known to update each element on its own, so it may read each param whole "
+             "(per-tensor norms or trust ratios, factored moments, state shaped like the param)") +
+             ": over a flat master that would be the whole group, and the updates not FP32's.",
+         reason="an optimizer not known to update each element on its own (LAMB's norms) would step a whole flat group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
                    f"would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the optimizer "
@@ -242,13 +246,28 @@ def verdict(mode:str, opt:str, ctx:str) -> str|None:
     r = refusal(f)
     return None if r is None else r.message(f)
 
-STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, every FP32 optimizer-state tensor the size of its "
-           "param (fastai's `grad_avg`, `sqr_avg` and momentum; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, "
-           "`momentum_buffer`): it is lifted to FP32 with its param inside the step, updated by the optimizer's own code "
-           "and rounded back stochastically (`stochastic_rounding=False`: to nearest). Step counts and scalars, the state "
-           "of 0-dim params (with `flat_master=True` a 0-dim param is part of its group's flat master, and its moments "
-           "of the flat master's, in bfloat16 like them) and fastai `Lookahead`'s slow weights stay FP32; between fits, "
-           "in checkpoints and after `to_fp32()` the whole state is FP32.")
+# ---- which optimizer state a 16-bit (or, later, 8-bit) `state_dtype` may round: the moving averages, known by name
+# A moving average (a moment, a momentum) forgets each rounding error at its decay's pace, as it forgets each grad's
+# noise; other state does not: a weight copy (timm MADGRAD's `x0` anchor, Lookahead's slow weights, torch ASGD's `ax`),
+# a running sum (Adagrad's `sum`, MADGRAD's `s` and `grad_sum_sq`), a previous grad (Adan's `neg_pre_grad`, Rprop's
+# `prev`) or a per-element step size would keep it, or grow it, for the rest of the fit. Only the names below are
+# rounded; any other state stays FP32. A new optimizer's moving averages are added here (`weights.state16` reads it).
+MOVING_AVERAGES = frozenset({
+    'grad_avg', 'sqr_avg',  # fastai: `average_grad` (and momentum), `average_sqr_grad`
+    'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'momentum_buffer', 'square_avg', 'exp_inf', 'acc_delta',  # torch.optim
+    'exp_avg_diff', 'exp_avg_var', 'max_exp_avg_var', 'exp_hessian_diag_sq',  # timm: Adan, AdaBelief, AdaHessian
+    'momentum'})  # timm: SGDP's momentum buffer
+
+STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, the optimizer state known to be a moving "
+           "average (a moment or a momentum, `fp16cb.compat.MOVING_AVERAGES`: fastai's `grad_avg`, `sqr_avg`; "
+           "torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`, `square_avg`; timm's among them), "
+           "FP32 tensors the size of their param: it is lifted to FP32 with its param inside the step, updated by the "
+           "optimizer's own code and rounded back stochastically (`stochastic_rounding=False`: to nearest). Any other "
+           "state stays FP32: a copy of the weights (timm MADGRAD's `x0`, fastai `Lookahead`'s slow weights, timm "
+           "`Lookahead`'s), a running sum, a previous gradient, a name not in that list, step counts and scalars, and "
+           "the state of 0-dim params (with `flat_master=True` a 0-dim param is part of its group's flat master, and "
+           "its moments of the flat master's, in bfloat16 like them); between fits, in checkpoints and after "
+           "`to_fp32()` the whole state is FP32.")
 
 FLAT_PRESENCE = ("`flat_master=True` keeps one step count per flat group: when a param's gradient comes or goes during a "
                  "fit (a head switched on after warm-up, a layer skipped from some step, a torch optimizer's branch), the "
@@ -298,17 +317,22 @@ def known_elementwise(core) -> bool:
     return bool(getattr(core, 'cbs', None)) and all(getattr(cb, 'func', cb) in ELEMENTWISE_FASTAI for cb in core.cbs)
 
 _WHOLE_PARAM = {fo.lamb_step: "fastai's LAMB", fo.larc_layer_lr: "fastai's LARC", fo.larc_step: "fastai's LARC"}
+_named = lambda o: f"`{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', type(o).__name__)}`"
 
 def whole_param_step(opt) -> str|None:
-    """The name of `opt`'s step that reads each param whole (LAMB's and LARC's norms; torch's Adafactor), or of a torch
-    optimizer not known to be elementwise, in backquotes (timm's, your own: it may), or None."""
+    """The name of what in `opt`'s step is not known to update each element on its own (None: everything is known to,
+    `known_elementwise`), by capability, never by name: fastai's LAMB and LARC (they read each param whole); else, in
+    backquotes, a torch optimizer that `ELEMENTWISE_TORCH` does not list (timm's, a wrapper such as timm's `Lookahead`,
+    torch's `Adafactor`, your own), a fastai `Optimizer` class with a `step` of its own, or a step callback that
+    `ELEMENTWISE_FASTAI` does not list: any of them may read a param whole."""
     core = opt.opt if isinstance(getattr(opt, 'opt', None), _BaseOptimizer) and not isinstance(opt, OptimWrapper) else opt
-    if isinstance(core, OptimWrapper):
-        if known_elementwise(core): return None
-        cls = type(core.opt)
-        if cls.__name__ == 'Adafactor': return "torch's Adafactor (factored moments)"
-        return f"`{cls.__module__}.{cls.__qualname__}`"  # not known to be elementwise (the rule's sentence says so)
-    return next((_WHOLE_PARAM[f] for cb in getattr(core, 'cbs', ()) if (f := getattr(cb, 'func', cb)) in _WHOLE_PARAM), None)
+    if isinstance(core, OptimWrapper): return None if known_elementwise(core) else _named(type(core.opt))
+    funcs = [getattr(cb, 'func', cb) for cb in getattr(core, 'cbs', ())]
+    known = next((_WHOLE_PARAM[f] for f in funcs if f in _WHOLE_PARAM), None)
+    if known is not None: return known
+    cls = type(core).__dict__.get('_fp16cb_base', type(core))  # its own class (a fit's routed subclass: the one below)
+    if getattr(cls, 'step', None) is not Optimizer.step: return f"{_named(cls)} (an `Optimizer` with its own `step`)"
+    return next((_named(f) for f in funcs if f not in ELEMENTWISE_FASTAI), None)
 
 def float64_layers(model) -> tuple:
     "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."

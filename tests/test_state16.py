@@ -55,9 +55,9 @@ def test_narrow_writes_back_into_the_same_tensor_in_its_layout():
     view = low.view(-1)[:7] if low.is_contiguous() else low.permute(0, 2, 3, 1).reshape(-1)[:7]
     with st.lifted([p], state): state[p]['sqr_avg'].mul_(2.)
     assert state[p]['sqr_avg'] is low and low.stride() == p.stride() and (view == 2).all()
-    state[p]['new'] = torch.full_like(p, 3.)  # made by the step (a first step): stored in bf16 too, in its layout
+    state[p]['grad_avg'] = torch.full_like(p, 3.)  # a moment made by the step (a first step): bf16 too, in its layout
     st.narrow([p], state)
-    assert state[p]['new'].dtype == BF16 and state[p]['new'].stride() == p.stride()
+    assert state[p]['grad_avg'].dtype == BF16 and state[p]['grad_avg'].stride() == p.stride()
     st.widen_all(state)
     assert all(v.dtype == torch.float32 and v.stride() == p.stride() for v in state[p].values())
 

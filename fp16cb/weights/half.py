@@ -7,7 +7,7 @@ from torch import Tensor
 from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper
 
-from .optstate import fastai_update, opt_state, elementwise, steps_param_by_param, sliced_update
+from .optstate import fastai_update, opt_state, opt_states, rekey, elementwise, steps_param_by_param, sliced_update
 from .lift import lift_chunks, Scratch
 from .layout import memory_order, flat_views, laid_out_as
 from .store import WeightStore
@@ -189,7 +189,8 @@ class HalfStorage(WeightStore):
         """A torch optimizer (`OptimWrapper`): stepped once per chunk of params (an optimizer not known to be elementwise:
         once, all of them), those lifted and their state moved to the lifted copies and back; the other params' grads are
         set aside meanwhile (torch skips params without one)."""
-        groups, state = self.core.opt.param_groups, self.core.opt.state
+        groups, states = self.core.opt.param_groups, opt_states(self.core)  # a wrapper's and its inner optimizer's
+        state = states[-1]
         with_grad = [(p, (gi, i), True) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
         grads, out = {p: p.grad for p, _, _ in with_grad}, None
         for p in grads: p.grad = None
@@ -203,7 +204,7 @@ class HalfStorage(WeightStore):
                     groups[gi]['params'][i] = q
                     if q is not p:
                         p.grad = None
-                        if p in state: state[q] = state.pop(p)
+                        rekey(states, p, q)
                     lifted.append((gi, i, p, q))
                 wide = self.state16.widen([q for *_, q in lifted], state)  # 16-bit state: in FP32 for the step
                 try: out = step(*args, **kwargs)
@@ -211,7 +212,7 @@ class HalfStorage(WeightStore):
                     for gi, i, p, q in lifted:
                         groups[gi]['params'][i] = p
                         if q is not p:
-                            if q in state: state[p] = state.pop(q)
+                            rekey(states, q, p)
                             self._store(p, q)
                         p.grad = None
                     self.state16.narrow([p for _, _, p, _ in lifted], state, wide)

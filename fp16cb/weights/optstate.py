@@ -1,6 +1,7 @@
-"""The optimizer's side of the weight store: which optimizer holds the params and state (inside fastai's `Lookahead`),
-fastai's per-param update run by hand, and the per-param state (and `Lookahead`'s slow weights) moved between the
-model's params and the tensors the optimizer steps during a fit, merged into flat masters and split back."""
+"""The optimizer's side of the weight store: which optimizer holds the params and state (inside fastai's `Lookahead`;
+inside a torch optimizer that wraps another, such as timm's `Lookahead`), fastai's per-param update run by hand, and
+the per-param state (and `Lookahead`'s slow weights) moved between the model's params and the tensors the optimizer
+steps during a fit, merged into flat masters and split back."""
 from __future__ import annotations
 import torch
 from torch import Tensor
@@ -11,8 +12,8 @@ from ..compat import known_elementwise
 from .route import own_class
 from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of
 
-__all__ = ['move_opt_state', 'copy_clone', 'innermost', 'opt_state', 'fastai_update', 'steps_param_by_param', 'elementwise',
-           'sliced_update', 'sliced_torch_step']
+__all__ = ['move_opt_state', 'copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'rekey', 'fastai_update',
+           'steps_param_by_param', 'elementwise', 'sliced_update', 'sliced_torch_step']
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
@@ -20,13 +21,41 @@ def innermost(opt):
         opt = opt.opt
     return opt
 
+def _same_groups(a, b) -> bool:
+    "Whether torch optimizers `a` and `b` step the same param groups (the same list, or lists of the same params)."
+    ga, gb = a.param_groups, b.param_groups
+    return ga is gb or (len(ga) == len(gb) and all(x is y or x['params'] is y['params'] for x, y in zip(ga, gb)))
 
-def opt_state(opt) -> dict:
-    "The per-param state dict of `opt`: a fastai `OptimWrapper` keeps it in the wrapped torch optimizer."
+def wrapped(opt) -> list:
+    """Torch optimizer `opt` and those it wraps, outermost first: each an attribute of the one before that is a torch
+    `Optimizer` stepping the same param groups (timm's `Lookahead` and its `_base_optimizer`, SAM's `base_optimizer`,
+    SWA's `optimizer`), whose step the wrapper's calls, and whose state holds the per-param state (known by what it is,
+    not by its attribute's name)."""
+    res = [opt]
+    while True:
+        o = res[-1]
+        inner = next((v for v in vars(o).values() if isinstance(v, torch.optim.Optimizer)
+                      and all(v is not r for r in res) and _same_groups(v, o)), None)
+        if inner is None: return res
+        res.append(inner)
+
+def opt_states(opt) -> list:
+    """Every per-param state dict of `opt`, each once: a fastai `Optimizer`'s own; an `OptimWrapper`'s torch optimizer's
+    and those of the optimizers it wraps (`wrapped`), the innermost last. Whatever moves between params moves in all."""
     opt = innermost(opt)
     inner = getattr(opt, 'opt', None)
-    return inner.state if isinstance(inner, torch.optim.Optimizer) else opt.state
+    if not isinstance(inner, torch.optim.Optimizer): return [opt.state]
+    return list({id(o.state): o.state for o in wrapped(inner)}.values())
 
+def opt_state(opt) -> dict:
+    """The per-param state dict of `opt` that holds its moments: a fastai `OptimWrapper` keeps it in the wrapped torch
+    optimizer, and a torch optimizer that wraps another (timm's `Lookahead`) in that one (`opt_states`)."""
+    return opt_states(opt)[-1]
+
+def rekey(states:list, a, b):
+    "`a`'s per-param state, in each of `states` that has some, keyed by `b` instead."
+    for st in states:
+        if a in st: st[b] = st.pop(a)
 
 def copy_clone(d:dict) -> dict:
     "A detached FP32 clone of every tensor of the optimizer-state dict `d`, other values as they are."
@@ -68,28 +97,43 @@ def _set_param_lists(opt, pgs):
 
 def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None):
     """Move the per-param state from `from_pgs` to `to_pgs` (no copy when already FP32) and point `opt` at `param_lists`
-    (default `to_pgs`). `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse. fastai's
+    (default `to_pgs`). `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse. The state
+    moves in every state dict of the optimizer (`opt_states`: a torch wrapper's and its inner optimizer's). fastai's
     `Lookahead` keeps slow weights per param: they follow the same way (flat ones are split, per-param ones merged)."""
     core = innermost(opt)
-    slow = _slow_weights(opt, core)
-    state = opt_state(core)
+    slow, states = _slow_weights(opt, core), opt_states(core)
     _set_param_lists(core, param_lists if param_lists is not None else to_pgs)
     for src, dst in zip(from_pgs, to_pgs):
-        if flat == 'merge':
-            for part, m in zip(split_like(src, dst), dst):
-                state[m] = _merge_states([state.pop(p, {}) for p in part], part)
-                if slow is not None: slow[id(m)] = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
-        elif flat == 'split':
-            for part, m in zip(split_like(dst, src), src):
-                for p, s in zip(part, _split_state(state.pop(m, {}), part)): state[p] = s
-                if slow is not None and id(m) in slow:
-                    slow.update({id(p): v.clone() for p, v in zip(part, flat_views(slow[id(m)], part))})
-        else:
-            for p, m in zip(src, dst):
-                if p is not m: state[m] = _fp32_state(state.pop(p, {}))
-                if slow is not None and id(p) in slow: slow[id(m)] = slow[id(p)]
+        for state in states: _move_state(state, src, dst, flat, make=state is states[-1])
+        if slow is not None: _move_slow(slow, src, dst, flat)
     if slow is not None: opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
                                               for pg in core.param_lists)
+
+def _move_state(state:dict, src:list, dst:list, flat:str|None, make:bool):
+    """`src`'s entries of `state` moved to `dst` (merged into flat masters, split from them, or one to one); `make`: an
+    entry for every param (the optimizer's own state), else only for those that have one (a wrapper's)."""
+    if flat == 'merge':
+        for part, m in zip(split_like(src, dst), dst):
+            if make or any(p in state for p in part): state[m] = _merge_states([state.pop(p, {}) for p in part], part)
+    elif flat == 'split':
+        for part, m in zip(split_like(dst, src), src):
+            if make or m in state:
+                for p, s in zip(part, _split_state(state.pop(m, {}), part)): state[p] = s
+    else:
+        for p, m in zip(src, dst):
+            if p is not m and (make or p in state): state[m] = _fp32_state(state.pop(p, {}))
+
+def _move_slow(slow:dict, src:list, dst:list, flat:str|None):
+    "fastai `Lookahead`'s slow weights (`{id(param): tensor}`) moved from `src` to `dst`, as `_move_state` moves state."
+    if flat == 'merge':
+        for part, m in zip(split_like(src, dst), dst):
+            slow[id(m)] = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
+    elif flat == 'split':
+        for part, m in zip(split_like(dst, src), src):
+            if id(m) in slow: slow.update({id(p): v.clone() for p, v in zip(part, flat_views(slow[id(m)], part))})
+    else:
+        for p, m in zip(src, dst):
+            if id(p) in slow: slow[id(m)] = slow[id(p)]
 
 def _slow_weights(opt, core):
     "`{id(param): slow weight}` of a fastai `Lookahead` that has started (None otherwise)."

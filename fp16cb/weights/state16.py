@@ -3,15 +3,20 @@ stored in bfloat16 between steps, brought to FP32 with its param inside the step
 scratch buffer), updated there by the optimizer's own code, and written back rounded stochastically, or to nearest
 (`narrow`: one rounding of the whole scratch, one fused copy back). Adam's two moments then cost 4 bytes/param, not 8.
 
-What is stored in 16-bit: every FP32 state tensor with at least one dim and as many elements as its param (fastai's
-`grad_avg`, `sqr_avg`, momentum; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`). Step counts,
-flags and scalars stay as they are, and so does the state of a 0-dim param (its moments cannot be told from a 0-dim
-step count), unless flat masters merged it into its group's flat master, whose state is 16-bit. Between fits, in a checkpoint and in the store's FP32 view the state is FP32 (`widen_all`)."""
+What is stored in 16-bit: the state known to be a moving average, as `fp16cb.compat.MOVING_AVERAGES` names it (fastai's
+`grad_avg`, `sqr_avg`; torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`; timm's), an FP32 tensor
+with at least one dim and as many elements as its param: a moment forgets a rounding error as it forgets a grad. Any
+other state stays FP32, whatever its shape: a weight copy (timm MADGRAD's `x0` anchor, timm Lookahead's slow weights),
+a running sum, a previous grad, a name not declared there; so do step counts, flags and scalars, and the state of a
+0-dim param (its moments cannot be told from a 0-dim step count), unless flat masters merged it into its group's flat
+master, whose moments are 16-bit. Between fits, in a checkpoint and in the store's FP32 view the state is FP32
+(`widen_all`)."""
 from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 
+from ..compat import MOVING_AVERAGES
 from .layout import flat_views
 
 __all__ = ['HalfState', 'STATE_DTYPES', 'resolve_state_dtype', 'round_bf16_stochastic_', 'random16']
@@ -49,9 +54,11 @@ def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
     "`x` (FP32, overwritten) rounded to bfloat16 stochastically (unbiased: E[round(x)] = x); inf and NaN kept."
     return _dither_(x, generator).to(torch.bfloat16)  # exact: the dropped bits are 0
 
-def _is(v, p, dtype) -> bool:
-    "Whether the state entry `v` of param `p` is one `HalfState` stores: `dtype`, at least one dim, `p`'s element count."
-    return isinstance(v, Tensor) and v.dtype == dtype and v.dim() > 0 and isinstance(p, Tensor) and v.numel() == p.numel()
+def _is(k, v, p, dtype) -> bool:
+    """Whether the state entry `k: v` of param `p` is one `HalfState` stores: a moving average (`MOVING_AVERAGES`), in
+    `dtype`, with at least one dim and `p`'s element count."""
+    return (k in MOVING_AVERAGES and isinstance(v, Tensor) and v.dtype == dtype and v.dim() > 0 and isinstance(p, Tensor)
+            and v.numel() == p.numel())
 
 class _Widened:
     "What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in."
@@ -82,7 +89,7 @@ class HalfState:
         """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused copy
         each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
-        entries = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(v, p, self.dtype)]
+        entries = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, self.dtype)]
         res = {}
         for dev in dict.fromkeys(v.device for _, _, v in entries):
             mine = [e for e in entries if e[2].device == dev]
@@ -100,7 +107,7 @@ class HalfState:
         if self.dtype is None: return
         widened = widened or {}
         old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
-        pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(v, p, torch.float32)]
+        pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)]
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
             self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev),
                              self.stochastic if stochastic is None else stochastic)
@@ -133,4 +140,4 @@ class HalfState:
         if self.dtype is None: return
         for p, d in state.items():
             for k, v in list(d.items()):
-                if _is(v, p, self.dtype): d[k] = v.float()
+                if _is(k, v, p, self.dtype): d[k] = v.float()
