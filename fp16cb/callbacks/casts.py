@@ -1,24 +1,75 @@
-"""The forward casts of a 16-bit model: floating inputs to its dtype as they enter, the FP32 islands' boundaries, and
-a model converted for good (`to_half`, for the copies that diagnostics run)."""
+"""The forward casts of a 16-bit model: floating inputs to its dtype as they enter, the FP32 islands' boundaries, the
+entries that those miss (`EntryCasts`: calls from outside the model's forward, kept weights read without a call), and
+a model converted for good (`to_half`, for the copies that diagnostics run). Cast containers keep their type."""
 from __future__ import annotations
+import copy, dataclasses, warnings
 from functools import partial
 import torch
 from torch import nn
 
 from ..dtypes import convert_network_keeping
-from ..policy import PrecisionPolicy, uncompiled
+from ..policy import PrecisionPolicy, uncompiled, named_modules
 
-__all__ = ['cast_floats', 'IslandHooks', 'RangeWatch', 'to_half']
+__all__ = ['cast_floats', 'IslandHooks', 'EntryCasts', 'RangeWatch', 'to_half']
+
+def _values(b):
+    "The items of the container `b` (a dict's values, a dataclass's fields), in order; None for a leaf."
+    if isinstance(b, (list, tuple)): return b
+    if isinstance(b, dict): return list(b.values())
+    if type(b).__name__ == 'L': return list(b)
+    if dataclasses.is_dataclass(b) and not isinstance(b, type):
+        return [getattr(b, f.name, None) for f in dataclasses.fields(b)]
+    return None
+
+_warned_types = set()  # the container types `_rebuild` could not rebuild, warned of once each
+
+def _rebuild(b, new:list):
+    """`b` with its items `new` (those that differ were cast), of `b`'s own type and with its other state: a dict
+    subclass is copied then set item by item (transformers' `ModelOutput` syncs its attributes in `__setitem__`; its
+    constructor takes fields, not pairs), a dataclass copied then set field by field (its `__init__`/`__post_init__` not
+    run again), a namedtuple through `_make` (no custom `__new__`). A type that refuses: its builtin base, warned of."""
+    if type(b) in (dict, tuple, list): return _plain(b, new)
+    try: return _rebuilt(b, new)
+    except Exception as e:
+        res = _plain(b, new)
+        if type(b) not in _warned_types:
+            _warned_types.add(type(b))
+            warnings.warn(f"fp16cb: cannot rebuild a {type(b).__qualname__} with its tensors cast ({e!r}): it is given "
+                          f"as a plain {type(res).__name__} instead", RuntimeWarning, stacklevel=3)
+        return res
+
+def _plain(b, new:list):
+    "`b`'s items `new` in a builtin container: a dict (a dataclass's fields too), a tuple or a list."
+    if isinstance(b, dict): return dict(zip(b.keys(), new))
+    if isinstance(b, tuple): return tuple(new)
+    if isinstance(b, list) or type(b).__name__ == 'L': return list(new)
+    return dict(zip([f.name for f in dataclasses.fields(b)], new))
+
+def _rebuilt(b, new:list):
+    "`_rebuild` for a subclass of a builtin container or a dataclass (may raise: the caller falls back)."
+    if isinstance(b, dict):
+        res = copy.copy(b)
+        for (k, o), n in zip(list(b.items()), new):
+            if n is not o: res[k] = n
+        return res
+    if isinstance(b, tuple) and hasattr(type(b), '_make'): return type(b)._make(new)
+    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)(new)
+    res = copy.copy(b)  # a dataclass: frozen ones too (object.__setattr__), and the fields its `__init__` does not take
+    for f, n in zip(dataclasses.fields(b), new):
+        if n is not getattr(b, f.name, None): object.__setattr__(res, f.name, n)
+    return res
 
 def cast_floats(b, dtype:torch.dtype, keep64:bool=False):
-    """Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts) to `dtype`; others untouched
-    (`keep64`: float64 ones too, what a float64 layer inside an island is given on purpose)."""
+    """Recursively cast the floating-point tensors of `b` (tensors, lists, tuples, dicts, dataclasses) to `dtype`;
+    others untouched (`keep64`: float64 ones too, what a float64 layer inside an island is given on purpose). Each
+    container keeps its type and its other fields (a Hugging Face `ModelOutput` read as `out.logits`, a namedtuple); one
+    in which nothing was cast is given back as it is."""
     if isinstance(b, torch.Tensor):
         return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype and not (keep64 and b.dtype == torch.float64) else b
-    if isinstance(b, dict): return {k: cast_floats(v, dtype, keep64) for k, v in b.items()}
-    if isinstance(b, tuple) and hasattr(b, '_fields'): return type(b)(*(cast_floats(o, dtype, keep64) for o in b))
-    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return type(b)([cast_floats(o, dtype, keep64) for o in b])
-    return b
+    vals = _values(b)
+    if not vals: return b
+    new = [cast_floats(v, dtype, keep64) for v in vals]
+    return b if all(n is v for n, v in zip(new, vals)) else _rebuild(b, new)
 
 def _cast_inputs(dtype, watch=None):
     """A forward pre-hook: the model's floating inputs in `dtype`, whatever the callbacks did to `learn.xb` (MixUp).
@@ -30,11 +81,9 @@ def _cast_inputs(dtype, watch=None):
     return hook
 
 def _floats(b) -> list:
-    "The floating tensors of `b` (nested tensors, lists, tuples, dicts), in order."
+    "The floating tensors of `b` (nested tensors, lists, tuples, dicts, dataclasses), in order."
     if isinstance(b, torch.Tensor): return [b] if torch.is_floating_point(b) else []
-    if isinstance(b, dict): return [t for v in b.values() for t in _floats(v)]
-    if isinstance(b, (list, tuple)) or type(b).__name__ == 'L': return [t for v in b for t in _floats(v)]
-    return []
+    return [t for v in _values(b) or () for t in _floats(v)]
 
 class RangeWatch:
     """Whether casting the eval inputs to fp16 made an inf of a finite value (beyond fp16's 65504): a flag on the device,
@@ -96,6 +145,82 @@ class IslandHooks:
         self.handles = []
         self._outs.clear()
 
+def _own_params(m:nn.Module) -> bool:
+    "Whether `m` holds floating params of its own (what meets its inputs: a dtype mismatch fails there)."
+    return any(p.is_floating_point() for p in m.parameters(recurse=False))
+
+class EntryCasts:
+    """The casts at the entry of 16-bit modules that neither the model's input cast nor the islands' casts reach:
+    - calls from outside the model's forward: fastai's `GANLoss` calls the critic and the generator itself. The model's
+      16-bit children, called outside its forward (the outermost call), take their floating inputs in `dtype` as the
+      model does, and give their outputs in FP32 as `after_pred` gives the model's (the loss sees FP32 values). Inside
+      the model's forward their hooks only read a counter;
+    - a kept module's weights read without calling it: fastai's `EmbeddingDropout` runs `F.embedding(words,
+      self.emb.weight)` and `AWD_LSTM` makes its hidden state from `one_param(self)`, both FP32 once the embedding is
+      kept. Beside each FP32 island holding params (in its parent's subtree), the outermost 16-bit modules holding
+      params of their own cast their floating inputs of another dtype to `dtype` as they are entered (a no-op when
+      they are in `dtype`). None when no FP32 island holds params (the default: BatchNorm takes 16-bit inputs as it is).
+    No hook at all when the whole model is FP32 (its 16-bit parts are islands: cast on entry already)."""
+    def __init__(self, model:nn.Module, res, dtype:torch.dtype):
+        self.dtype, self.handles, self.depth, self._outer = dtype, [], 0, None  # depth: the model's calls under way
+        root = uncompiled(model)
+        if isinstance(root, (nn.DataParallel, nn.parallel.DistributedDataParallel)): root = uncompiled(root.module)
+        if id(root) in res.kept: return
+        self._outside(model, root, res.kept)
+        self._beside(root, res)
+
+    def _outside(self, model:nn.Module, root:nn.Module, kept:dict):
+        "Hooks on the model (it counts its calls) and on its 16-bit children holding params (kept ones: cast already)."
+        kids = [c for c in root.children() if id(uncompiled(c)) not in kept and any(True for _ in c.parameters())]
+        if not kids: return
+        # no `always_call` hooks: dynamo guards on their ids, and each fit's new ones would compile the model again;
+        # a forward that raised leaves the counts behind: `reset` (`ModelToHalf.before_batch`) clears them
+        self.handles += [model.register_forward_pre_hook(self._enter, prepend=True),
+                         model.register_forward_hook(self._leave)]
+        for c in kids:
+            self.handles += [c.register_forward_pre_hook(self._child_in, with_kwargs=True),
+                             c.register_forward_hook(self._child_out)]
+
+    def _enter(self, module, args): self.depth += 1
+    def _leave(self, module, args, out): self.depth = max(self.depth - 1, 0)
+    def reset(self): self.depth, self._outer = 0, None
+
+    def _child_in(self, module, args, kwargs):
+        "The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are not)."
+        if torch.compiler.is_compiling() or self.depth: return None  # compiled: within the model's graph
+        self.depth, self._outer = 1, module
+        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
+
+    def _child_out(self, module, args, out):
+        if torch.compiler.is_compiling() or self._outer is not module: return None
+        self.reset()
+        return cast_floats(out, torch.float32)
+
+    def _beside(self, root:nn.Module, res):
+        "Entry casts on the 16-bit modules holding params beside the FP32 islands holding params."
+        held = {id(i.module) for i in res.islands if i.fp32 and any(True for _ in i.module.parameters())}
+        if not held: return
+        seen = set()
+        for _, p in named_modules(root):
+            if id(p) not in res.kept and any(id(uncompiled(c)) in held for c in p.children()):
+                self._hook_under(p, res.kept, seen)
+
+    def _hook_under(self, m:nn.Module, kept:dict, seen:set):
+        "The outermost 16-bit modules holding params under `m` (what they pass on inside is in `dtype` already)."
+        for c in map(uncompiled, m.children()):
+            if id(c) in kept or id(c) in seen: continue  # a kept subtree: FP32, its 16-bit parts are islands
+            seen.add(id(c))
+            if _own_params(c): self.handles.append(c.register_forward_pre_hook(self._cast_entry, with_kwargs=True))
+            else: self._hook_under(c, kept, seen)
+
+    def _cast_entry(self, module, args, kwargs):
+        return cast_floats(args, self.dtype, True), cast_floats(kwargs, self.dtype, True) if kwargs else kwargs
+
+    def remove(self):
+        for h in self.handles: h.remove()
+        self.handles = []
+        self.reset()
+
 def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
     """Convert `model` in place, for good, as `ModelToHalf` does for a fit (a copy's: nothing to tear down): `policy`'s
     FP32 islands with their casts, the floating inputs cast to `dtype`. Returns the `Resolved` policy."""
@@ -103,5 +228,6 @@ def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
     convert_network_keeping(model, dtype, keep=set(res.kept))
     IslandHooks(model, res.islands, dtype)
     model.register_forward_pre_hook(_cast_inputs(torch.float32 if id(model) in res.kept else dtype), with_kwargs=True, prepend=True)
+    EntryCasts(model, res, dtype)
     return res
 

@@ -13,7 +13,7 @@ from ..scaling import is_ddp
 from ..session import SessionCallback
 from ..policy import PrecisionPolicy, policy_report, named_modules
 from ..distributed import rewrap
-from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, RangeWatch
+from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, EntryCasts, RangeWatch
 
 __all__ = ['ModelToHalf']
 
@@ -70,9 +70,11 @@ class ModelToHalf(SessionCallback):
         self._float64 = [m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype), with_kwargs=True)
                          for n, m in named_modules(model) if _float64_layer(m)]  # refused if a 16-bit input reaches one
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True, prepend=True)
+        self.entries = EntryCasts(self.learn.model, res, self.dtype)  # calls from outside its forward, kept weights
 
     def before_batch(self):
         if self.training: self._trained = True  # from now on a param's value may differ from its original
+        if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
 
     def after_validate(self):
         "Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not. Once."
@@ -91,7 +93,8 @@ class ModelToHalf(SessionCallback):
         for h in getattr(self, '_float64', ()): h.remove()
         self._float64 = []
         if self.islands is not None: self.islands.remove()
-        self._hook = self.islands = None
+        if getattr(self, 'entries', None) is not None: self.entries.remove()
+        self._hook = self.islands = self.entries = None
         was_converted = self.converted
         self._restore_model()
         if was_converted and getattr(self, 'rewrapped', False) and is_ddp(self.learn.model):
