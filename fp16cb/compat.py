@@ -80,6 +80,14 @@ CONTEXTS = {  # name: what it is
     'gradclip': "fastai's `GradientClip`",
     'ddp': "several processes (fastai's `distrib_ctx`, DDP)",
     'compile': "`torch.compile`d model",
+    # other code that reads or writes the model's params, their grads, `requires_grad` or the optimizer during the fit:
+    # what it sees and changes is what FP32 fastai's would, dtypes aside (`SEMANTICS`)
+    'ema': "other code: an EMA of the weights (`deepcopy(learn.model)` in `before_fit`, averaged each batch)",
+    'constraint': "other code: a weight constraint in place after each step (`p.clamp_` under `torch.no_grad()`)",
+    'unfreeze': "other code: a param made trainable mid-fit with `requires_grad_(True)` (a hand-written unfreeze)",
+    'userclip': "other code: a user's own `clip_grad_norm_(learn.model.parameters(), ...)` in `before_step`",
+    'skipbatch': "other code: a batch dropped after its backward (`learn.opt.zero_grad()`, `CancelBatchException`)",
+    'cancelaccum': "other code: accumulation by cancelled steps (`CancelStepException`, the optimizer's `zero_grad` held back)",
 }
 
 # ---- the facts a verdict reads
@@ -106,6 +114,7 @@ class Facts:
     float64_model: bool = False  # every floating param of the model is float64 (nothing would be 16-bit)
     float64_input: str|None = None  # a float64 torch layer that a 16-bit input reached (seen when it happens), by name
     cancels_steps: bool = False  # a callback cancelled a step (`CancelStepException` after the backward)
+    grads_read: bool = False  # a callback after ours handles `before_step` (it may read or change the grads)
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
     state_dtype: torch.dtype|None = None  # the optimizer's state stored in this dtype between steps (None: FP32)
@@ -122,7 +131,8 @@ class Facts:
                    flat_master=kw.get('flat_master', False), step_in_backward=kw.get('step_in_backward', False),
                    clip=kw.get('clip') is not None, unit_scale=unit, optimizer=OPTIMIZERS[opt][0],
                    accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
-                   compiled=ctx == 'compile', cancels_steps=ctx == 'cancel',
+                   compiled=ctx == 'compile', cancels_steps=ctx in ('cancel', 'cancelaccum', 'skipbatch'),
+                   grads_read=ctx in ('cancel', 'gradclip', 'userclip', 'cancelaccum'),
                    intermittent='<a branch>' if ctx == 'branch' and OPTIMIZERS[opt][0] in ('torch', 'fused') else None,
                    counts_steps=opt != 'sgd', state_dtype=kw.get('state_dtype'))
 
@@ -205,6 +215,11 @@ RULES = (
          _SIB + "with several processes (DDP) the ranks' grads are all-reduced after the backward, so each rank would "
          "step with its own grads and the ranks' weights would drift apart. Train without step_in_backward.",
          reason='DDP averages the grads after the backward; step_in_backward would step each rank with its own grads.'),
+    Rule('sib-grads-read', FIT, lambda f: f.step_in_backward and f.grads_read,
+         _SIB + "a callback of this learner reads or changes the grads in `before_step` (a clip of its own, "
+         "fastai's `GradientClip`, a probe), after the backward that stepped them and dropped them: it would see none. "
+         "Train without step_in_backward, or do that work in `after_backward` of a callback ordered before fp16cb's.",
+         reason="a callback's `before_step` would find no grads: step_in_backward consumed them in the backward."),
     Rule('sib-cancel', STEP, lambda f: f.step_in_backward and f.cancels_steps,
          _SIB + "a callback cancelled this step (`CancelStepException`) after the backward had stepped the params, "
          "which cannot be undone: the weights moved where FP32 fastai's would not. Train without step_in_backward, or "
@@ -332,7 +347,8 @@ def whole_param_step(opt) -> str|None:
     if known is not None: return known
     cls = type(core).__dict__.get('_fp16cb_base', type(core))  # its own class (a fit's routed subclass: the one below)
     if getattr(cls, 'step', None) is not Optimizer.step: return f"{_named(cls)} (an `Optimizer` with its own `step`)"
-    return next((_named(f) for f in funcs if f not in ELEMENTWISE_FASTAI), None)
+    # a step callback of your own that updates (or reads) each element on its own says so: `my_step.elementwise = True`
+    return next((_named(f) for f in funcs if f not in ELEMENTWISE_FASTAI and not getattr(f, 'elementwise', False)), None)
 
 def float64_layers(model) -> tuple:
     "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."

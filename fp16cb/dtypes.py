@@ -1,13 +1,14 @@
 """Before the fit: which 16-bit dtypes we train in, how a model is converted (BatchNorm stays FP32), what this CPU
 computes natively, and which devices the model and the main job can run on."""
 from __future__ import annotations
-import contextlib, functools, os, sys, warnings
+import contextlib, copy, functools, os, sys, warnings
 from typing import NamedTuple
 import torch
 from torch import nn
 
 __all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping',
-           'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device']
+           'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device',
+           'bare_copy']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP16_MAX = 65504.  # the largest finite float16
@@ -136,3 +137,30 @@ def model_device(model) -> torch.device:
     for t in model.parameters(): return t.device
     for t in model.buffers(): return t.device
     return torch.device('cpu')
+
+_HOOK_DICTS = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called', '_forward_pre_hooks',
+               '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks', '__deepcopy__', '_state_dict_hooks')
+_HALF = (torch.float16, torch.bfloat16)
+
+def bare_copy(
+    model:nn.Module, # the model to copy (a 16-bit one mid-fit: its copy is widened to FP32)
+    fp32_of:dict|None=None, # `{param: exact FP32 value}` (the FP32 masters) for the copy's params
+) -> nn.Module:
+    """A deep copy of `model` without its hooks (ours cast to 16-bit) and without grads, its fp16/bf16 params and
+    buffers in FP32 (float64 and complex as they are): the FP32 model of that moment."""
+    saved = [(m, {k: m.__dict__[k] for k in _HOOK_DICTS if k in m.__dict__}) for m in model.modules()]  # and `__deepcopy__`
+    memo = {}
+    try:
+        for m, hooks in saved:
+            for k, v in hooks.items():
+                if k == '__deepcopy__': del m.__dict__[k]  # a fit's FP32 copy (`MixedPrecision`): this is it
+                else: m.__dict__[k] = type(v)()
+        res = copy.deepcopy(model, memo)
+    finally:
+        for m, hooks in saved: m.__dict__.update(hooks)
+    res._apply(lambda t: t.float() if t.dtype in _HALF else t)  # RNNs re-flatten their weights
+    with torch.no_grad():
+        for p, v in (fp32_of or {}).items():
+            c = memo.get(id(p))
+            if c is not None and c.shape == v.shape: c.data = v.detach().float().clone()
+    return res

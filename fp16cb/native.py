@@ -156,6 +156,16 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         if self._stepped and not self.skipped:
             self._forget_step()
             self.record.cancelled()
+            self._scale_kept_grads()
+
+    def _scale_kept_grads(self):
+        """The cancelled step's grads stay until the optimizer's `zero_grad` (held back: the next backward adds to them),
+        as in FP32; GradScaler divided them in our `before_step`, so they get the scale back, which the next adds at."""
+        if self._scale == 1.: return
+        gs = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
+        with torch.no_grad():
+            for dev in {g.device for g in gs}: torch._foreach_mul_([g for g in gs if g.device == dev], self._scale)
+        self.record.scaled(self.scaler.get_scale)
 
     def _overflowing(self) -> tuple:
         "A skipped step: which params' FP32 grads (unscaled by GradScaler) hold inf/NaN, `(flags on the device, names)`."

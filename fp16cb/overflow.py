@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn, Tensor
 
-from .dtypes import has_fast_half_math, model_device, user_stacklevel
+from .dtypes import has_fast_half_math, model_device, user_stacklevel, bare_copy, _HALF
 from .callbacks.casts import cast_floats, to_half
 from .policy import PrecisionPolicy, is_compiled, uncompiled, CATEGORIES
 from .scaling import is_ddp, syncs, LossScaleError
@@ -23,9 +23,6 @@ __all__ = ['INPUTS', 'LOSS', 'MODEL', 'unwrap', 'bare_copy', 'rng_state', 'same_
            'Remedy', 'find_remedy', 'where_text', 'remedy_text', 'Diagnosis', 'diagnose_collapse', 'shown']
 
 INPUTS, LOSS, MODEL = '(inputs)', '(loss)', '(model)'  # where an inf/NaN can start besides a module ('' is the model)
-_HOOK_DICTS = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called', '_forward_pre_hooks',
-               '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks')
-_HALF = (torch.float16, torch.bfloat16)
 
 def shown(name:str) -> str:
     "A module's name as messages show it: quoted; the model itself is '(model)'."
@@ -37,27 +34,6 @@ def unwrap(model:nn.Module) -> nn.Module:
     return model
 
 # ---- copies of the model, the RNG
-def bare_copy(
-    model:nn.Module, # the model to copy (a 16-bit one mid-fit: its copy is widened to FP32)
-    fp32_of:dict|None=None, # `{param: exact FP32 value}` (the FP32 masters) for the copy's params
-) -> nn.Module:
-    """A deep copy of `model` without its hooks (ours cast to 16-bit) and without grads, its fp16/bf16 params and
-    buffers in FP32 (float64 and complex as they are): the FP32 model of that moment."""
-    saved = [(m, {k: m.__dict__[k] for k in _HOOK_DICTS if k in m.__dict__}) for m in model.modules()]
-    memo = {}
-    try:
-        for m, hooks in saved:
-            for k, v in hooks.items(): m.__dict__[k] = type(v)()
-        res = copy.deepcopy(model, memo)
-    finally:
-        for m, hooks in saved: m.__dict__.update(hooks)
-    res._apply(lambda t: t.float() if t.dtype in _HALF else t)  # RNNs re-flatten their weights
-    with torch.no_grad():
-        for p, v in (fp32_of or {}).items():
-            c = memo.get(id(p))
-            if c is not None and c.shape == v.shape: c.data = v.detach().float().clone()
-    return res
-
 def rng_state() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda

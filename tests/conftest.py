@@ -181,8 +181,10 @@ def assert_close_updates(upd, ref, rtol=1e-2):
 class StepSpy(Callback):
     """What the optimizer consumes at each step: a fastai optimizer callback put in front of the learner's (`learn.opt.cbs`,
     inside a `Lookahead` too) sees every param the step reaches, with the grad it is stepped with (the FP32 master grads
-    exist only then). `steps`: per optimizer step, `[(param, fn(param))]`; default `fn`: a clone of the grad."""
-    order = 20
+    exist only then). `steps`: per optimizer step, `[(param, fn(param))]`; default `fn`: a clone of the grad. Ordered
+    before `MixedPrecision` (its `before_step` only starts a step's list): a callback handling `before_step` after ours
+    sees the grads unscaled, which changes them (in 16 bits)."""
+    order = 5
     def __init__(self, fn=None): self.fn, self.steps, self._cur = fn or (lambda p: p.grad.detach().clone()), [], None
     def before_fit(self):
         opt = self.learn.opt
@@ -196,6 +198,7 @@ class StepSpy(Callback):
         if self._cur: self.steps.append(self._cur)
         self._cur = None
     def grads(self) -> list: return [[g for _, g in step] for step in self.steps]
+    _spy.elementwise = True  # it reads each element on its own: flat masters may carry it (`compat.whole_param_step`)
 
 @pytest.fixture
 def learner(): return make_learner

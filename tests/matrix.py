@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from fastai.basics import Callback, SGD, Adam, OptimWrapper
 from fastai.optimizer import Lookahead
-from fastai.callback.core import CancelStepException
+import copy
+from fastai.callback.core import CancelStepException, CancelBatchException
 from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.layers import BatchNorm
 
@@ -40,7 +41,9 @@ def refused_at_setup(mode:str, opt:str, ctx:str) -> bool:
     return r is not None and r.moment != compat.STEP
 
 SUBSETS = ('ddp', 'compile')  # contexts with subsets of their own (a 2-process launch; torch.compile), not in the grid
-GRID_CONTEXTS = tuple(c for c in CONTEXTS if c not in SUBSETS)
+OUTSIDE = tuple(c for c in CONTEXTS if CONTEXTS[c].startswith('other code'))  # other code touching params, grads, opt
+OUTSIDE_OPTS = ('adam', 'torch')  # the outside contexts cross every mode with a fastai and a torch optimizer
+GRID_CONTEXTS = tuple(c for c in CONTEXTS if c not in SUBSETS + OUTSIDE)
 
 # ---- the model and the data
 
@@ -135,11 +138,63 @@ class GroupClip(Callback):
     def before_step(self):
         for pg in self.learn.splitter(self.learn.model): nn.utils.clip_grad_norm_(pg, self.max_norm)
 
+# contexts of other code that reads or writes the params, their grads, `requires_grad` or the optimizer (as users bring)
+class EMAWeights(Callback):
+    "An EMA of the weights (fastxtend's `EMACallback` in short): `deepcopy(learn.model)` in `before_fit`, lerp per batch."
+    order = 30
+    def before_fit(self): self.avg = copy.deepcopy(self.learn.model)
+    def after_batch(self):
+        if not self.training: return
+        with torch.no_grad():
+            for e, w in zip(self.avg.parameters(), self.learn.model.parameters()): e.lerp_(w.to(e.dtype), .01)
+
+class Constrain(Callback):
+    "A weight constraint in place after each step: `lin2`'s weights clamped to +-0.2 (binding from the first steps)."
+    order = 30
+    def after_step(self):
+        with torch.no_grad(): self.learn.model.lin2.weight.clamp_(-.2, .2)
+
+class UnfreezeHead(Callback):
+    "The head frozen at the fit's start (before the precision set-up), made trainable at the third training batch."
+    order = -60
+    def before_fit(self): self.n = 0; self.learn.model.head.requires_grad_(False)
+    def before_batch(self):
+        if not self.training: return
+        self.n += 1
+        if self.n == 3: self.learn.model.head.requires_grad_(True)
+
+class UserClip(Callback):
+    "A user's own clipping: `clip_grad_norm_(learn.model.parameters(), 0.05)` in `before_step`, after ours."
+    order = 30
+    def before_step(self): nn.utils.clip_grad_norm_(self.learn.model.parameters(), .05)
+
+class SkipBatch(Callback):
+    "Drops the 3rd and 11th training batches after their backward: `learn.opt.zero_grad()`, `CancelBatchException`."
+    order = 30
+    def before_fit(self): self.n = 0
+    def after_backward(self):
+        self.n += 1
+        if self.n in (3, 11): self.learn.opt.zero_grad(); raise CancelBatchException()
+
+class AccumulateByCancel(Callback):
+    "Accumulation by cancelling every other step and holding the optimizer's `zero_grad` back for it."
+    order = 30
+    def before_fit(self): self.n = 0
+    def before_step(self):
+        self.n += 1
+        if self.n % 2:
+            self.learn.opt.__dict__['zero_grad'] = lambda: None
+            raise CancelStepException()
+    def after_batch(self): self.learn.opt.__dict__.pop('zero_grad', None)
+
+OUTSIDE_CBS = {'ema': EMAWeights, 'constraint': Constrain, 'unfreeze': UnfreezeHead, 'userclip': UserClip,
+               'skipbatch': SkipBatch, 'cancelaccum': AccumulateByCancel}
+
 BS = 16
 GRADCLIP = 1.  # as compat declares the cell; it binds on loss-scaled grads only (the global norm here: 0.06 to 0.4)
 CONTEXT_CBS = {'plain': lambda: [], 'accumulate': lambda: [GradientAccumulation(n_acc=2*BS)], 'branch': lambda: [],
                'cancel': lambda: [CancelEveryOther()], 'gradclip': lambda: [GradientClip(max_norm=GRADCLIP)],
-               'compile': lambda: [], 'ddp': lambda: []}
+               'compile': lambda: [], 'ddp': lambda: [], **{k: (lambda c=c: [c()]) for k, c in OUTSIDE_CBS.items()}}
 
 def first_linear(model:nn.Module) -> str:
     "The qualified name of `model`'s first Linear, as the learner's model names it ('_orig_mod.lin1' once compiled)."

@@ -49,6 +49,7 @@ class _GrabGrads(Callback):
         if self._spy not in self.learn.opt.cbs: self.learn.opt.cbs.insert(0, self._spy)
     def before_step(self): self._seen = {}
     def _spy(self, p, **kwargs): self._seen[p] = p.grad.detach().clone()  # a master and its FP32 grad, as stepped
+    _spy.elementwise = True  # it reads each element on its own: flat masters may carry it
     def after_step(self):
         mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).master
         self.grads = [self._grad_of(mw.fp32_views()[p]) for p in self.learn.model.parameters()]

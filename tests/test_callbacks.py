@@ -343,6 +343,7 @@ def _spying_sgd(seen:list):
     learn_ref = []
     def spy(p, **kwargs):  # called per param: note the step once, at its first param
         if p is learn_ref[0].opt.param_lists[0][0]: seen.append(_zero(learn_ref[0]))
+    spy.elementwise = True  # it updates nothing: flat masters may carry it
     return learn_ref, lambda params, lr: Optimizer(params, [spy, sgd_step], lr=lr)
 
 @pytest.mark.parametrize('late', [None, 'observe', 'cancel'])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from conftest import quiet_fit, ranks_device, ranks_env, ranks_backend
 from fp16cb import compat
-from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict, refused_at_setup, run,
+from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, OUTSIDE, OUTSIDE_OPTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict, refused_at_setup, run,
                     fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish)
 
 # The largest relative error of a param tensor's update, ||d - d_fp32|| / ||d_fp32||, per 16-bit dtype and weight
@@ -35,7 +35,8 @@ def tolerance(mode:str) -> float:
     dtype = 'bf16' if m.call.endswith('bf16') or m.kwargs.get('state_dtype') == torch.bfloat16 else 'fp16'
     return TOL[dtype, 'half' if m.kwargs.get('half_storage') else 'fp32']
 
-CELLS = [(m, o, c) for m in MODES for o in OPTIMIZERS for c in GRID_CONTEXTS]
+CELLS = ([(m, o, c) for m in MODES for o in OPTIMIZERS for c in GRID_CONTEXTS]
+         + [(m, o, c) for m in MODES for o in OUTSIDE_OPTS for c in OUTSIDE])
 SUPPORTED = [cell for cell in CELLS if verdict(*cell) is None]
 REFUSED = [cell for cell in CELLS if verdict(*cell) is not None]
 def ids(cells): return ['-'.join(c) for c in cells]
@@ -63,7 +64,14 @@ def differences(got, ref, tol:float) -> list:
     if got.left: res.append(f"precision callbacks left after to_fp32(): {got.left}")
     return res
 
-@pytest.mark.parametrize('mode,opt,ctx', SUPPORTED, ids=ids(SUPPORTED))
+# A cell that trains as its mode means to but not step for step as FP32: the statistics-based scale, calibrated on the
+# first step with the head frozen, overflows once when the head joins (a skipped step, as dynamic scaling does); the
+# backoff scale and every other mode take it without a skip. Strict: it fails when it starts to pass.
+KNOWN = {(m, o, 'unfreeze'): "LogNormal's scale, fitted while the head was frozen, overflows once when it joins"
+         for m in ('fp16-lognormal',) for o in OUTSIDE_OPTS}
+def marked(cells): return [pytest.param(*c, marks=pytest.mark.xfail(reason=KNOWN[c], strict=True)) if c in KNOWN else c for c in cells]
+
+@pytest.mark.parametrize('mode,opt,ctx', marked(SUPPORTED), ids=ids(SUPPORTED))
 def test_supported_cell_trains_like_fp32(mode, opt, ctx):
     problems = differences(run(mode, opt, ctx), fp32_reference(mode, opt, ctx), tolerance(mode))
     assert not problems, '; '.join(problems)
@@ -81,8 +89,7 @@ def test_refused_cell_raises_its_sentence_before_any_step(mode, opt, ctx):
         assert got.n_steps == 0 and not moved, f"refused after {got.n_steps} steps; moved: {moved}"
     assert set(got.dtypes.values()) == {torch.float32} and not got.left
 
-@pytest.mark.parametrize('opt', list(OPTIMIZERS))
-@pytest.mark.parametrize('ctx', GRID_CONTEXTS)
+@pytest.mark.parametrize('opt,ctx', [(o, c) for o in OPTIMIZERS for c in GRID_CONTEXTS] + [(o, c) for o in OUTSIDE_OPTS for c in OUTSIDE])
 def test_fp32_references_learn_and_leave_the_idle_params_alone(opt, ctx):
     "The harness: FP32's loss falls; exactly the unused, the frozen and (but in 'branch') the branch params stay put."
     ref = fp32_reference(None, opt, ctx)

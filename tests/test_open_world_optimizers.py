@@ -125,7 +125,7 @@ def test_a_torch_optimizer_wrapping_another_keeps_its_state_over_fits_and_saves(
     base = learn.opt.opt._base_optimizer  # the same AdamW, its state loaded
     assert all(torch.equal(a, b) for a, b in zip(w_saved, weights(learn)))
     for p in learn.model.parameters():
-        for k, v in saved[id(p)].items(): assert torch.equal(base.state[p][k].to(v.dtype), v), k
+        for k, v in saved[id(p)].items(): assert torch.equal(base.state[p][k].to(v.dtype).cpu(), v.cpu()), k  # ('step': on the CPU before a load)
 
 # ---- 9. 16-bit state: only the moving averages
 def test_half_state_rounds_only_the_declared_moving_averages():

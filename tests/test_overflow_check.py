@@ -211,11 +211,12 @@ def test_clip_unscaled_master_grads(clip, clip_global, per_param_steps):
     learn = make_learner()
     learn.to_fp16(dynamic=False, loss_scale=128., clip=clip, clip_global=clip_global)
     mp = lambda l: l.mixed_precision
-    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs],
-                 before_step=lambda l: {id(m): (gi, i) for gi, mg in enumerate(mp(l).master_pgs) for i, m in enumerate(mg)})
+    # (read in `after_backward`: a callback that handles `before_step` after ours sees the grads unscaled, in 16 bits)
+    rec = Record(after_backward=lambda l: [[p.grad.clone() for p in pg] for pg in mp(l).model_pgs])
+    rec_where = Record(after_backward=lambda l: {id(m): (gi, i) for gi, mg in enumerate(mp(l).master_pgs) for i, m in enumerate(mg)})
     spy = StepSpy()  # the master grads as the optimizer steps with them (in the masters' buffer order)
-    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
-    where = rec.log['before_step'][0]  # each master's (group, place in it)
+    quiet_fit(learn, 1, lr=1e-2, cbs=[rec, rec_where, spy])
+    where = rec_where.log['after_backward'][0]  # each master's (group, place in it)
     stepped = [[[g for _, g in sorted(((where[id(p)], g) for p, g in step if where[id(p)][0] == gi), key=lambda o: o[0])]
                  for gi in range(2)] for step in spy.steps]
     assert len(stepped) == 4 and len(stepped[0]) == 2  # 4 steps, 2 param groups

@@ -242,6 +242,7 @@ class GradSpy(StepSpy):
         self._rank = {t.data_ptr(): rank[id(p)] for p, t in pairs}
     def _spy(self, p, **kwargs):
         if self._cur is not None: self._cur.append((self._rank[p.data_ptr()], self.fn(p)))
+    _spy.elementwise = True
     @property
     def grads(self): return [torch.cat([g.float().reshape(-1) for _, g in sorted(step, key=lambda o: o[0])]) for step in self.steps]
 

@@ -3,10 +3,11 @@ clipping of the unscaled grads. The events of a step; the weight store (`weights
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
 import math, warnings
+from functools import partial
 import torch
 from fastai.callback.core import CancelStepException
 
-from ..dtypes import resolve_dtype, model_device
+from ..dtypes import resolve_dtype, model_device, bare_copy
 from ..weights import MasterWeights, HalfStorage, Stage, resolve_state_dtype
 from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
@@ -70,6 +71,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         check(self.facts, OPTIONS)
         self.store, self.record, self.max_grad, self._rng, self._rng_state = None, StepRecord(), None, None, None
         self._per_param = False  # this fit went on with one master per param (`_unflatten`)
+        self._trained = ()  # ids of the params this fit trained so far (kept by a store made again mid-fit)
 
     @property
     def facts(self) -> Facts:
@@ -110,15 +112,15 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.session.in_fit: self._make_store()
 
     def _make_store(self):
-        self._fit_facts = learner_facts(self.learn, self.facts)
+        self._fit_facts = learner_facts(self.learn, self.facts).knowing(grads_read=self._runs_after('before_step'))
         check(self._fit_facts, FIT)
         patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
         if self.learn.opt is None: self.learn.create_opt()
         mth, model = self._model_to_half(), self.learn.model
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
-        if not self.session.suspending: self.record.new_fit(); self._per_param = False  # a new fit: flat again
-        kw = dict(names=names, model=model, in_backward=self.step_in_backward, state_dtype=self.state_dtype,
+        if not self.session.suspending: self.record.new_fit(); self._per_param = False; self._trained = ()  # a new fit
+        kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward, state_dtype=self.state_dtype,
                   stochastic=self.stochastic_rounding, generator=self.rng(model) if self.half_storage or self.state_dtype else None)
         if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
         else: self.store = MasterWeights(self.learn.opt, self.flat_master and not self._per_param,
@@ -127,20 +129,40 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}  # FP32 originals still kept
         if self._remembered: self.store.stepped_hook = self._forget_originals
         self.show_scale_columns()
+        self._expose_fp32(mth if half else None)
         # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
         self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)
+
+    def _expose_fp32(self, mth):
+        """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
+        `copy.deepcopy(learn.model)` (an EMA callback, keep-the-best) is a plain FP32 model with the exact values of now,
+        without fp16cb's hooks; `learn.model.state_dict()` holds the exact FP32 values (the masters: like FP32's, it
+        shares the storage of what trains). Reading the params themselves still gives their 16-bit values."""
+        model, self._exposed = self.learn.model, None
+        if mth is None: return
+        model.__dict__['__deepcopy__'] = partial(_fp32_copy, model, mth)
+        self._exposed = model, model.register_state_dict_post_hook(partial(_fp32_state, mth))
+
+    def _unexpose(self):
+        exposed, self._exposed = getattr(self, '_exposed', None), None
+        if exposed is None: return
+        exposed[0].__dict__.pop('__deepcopy__', None)
+        exposed[1].remove()
 
     def teardown(self):
         """The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off.
         A fit that ends leaves no loss-scaled grad: a step the optimizer took is finished (its grads cleared), grads
         made for a step that never came are divided by the scale (BatchNorm's, FP32 islands'; the 16-bit ones go)."""
         fit_ends = not self.session.suspending
+        self._unexpose()
         if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
         self.record.teardown()
         self.drop_scale_columns(fit_ends)
         if self.store is None: return
         self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
+        self._divided = getattr(self.store, '_rescale', None)  # ... divided by the scale already (`_unscale_for_others`)
+        self._trained = () if fit_ends else {id(p) for pg in self.store.model_pgs + self.store.own_pgs for p in pg}
         self.store.restore()
         if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
@@ -148,8 +170,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
 
     def resume(self):
         "Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought in again."
-        if getattr(self, '_was_unscaled', False): self.store.prepare_grads(self.scaler.scale)
-        self._was_unscaled = False
+        if getattr(self, '_was_unscaled', False):
+            divided = getattr(self, '_divided', None)
+            self.store.prepare_grads(self.scaler.scale if divided is None else 1.)
+            self.store._rescale = divided  # a cancel after the pause multiplies them back
+        self._was_unscaled, self._divided = False, None
 
     def rng(self, model) -> torch.Generator:
         "The stochastic rounding's own generator (not torch's global one: dropout and augmentation draw as without it)."
@@ -173,6 +198,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.store.stage is Stage.NEW: self._sync_ranks()
         elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
         self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
+        self._follow_trainable()
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
 
     def before_backward(self):
@@ -180,7 +206,15 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.record.scaled(self.loss_scale)  # what the grads carry until the step (a fit ending before it divides them)
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
+    def _follow_trainable(self):
+        """Other code made a param trainable that the store left out, frozen at its set-up (`requires_grad_(True)` by a
+        hand-written unfreeze, fastai's GAN switching generator and critic): the store is made again with it, so that
+        it trains as in FP32. Params trained so far stay the store's when frozen (FP32 steps them with their grads)."""
+        if self.store.became_trainable():
+            with self.session.suspended(): pass  # the store made again; the grads so far brought in again
+
     def before_step(self):
+        self._follow_trainable()  # made trainable after our `before_batch`: its grad is this step's
         scale, calibrating = self.loss_scale, self.scaler.calibrating
         self.store.grads_final = not self._runs_after('before_step')  # then the grads it checks are the ones stepped
         watch, self._watch_flush = getattr(self, '_watch_flush', False), False
@@ -194,11 +228,18 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             if watch: self._warn_flushed(scale)
             if (name := self.store.presence_changed()) is not None: self._unflatten(name)
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
+            if not self.store.grads_final and scale != 1.: self._unscale_for_others()
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         self.record.unscaled()
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
+
+    def _unscale_for_others(self):
+        """A callback after ours handles `before_step` (a clip of its own, a probe of the grads, a skip): it reads the
+        grads as FP32 fastai would show them, unscaled (divided in place now; fp16 values under 2^-24 flush to zero)."""
+        self.store.unscale_grads()
+        self.record.unscaled()
 
     def _unflatten(self, name:str):
         """Flat masters keep one step count per group: a param whose grad comes or goes (a head switched on after warm-up,
@@ -231,6 +272,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.store is not None and self.store.stepped_in_backward():
             check(self.facts.knowing(cancels_steps=True), STEP)
 
+    after_cancel_batch = after_cancel_step  # a batch dropped after its backward (`CancelBatchException`): the same
+
     def _half_grads(self) -> list:
         "The model's 16-bit grads as the backward left them (the calibrating step's underflow check)."
         return [g for g in self.store.checked if g.dtype == self.dtype]
@@ -246,7 +289,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if stage is Stage.STEPPED or (stage is Stage.UNSCALED and self.store.in_backward):  # in the backward: stepped there
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
-        elif stage is not Stage.SKIPPED: self.record.cancelled()
+        elif stage is not Stage.SKIPPED:  # cancelled: its grads stay until the optimizer's `zero_grad`, as in FP32
+            self.record.cancelled()
+            self.store.cancel()
+            self.record.scaled(self.loss_scale)
+            return
         self.store.finish()
         self.record.unscaled()
 
@@ -286,4 +333,22 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if 'rng' in sd:  # set on the generator of the model's device at the next set-up (`rng`)
             self._rng_state = sd['rng'].cpu()  # a generator's state is a CPU tensor; `learn.load` maps it to the model's device
             if self.store is not None: self.rng(self.learn.model)
+
+def _fp32_values(model, mth) -> dict:
+    "`{(module, name, tensor now): exact FP32 value}` of the converted params and buffers of `model`."
+    vals = mth.fp32_tensors()
+    return {(pre, n, cur): vals[(id(mod), n)] for pre, mod in model.named_modules(remove_duplicate=False)
+            for n, cur in list(mod._parameters.items()) + list(mod._buffers.items()) if (id(mod), n) in vals}
+
+def _fp32_copy(model, mth, memo):
+    "`copy.deepcopy(model)` mid-fit: the FP32 model of now (the masters' values), without fp16cb's hooks."
+    res = bare_copy(model, {cur: v for (_, _, cur), v in _fp32_values(model, mth).items() if cur is not None})
+    memo[id(model)] = res
+    return res
+
+def _fp32_state(mth, module, state_dict, prefix, local_metadata):
+    "`model.state_dict()` mid-fit: the exact FP32 values in place of the 16-bit ones."
+    for (pre, n, cur), v in _fp32_values(module, mth).items():
+        key = prefix + (f'{pre}.{n}' if pre else n)
+        if key in state_dict and cur is not None and v.shape == cur.shape: state_dict[key] = v.detach()
 

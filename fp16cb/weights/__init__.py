@@ -8,6 +8,7 @@ step's gradients get there. One concern per module, arrows pointing down this li
 - `state16`: the optimizer's state stored in bfloat16 between steps (`HalfState`), lifted to FP32 with its param;
 - `optstate`: the optimizer's per-param state moved between the model's params and what the optimizer steps;
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
+- `writes`: other code's in-place writes to the model's params reaching the FP32 masters (`WriteWatch`);
 - `layout`: flat buffers and their views, each keeping its tensor's strides."""
 from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of
 from .functional import MASTERED, get_master, to_master_grads, to_model_params, copy_clone, check_unique_params

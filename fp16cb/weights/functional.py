@@ -12,9 +12,11 @@ __all__ = ['MASTERED', 'get_master', 'to_master_grads', 'to_model_params', 'copy
 
 MASTERED = (torch.float32, torch.float16, torch.bfloat16)  # params of other dtypes (float64, complex) train as they are
 
-def trainable(pg, own:bool=False):
-    "The trainable params of `pg` that get FP32 masters (`own`: those that train in their own dtype, without)."
-    return [p for p in pg if getattr(p, 'requires_grad', False) and hasattr(p, 'data') and (p.dtype not in MASTERED) == own]
+def trainable(pg, own:bool=False, keep=()):
+    """The trainable params of `pg` that get FP32 masters (`own`: those that train in their own dtype, without); `keep`:
+    ids of params the fit trained so far, kept though frozen since (FP32 fastai steps a frozen param that has a grad)."""
+    return [p for p in pg if (getattr(p, 'requires_grad', False) or id(p) in keep) and hasattr(p, 'data')
+            and (p.dtype not in MASTERED) == own]
 
 def check_unique_params(param_lists, names:dict|None=None):
     "A `ValueError` naming the param and its groups when a param is in two param groups (or twice in one)."
@@ -63,9 +65,10 @@ def get_master(
     *,
     fp32_of=None, # `param -> exact FP32 value`; given, masters share these tensors instead of cloning `param.data`
     limit=None, # flat: the most elements of one flat master (an int, or `device -> int`); a bigger param is one alone. None: one per run
+    keep=(), # ids of params kept though frozen (`trainable`)
 ) -> tuple: # `(model_pgs, master_pgs)`: trainable model params per group and their FP32 masters
     "Per param group of `opt`, the trainable model params and FP32 master copies of them."
-    model_pgs = [trainable(pg) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
+    model_pgs = [trainable(pg, keep=keep) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
     src = (lambda p: _fp32_leaf(fp32_of(p)).to(p.device)) if fp32_of is not None else (lambda p: p.data.detach().clone().float())
     if not flat_master:
         return model_pgs, [[nn.Parameter(src(p), requires_grad=True) for p in pg] for pg in model_pgs]

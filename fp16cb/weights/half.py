@@ -62,8 +62,9 @@ class HalfStorage(WeightStore):
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`): `Lookahead`'s slow weights start from these
         state_dtype:torch.dtype=None, # store the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
+        keep=(), # ids of params kept though frozen since (`WeightStore`)
     ):
-        super().__init__(opt, names, model)
+        super().__init__(opt, names, model, keep)
         self.stochastic, self.generator = stochastic, generator
         self.state16 = HalfState(state_dtype, stochastic, generator)  # the same generator: one stream, one checkpoint
         self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]

@@ -13,6 +13,7 @@ from .drivers import fused_runs
 from .lift import Scratch, LiftPlan, Chunk, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
+from .writes import WriteWatch
 
 __all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights']
 
@@ -37,12 +38,13 @@ class FP32Masters(WeightStore):
         state_dtype:torch.dtype=None, # store the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
         stochastic:bool=True, # round the 16-bit state stochastically (False: to nearest)
         generator=None, # the `torch.Generator` of that rounding
+        keep=(), # ids of params kept though frozen since (`WeightStore`)
     ):
-        super().__init__(opt, names, model)
+        super().__init__(opt, names, model, keep)
         self.state16 = HalfState(state_dtype, stochastic, generator)
         self._with_grads = not in_backward
         # flat masters cut at the chunk limit, for an optimizer that steps the parts as it would the whole (not LAMB's norms)
-        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of,
+        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of, keep=self.keep,
                                                      limit=self.chunk_limit if elementwise(self.core) else None)
         self.master_params = [m for mg in self.master_pgs for m in mg]
         for m in self.master_params: m.grad = None  # FP32 grads exist only for the chunk being stepped
@@ -63,6 +65,7 @@ class FP32Masters(WeightStore):
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing, self._trusted = [], False
+        self.writes = WriteWatch(self.models, self.masters)  # other code's writes to the model reach the masters
         if in_backward: self.arm_in_backward()
 
     def _plan_chunks(self, in_backward:bool) -> list:
@@ -96,11 +99,13 @@ class FP32Masters(WeightStore):
         return self._grads + self.own_grads()
 
     def _step_impl(self, *args, **kwargs):
+        self.writes.follow()  # written since the last step (a constraint, a clip of the weights): stepped from there
         held = self._hold(self._missing)
         self._fold = held is None and self._fold_ok  # each chunk rounded into the model as it is stepped (`_land`)
         out = self._through_core(self._driver, *args, **kwargs)
         if held is not None: held()
         if not self._fold: self.master_to_model()
+        self.writes.note()
         return out
 
     def _hold(self, params:list):
@@ -269,7 +274,12 @@ class FP32Masters(WeightStore):
         "The model's grads (16-bit, loss-scaled, before any clearing), one per param; own params' grads."
         pairs = [(p, p.grad) for p in self.models] + [(p, p.grad) for p in self.own_params]
         return [p for p, _ in pairs], [g for _, g in pairs]
-    def _after_broadcast(self): self.master_to_model()
+    def _after_broadcast(self): self.master_to_model(); self.writes.note()
+    def _wrote_model(self): self.writes.note()
+
+    def backward(self):
+        super().backward()
+        if self.in_backward: self.writes.follow()  # the backward steps the params: from what other code wrote
 
     def _point_opt(self, to_model:bool):
         "Move the optimizer (params, state, Lookahead's slow weights) between the masters and the model's params."
@@ -277,6 +287,7 @@ class FP32Masters(WeightStore):
         else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
 
     def restore(self):
+        self.writes.settle()  # the last step's writes: the FP32 weights the fit ends with
         for r in self.runs: r.release()
         for c in self.chunks: c.plan = c.lifted = None
         self.scratch.release()

@@ -8,6 +8,7 @@ import torch
 from fastai.optimizer import OptimWrapper
 
 from ..scaling import OverflowCheck, nonfinite_flags, _real
+from ..scaling.check import _by_device
 from ..distributed import broadcast_
 from .functional import check_unique_params, trainable
 from .optstate import innermost, opt_state
@@ -58,13 +59,16 @@ class WeightStore:
         opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
         names:dict=None, # `{id(param): name}`, for error messages
         model=None, # the model (which of its params get sparse grads)
+        keep=(), # ids of params this fit trained so far: still the store's if frozen since (FP32 steps them with their grads)
     ):
-        self.opt, self.core, self.names = opt, innermost(opt), names or {}
+        self.opt, self.core, self.names, self.keep = opt, innermost(opt), names or {}, frozenset(keep)
         self.none_after_step = isinstance(self.core, OptimWrapper)  # torch's `zero_grad` sets grads to None
         check_unique_params(self.core.param_lists, names)
         self.old_param_lists = [list(pg) for pg in self.core.param_lists]
-        self.model_pgs = [trainable(pg) for pg in self.old_param_lists]
-        self.own_pgs = [trainable(pg, own=True) for pg in self.old_param_lists]  # stepped as they are
+        self.model_pgs = [trainable(pg, keep=self.keep) for pg in self.old_param_lists]
+        self.own_pgs = [trainable(pg, own=True, keep=self.keep) for pg in self.old_param_lists]  # stepped as they are
+        ours = {id(p) for pg in self.model_pgs + self.own_pgs for p in pg}
+        self.frozen = [p for pg in self.old_param_lists for p in pg if id(p) not in ours]  # not the store's (yet)
         self.own_params = [p for pg in self.own_pgs for p in pg]
         sparse = _sparse_params(model)
         self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
@@ -80,12 +84,16 @@ class WeightStore:
     ):
         """Check the step's grads for inf/NaN in one fused, read-only pass, as the backward left them: `[found, (max
         |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes them."""
-        if self.in_backward: return self._found_in_backward()
+        if self.in_backward:
+            found = self._found_in_backward()
+            self._wrote_model()
+            return found
         for p in self.sparse:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
         grads = self.checked = self._grads_to_check()
         if not grads: return None
         self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
+        self._rescale = None
         stats = self.check(grads, 1., with_max=with_max)
         if len(stats) == 1 or scale == 1.: return stats
         return torch.cat((stats[:1], stats[1:] / scale))  # by a Python number: a tensor made from a list is a host copy (a sync)
@@ -137,6 +145,23 @@ class WeightStore:
         self.cleared, self.stage = True, Stage.SKIPPED
         return found
 
+    def unscale_grads(self):
+        """Divide the checked grads by the loss scale in place, now: a callback after ours reads or changes them before
+        the step (a clip of its own, a probe), and sees them as FP32 would, unscaled. The step then unscales nothing."""
+        if self.grad_factor == 1. or not self.checked: return
+        with torch.no_grad():
+            for gs in _by_device(self.checked).values(): torch._foreach_mul_(gs, self.grad_factor)
+        self._rescale, self.scale, self.grad_factor = self.scale, 1., 1.
+
+    def cancel(self):
+        """Another callback cancelled the step: as in FP32 its grads stay until the optimizer's `zero_grad` (held back,
+        the next backward adds to them: accumulation), at the scale the next backward adds at."""
+        rescale, self._rescale = getattr(self, '_rescale', None), None
+        if rescale is not None and self.checked:
+            with torch.no_grad():
+                for gs in _by_device(self.checked).values(): torch._foreach_mul_(gs, rescale)
+        self.stage, self.cleared, self._fresh, self._trusted = Stage.READY, False, False, False
+
     def finish(self):
         "After a step (or a skip): the model's grads cleared for the next backward, unless they were already."
         if not self.cleared: self.zero_model_grads()
@@ -145,6 +170,10 @@ class WeightStore:
     def backward(self):
         "A backward is coming: the model's grads will hold something again (`zero_grad` clears them then)."
         self._fresh = False
+
+    def became_trainable(self) -> bool:
+        "Whether a param of the optimizer that this store left out (frozen at its set-up) is trainable now."
+        return any(getattr(p, 'requires_grad', False) for p in self.frozen)
 
     def presence_changed(self) -> str|None:
         "A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its name."
@@ -290,6 +319,7 @@ class WeightStore:
         if self.stepped_hook is not None: self.stepped_hook(params)
     def _step_one(self, p): raise NotImplementedError
     def _after_broadcast(self): pass
+    def _wrote_model(self): "The store has just written the model's params (what other code writes is told from now)."
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
     def zero_model_grads(self): raise NotImplementedError
 

@@ -1,0 +1,46 @@
+"""Other code's writes to the model's 16-bit params reaching the FP32 masters (a weight constraint, WGAN's clipping, a
+`load_state_dict` in a callback): as in FP32, the optimizer steps from the weights as they were written.
+
+torch counts every in-place write to a param (`Tensor._version`; the store's own copies go to the flat buffer behind
+the params, which counts apart). After each step the store notes the counts; before the next one a count that moved
+means other code wrote: only then are that param's elements compared with its master rounded, and those that differ
+are taken into the master (the others keep their exact FP32 values). Otherwise one integer read per param and step. A write through
+`.data` is not counted by torch: the end of the fit compares everything once and warns if one went unseen."""
+from __future__ import annotations
+import warnings
+import torch
+
+__all__ = ['WriteWatch']
+
+class WriteWatch:
+    "Follows in-place writes to the model's params (`params`) into their FP32 masters (`masters`, shaped alike)."
+    def __init__(self, params:list, masters:list):
+        self.pairs = list(zip(params, masters))
+        self.note()
+
+    def note(self):
+        "The store has just written the model (its step, a broadcast): the write counts from which others' are told."
+        self.versions = [b._version for b, _ in self.pairs]
+
+    @torch.no_grad()
+    def follow(self, everything:bool=False) -> int:
+        """Take the elements other code wrote into the masters: of the params whose write count moved (`everything`:
+        all of them, compared element by element, with one host read). Returns how many elements were taken."""
+        counts = []
+        for (p, m), v in zip(self.pairs, self.versions):
+            if not everything and p._version == v: continue
+            changed = torch.ne(p, m.to(p.dtype)).logical_and_(p == p)  # a NaN master rounds to NaN: not a write
+            m.copy_(torch.where(changed, p.to(m.dtype), m))
+            if everything: counts.append(changed.sum())
+        self.note()
+        return int(sum(counts)) if counts else 0  # the host read: at the fit's end only
+
+    def settle(self):
+        "The fit's end: writes seen by their counts taken; any that torch did not count (through `.data`) taken, and said."
+        self.follow()
+        n = self.follow(everything=True)
+        if n: warnings.warn(
+            f"{n} weights of the model were changed in place during the fit in a way torch does not count (through "
+            f"`.data`, as in `p.data.clamp_(...)`): fp16cb took them into the FP32 weights at the end of the fit, but the "
+            f"steps before did not start from them as FP32 would. Write the weights under `with torch.no_grad():` "
+            f"(`p.clamp_(...)`), which every step sees.", RuntimeWarning, stacklevel=3)
