@@ -329,7 +329,9 @@ ELEMENTWISE_TORCH = tuple(getattr(torch.optim, k) for k in ('SGD', 'Adam', 'Adam
 def known_elementwise(core) -> bool:
     "Whether the innermost optimizer `core` (a fastai `Optimizer` or an `OptimWrapper`) is known to be elementwise (above)."
     if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in ELEMENTWISE_TORCH
-    return bool(getattr(core, 'cbs', None)) and all(getattr(cb, 'func', cb) in ELEMENTWISE_FASTAI for cb in core.cbs)
+    return bool(getattr(core, 'cbs', None)) and all(_elementwise(getattr(cb, 'func', cb)) for cb in core.cbs)
+
+def _elementwise(f) -> bool: return f in ELEMENTWISE_FASTAI or getattr(f, 'elementwise', False) is True  # yours: `f.elementwise = True`
 
 _WHOLE_PARAM = {fo.lamb_step: "fastai's LAMB", fo.larc_layer_lr: "fastai's LARC", fo.larc_step: "fastai's LARC"}
 _named = lambda o: f"`{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', type(o).__name__)}`"
@@ -348,7 +350,7 @@ def whole_param_step(opt) -> str|None:
     cls = type(core).__dict__.get('_fp16cb_base', type(core))  # its own class (a fit's routed subclass: the one below)
     if getattr(cls, 'step', None) is not Optimizer.step: return f"{_named(cls)} (an `Optimizer` with its own `step`)"
     # a step callback of your own that updates (or reads) each element on its own says so: `my_step.elementwise = True`
-    return next((_named(f) for f in funcs if f not in ELEMENTWISE_FASTAI and not getattr(f, 'elementwise', False)), None)
+    return next((_named(f) for f in funcs if not _elementwise(f)), None)
 
 def float64_layers(model) -> tuple:
     "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."

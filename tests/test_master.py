@@ -326,6 +326,7 @@ def test_masters_have_fp32_grads_only_while_the_optimizer_steps_them(flat):
     rec = Record(before_batch=lambda l: [p.grad for p, *_ in l.opt.all_params()],
                  before_step=lambda l: [p.grad for p, *_ in l.opt.all_params()],
                  after_epoch=lambda l: 'zero_grad' in vars(l.opt))
+    rec.order = 5  # before ours: a `before_step` after ours would see the grads unscaled for it (another path)
     spy = StepSpy(lambda p: (p.dtype, p.grad.dtype, p.grad.data_ptr()))
     quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
     assert all(g is None for gs in rec.log['before_batch'] + rec.log['before_step'] for g in gs)
