@@ -15,7 +15,7 @@ import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-__all__ = ['SEMANTICS', 'STATE16', 'MOVING_AVERAGES', 'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
+__all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'MOVING_AVERAGES', 'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
            'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table',
            'learner_facts', 'optimizer_kind', 'float64_layers', 'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH',
            'known_elementwise']
@@ -27,8 +27,23 @@ SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optim
     "A param that never trained keeps its exact FP32 value.",
     "Nothing loss-scaled or 16-bit outlives the fit (ended, raised or interrupted): the params, their grads and the "
     "optimizer's state are FP32 and unscaled, as FP32 fastai would leave them.",
+    "Other code in the fit sees and changes what it would in FP32, dtypes aside: a copy of the model "
+    "(`copy.deepcopy(learn.model)`, `learn.model.state_dict()`) holds the FP32 weights; a weight changed in place "
+    "(under `torch.no_grad()`) is what the next step starts from; a callback's `before_step` reads the grads unscaled "
+    "and may change them; a cancelled step's grads stay until the optimizer's `zero_grad`; a param made trainable "
+    "mid-fit trains.",
     "What cannot keep these is refused at set-up, before any step, with a sentence that says what to do instead.",
 )
+
+# Outside code known to write the model's weights through `.data`, which torch's write counts do not see: each batch,
+# after its `before_batch`, every weight is compared with its FP32 master (`WriteWatch.follow(everything=True)`).
+DATA_WRITERS = {  # `module.Class`: whether an instance writes (fastai's WGAN clips the critic's weights each batch)
+    'fastai.vision.gan.GANTrainer': lambda cb: getattr(cb, 'clip', None) is not None,
+}
+
+def writes_data(cbs) -> bool:
+    "Whether one of `cbs` is known to write the model's weights through `.data` (`DATA_WRITERS`)."
+    return any(DATA_WRITERS.get(f"{type(cb).__module__}.{type(cb).__qualname__}", lambda cb: False)(cb) for cb in cbs)
 
 # ---- the axes
 @dataclass(frozen=True)

@@ -274,3 +274,19 @@ def test_entry_casts_only_beside_a_kept_module_holding_params():
         try: assert _entry_hooked(learn.model) == hooked
         finally: cb.teardown()
         assert _entry_hooked(learn.model) == []
+
+@pytest.mark.parametrize('mode', list(HALF_MODES))
+def test_wgan_clipping_through_data_reaches_the_fp32_weights(mode):
+    """fastai's `GANTrainer(clip=...)` clamps the critic's weights through `.data` before each batch (torch does not count
+    such writes): each step starts from the clamped weights, as in FP32. Before: the masters were stepped unclamped and
+    copied back over the clamp (the critic ended with |w| up to its initial size)."""
+    def critic_max(mode):
+        learn = to_mode(_gan(.01), mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            warnings.filterwarnings('error', message='.*through `.data`')  # none: every batch saw the clamp
+            quiet_fit(learn)
+        if mode != 'fp32': learn.to_fp32()
+        return max(float(p.detach().abs().max()) for p in learn.model.critic.parameters())
+    ref, got = critic_max('fp32'), critic_max(mode)
+    assert ref < .05 and got == pytest.approx(ref, rel=.2, abs=2e-3)

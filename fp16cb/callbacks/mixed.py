@@ -9,7 +9,7 @@ from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy
 from ..weights import MasterWeights, HalfStorage, Stage, resolve_state_dtype
-from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
+from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
 from ..monitor import ScaleColumns, scale_health
@@ -130,6 +130,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self._remembered: self.store.stepped_hook = self._forget_originals
         self.show_scale_columns()
         self._expose_fp32(mth if half else None)
+        self._data_writes = writes_data(self.learn.cbs)  # code known to write weights through `.data` before our batch
         # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
         self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)
@@ -198,6 +199,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.store.stage is Stage.NEW: self._sync_ranks()
         elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
         self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
+        if self._data_writes: self.store.follow_writes(everything=True)  # fastai's WGAN clipped the weights via `.data`
         self._follow_trainable()
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
 

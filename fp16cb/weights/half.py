@@ -96,7 +96,14 @@ class HalfStorage(WeightStore):
         else: self.opt.slow_weights = L(L(s.float() if half(s) else s for s in sg) for sg in self.opt.slow_weights)
 
     def _step_one(self, p):
-        "In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored back."
+        """In the backward: `p` lifted to FP32 with its grad, stepped by fastai's optimizer (state keyed by `p`), stored
+        back; a param bigger than a slice (an elementwise optimizer), a slice at a time, its 16-bit state too."""
+        n = self._slice(p.device)
+        if self._sliced_ok and p.dtype in _HALF and p.numel() > n:
+            lift = partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), None)
+            sliced_update(self.core, p, self.core.hypers[self._group_of[id(p)]], n, lift,
+                          partial(self._land_slice, memory_order(p)), self.state16)
+            return self._stepped([p])
         q = self._lift(p)
         with self.state16.lifted([p], self.core.state):
             fastai_update(self.core, q, self.core.hypers[self._group_of[id(p)]], key=p)
@@ -140,7 +147,7 @@ class HalfStorage(WeightStore):
                     batch.add(p, f, hyper); continue
                 self._step_batch(batch); batch = _Batch()  # the scratch is the slices' now
                 lift, land = partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), f), partial(self._land_slice, memory_order(p))
-                with self.state16.lifted([p], core.state): sliced_update(core, p, hyper, n, lift, land)
+                sliced_update(core, p, hyper, n, lift, land, self.state16)  # 16-bit state widened a slice at a time
                 self._stepped([p])
                 continue
             q = self._lift(p)

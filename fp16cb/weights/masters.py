@@ -116,7 +116,7 @@ class FP32Masters(WeightStore):
         """fastai's driver: its `Optimizer.step` loop, run here a chunk at a time on the masters with FP32 grads (each run
         of consecutive masters with equal state as one flat tensor, the others one at a time); `step` is not called."""
         hypers, state = self.core.hypers, self.core.state
-        sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land)
+        sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land, self.state16)
         for chunk in self.chunks:
             if self._step_sliced(chunk, sliced): continue
             live = self._lift(chunk)
@@ -135,7 +135,7 @@ class FP32Masters(WeightStore):
         for p in own: p.grad = None  # with a grad: each own param in one chunk
         try:
             for chunk in self.chunks:
-                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_once)
+                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_once, self.state16)
                 if self._step_sliced(chunk, sliced, unscale=fused is None): continue
                 live = self._lift(chunk, own, unscale=fused is None)
                 with self.state16.lifted([p for p, _ in live], state): out = step_once()
@@ -173,7 +173,7 @@ class FP32Masters(WeightStore):
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
         lift = partial(self._lift_slice, memory_order(m), memory_order(laid_out_as(o.grad, m)), self._factor(gi) if unscale else None)
         land = partial(self._land_slice, memory_order(o.buf if isinstance(o, FlatRun) else o))
-        with self.state16.lifted([m], opt_state(self.core)): update(m, gi, self.chunk_limit(m.device), lift, land)
+        update(m, gi, self.chunk_limit(m.device), lift, land)  # 16-bit state widened a slice at a time
         return True
 
     def _lift_slice(self, master:Tensor, g16:Tensor, f, s:slice) -> Tensor:
@@ -225,6 +225,11 @@ class FP32Masters(WeightStore):
     def _step_one(self, p):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
         m, gi = self._master_of[id(p)]
+        n = self.chunk_limit(m.device)
+        if m is not p and self._sliced_ok and m.numel() > n:  # a slice at a time: its grad, its state in FP32
+            lift = lambda s, mm=memory_order(m), g=memory_order(laid_out_as(p.grad, m)): _with_grad(mm[s], g[s].float())
+            land = lambda s, q, out=memory_order(p.detach()): out[s].copy_(q)
+            return sliced_update(self.core, m, self.core.hypers[gi], n, lift, land, self.state16)
         if m is not p: m.grad = p.grad.float()
         with self.state16.lifted([m], self.core.state): fastai_update(self.core, m, self.core.hypers[gi])
         if m is not p:
@@ -276,6 +281,7 @@ class FP32Masters(WeightStore):
         return [p for p, _ in pairs], [g for _, g in pairs]
     def _after_broadcast(self): self.master_to_model(); self.writes.note()
     def _wrote_model(self): self.writes.note()
+    def follow_writes(self, everything:bool=False): self.writes.follow(everything)
 
     def backward(self):
         super().backward()
@@ -315,6 +321,10 @@ class FP32Masters(WeightStore):
     def _sources(self) -> dict:
         "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
         raise NotImplementedError
+
+def _with_grad(q:Tensor, g:Tensor) -> Tensor:
+    q.grad = g
+    return q
 
 def _counts_steps(state:dict) -> bool:
     "Whether an optimizer state holds a step count (an int or a 0-dim tensor, not a flag)."

@@ -176,7 +176,7 @@ def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
         if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
     return rest
 
-def sliced_torch_step(opt, p, n:int, lift, land, step):
+def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
     """torch optimizer `opt` (elementwise) steps `p` `n` elements at a time, as `sliced_update` does fastai's: each slice
     (`lift`) stands in for `p` in its param group with the slices of `p`'s state (a copy of its step count: every slice
     counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
@@ -190,9 +190,11 @@ def sliced_torch_step(opt, p, n:int, lift, land, step):
         for o in range(0, p.numel(), n):
             s = slice(o, min(o + n, p.numel()))
             q = group['params'][i] = lift(s)
-            opt.state[q] = {} if fresh else {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()},
-                                             **{k: v[s] for k, v in full.items()}}
+            sl, w = ({}, None) if fresh else _slice_state(full, s, q, state16)
+            opt.state[q] = {} if fresh else {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}, **sl}
             out = step()
+            _narrow_slice(sl, opt.state[q], q, state16, w)
+            _narrow_new(p, state, full, opt.state[q], q, state16)
             rest = _keep_slice(p, state, full, opt.state.pop(q), s, q.numel())
             land(s, q)
             q.grad = None
@@ -204,23 +206,57 @@ def sliced_torch_step(opt, p, n:int, lift, land, step):
             q.grad = None
         if done: state.update(rest)  # the step count & co. (the same for every slice)
         elif fresh: state.clear()  # an interrupted first step: no state, as before it (torch makes it afresh)
+    if state16 is not None and done: state16.narrow([p], opt.state)  # made in FP32 by the first step
     return out
 
-def sliced_update(core, p, hyper:dict, n:int, lift, land):
+def _slice_state(full:dict, s:slice, q, state16) -> tuple:
+    """`{key: slice s}` of `p`'s state (`full`: its 1-d views), as the step of slice `q` takes it, and what `state16`
+    widened of it: 16-bit state in FP32 for this slice only (a scratch of the slice's size, not the param's)."""
+    sl = {k: v[s] for k, v in full.items()}
+    w = state16.widen([q], {q: sl}) if state16 is not None else None
+    return sl, w
+
+def _narrow_slice(sl:dict, st:dict, q, state16, w):
+    """After a slice's step: its widened state rounded back into the 16-bit slices (what the step replaced instead of
+    updating in place taken first), `st` pointing at them again."""
+    if not w: return
+    for k, v in sl.items():
+        if st.get(k) is not None and st[k] is not v and st[k].dtype == torch.float32: v.copy_(st[k])
+    tmp = {q: sl}
+    state16.narrow([q], tmp, w)
+    st.update(tmp[q])
+
+def _narrow_new(p, state:dict, full:dict, st:dict, q, state16):
+    """The first step: the moving averages it made for slice `q` in FP32 rounded to 16-bit at once, into whole 16-bit
+    tensors made for `p` (its whole FP32 state never exists)."""
+    new = {k: v for k, v in st.items() if k not in full and state16 is not None and state16.stores(k, v, q)}
+    if not new: return
+    tmp = {q: dict(new)}
+    state16.narrow([q], tmp)
+    for k in new:
+        state[k] = torch.zeros_like(p.detach(), dtype=state16.dtype)
+        full[k], st[k] = memory_order(state[k]), tmp[q][k]
+
+def sliced_update(core, p, hyper:dict, n:int, lift, land, state16=None):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
     `lift(slice)` gives the FP32 values to step (a slice of `p`'s master, or a copy of `p`'s) with their FP32 grad set,
     the optimizer's callbacks run on them and on the slice of `p`'s state, and `land(slice, values)` takes the stepped
     values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
-    slice's step count is the param's (each slice counts the same step)."""
+    slice's step count is the param's (each slice counts the same step). `state16`: 16-bit state widened a slice at a
+    time (one slice's FP32 copy at the step's peak, not the param's); what the first step makes is narrowed after."""
     state = core.state[p]
     full, rest = _sliced(p, state), {}
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))
         q = lift(s)
-        st = {**state, **{k: v[s] for k, v in full.items()}}
+        sl, w = _slice_state(full, s, q, state16)
+        st = {**state, **sl}
         for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
+        _narrow_slice(sl, st, q, state16, w)
+        _narrow_new(p, state, full, st, q, state16)
         rest = _keep_slice(p, state, full, st, s, q.numel())
         land(s, q)
         q.grad = None
     state.update(rest)  # the step count & co. (the same for every slice)
     core.state[p] = state
+    if state16 is not None: state16.narrow([p], core.state)  # made in FP32 by the first step: stored as the rest

@@ -101,6 +101,10 @@ class HalfState:
             res[dev] = _Widened(mine, scratch, views)
         return res
 
+    def stores(self, k, v, p) -> bool:
+        "Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit between steps."
+        return self.dtype is not None and _is(k, v, p, torch.float32)
+
     def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None):
         """Every FP32 entry of `params`' states written back in 16-bit (into the tensor `widened` took it from, when
         there is one: views of it stay valid), rounded stochastically unless `stochastic=False` (default: `self`'s)."""

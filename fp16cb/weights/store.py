@@ -179,6 +179,10 @@ class WeightStore:
         "A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its name."
         return None
 
+    def follow_writes(self, everything:bool=False):
+        """Other code's in-place writes to the model's params reach what the optimizer steps (`everything`: compared
+        element by element, for writes through `.data`). Here the model's params are what it steps: nothing to do."""
+
     def check_linked(self):
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 

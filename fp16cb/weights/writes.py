@@ -5,7 +5,8 @@ torch counts every in-place write to a param (`Tensor._version`; the store's own
 the params, which counts apart). After each step the store notes the counts; before the next one a count that moved
 means other code wrote: only then are that param's elements compared with its master rounded, and those that differ
 are taken into the master (the others keep their exact FP32 values). Otherwise one integer read per param and step. A write through
-`.data` is not counted by torch: the end of the fit compares everything once and warns if one went unseen."""
+`.data` is not counted by torch: code known to write so (`compat.DATA_WRITERS`: fastai's WGAN clipping) has every
+weight compared after its `before_batch`; for any other, the end of the fit compares everything once and warns."""
 from __future__ import annotations
 import warnings
 import torch
@@ -23,22 +24,22 @@ class WriteWatch:
         self.versions = [b._version for b, _ in self.pairs]
 
     @torch.no_grad()
-    def follow(self, everything:bool=False) -> int:
+    def follow(self, everything:bool=False, count:bool=False) -> int:
         """Take the elements other code wrote into the masters: of the params whose write count moved (`everything`:
-        all of them, compared element by element, with one host read). Returns how many elements were taken."""
+        all of them, compared element by element). `count`: return how many were taken (one host read), else 0."""
         counts = []
         for (p, m), v in zip(self.pairs, self.versions):
             if not everything and p._version == v: continue
             changed = torch.ne(p, m.to(p.dtype)).logical_and_(p == p)  # a NaN master rounds to NaN: not a write
             m.copy_(torch.where(changed, p.to(m.dtype), m))
-            if everything: counts.append(changed.sum())
+            if count: counts.append(changed.sum())
         self.note()
         return int(sum(counts)) if counts else 0  # the host read: at the fit's end only
 
     def settle(self):
         "The fit's end: writes seen by their counts taken; any that torch did not count (through `.data`) taken, and said."
         self.follow()
-        n = self.follow(everything=True)
+        n = self.follow(everything=True, count=True)
         if n: warnings.warn(
             f"{n} weights of the model were changed in place during the fit in a way torch does not count (through "
             f"`.data`, as in `p.data.clamp_(...)`): fp16cb took them into the FP32 weights at the end of the fit, but the "
