@@ -16,7 +16,7 @@ def wrap(obj, name, key=None):
 for n in ('prepare_grads','master_to_model','finish','_step_impl','_fastai_loop','_torch_step','_hold'): wrap(M.FP32Masters,n)
 wrap(M.FlatMasters,'_hold','flat._hold')
 wrap(O.OverflowCheck,'__call__','overflow_check+sync')
-wrap(Lift.FlatRun,'reattach_grads'); wrap(Lift.FlatRun,'settle')
+wrap(Lift.BufferRun,'reattach_grads'); wrap(Lift.BufferRun,'settle')
 for n in ('grad_overflow','to_master_grads','to_model_params'): wrap(F,n,'fastai.'+n)
 mode = sys.argv[1]
 s=.1; torch.manual_seed(0)

@@ -180,7 +180,7 @@ def test_a_fit_enters_at_most_eleven_rooms():
     assert len(entered) <= 11, sorted(entered)
 
 def test_the_store_owns_the_step_and_its_stage():
-    "`Stage` moves READY -> UNSCALED -> STEPPED in a step; a store of each kind implements the one interface."
+    "`Stage` moves READY -> CHECKED -> STEPPED in a step; a store of each kind implements the one interface."
     stages = []
     class Watch(Callback):
         order = 20
@@ -190,7 +190,7 @@ def test_the_store_owns_the_step_and_its_stage():
         stages.clear()
         learn = make_learner().to_fp16(**kw)
         quiet_fit(learn, 1, cbs=[Watch()])
-        assert stages[:2] == [Stage.UNSCALED, Stage.READY]  # our after_step (order 10) ran before Watch's
+        assert stages[:2] == [Stage.CHECKED, Stage.READY]  # our after_step (order 10) ran before Watch's
     assert issubclass(HalfStorage, WeightStore) and issubclass(FP32Masters, WeightStore)
 
 @pytest.mark.parametrize('opt', ['fastai Adam', 'OptimWrapper(AdamW)'])

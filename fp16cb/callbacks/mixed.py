@@ -161,7 +161,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.record.teardown()
         self.drop_scale_columns(fit_ends)
         if self.store is None: return
-        self._was_unscaled = self.store.stage is Stage.UNSCALED and not fit_ends  # a paused step keeps its grads
+        self._was_checked = self.store.stage is Stage.CHECKED and not fit_ends  # a paused step keeps its grads
         self._divided = getattr(self.store, '_rescale', None)  # ... divided by the scale already (`_unscale_for_others`)
         self._trained = () if fit_ends else {id(p) for pg in self.store.model_pgs + self.store.own_pgs for p in pg}
         self.store.restore()
@@ -171,11 +171,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
 
     def resume(self):
         "Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought in again."
-        if getattr(self, '_was_unscaled', False):
+        if getattr(self, '_was_checked', False):
             divided = getattr(self, '_divided', None)
             self.store.prepare_grads(self.scaler.scale if divided is None else 1.)
             self.store._rescale = divided  # a cancel after the pause multiplies them back
-        self._was_unscaled, self._divided = False, None
+        self._was_checked, self._divided = False, None
 
     def rng(self, model) -> torch.Generator:
         "The stochastic rounding's own generator (not torch's global one: dropout and augmentation draw as without it)."
@@ -288,7 +288,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that
         another callback cancelled after our `before_step` changes nothing, as in FP32: the scaler sees nothing of it."""
         stage = self.store.stage
-        if stage is Stage.STEPPED or (stage is Stage.UNSCALED and self.store.in_backward):  # in the backward: stepped there
+        if stage is Stage.STEPPED or (stage is Stage.CHECKED and self.store.in_backward):  # in the backward: stepped there
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         elif stage is not Stage.SKIPPED:  # cancelled: its grads stay until the optimizer's `zero_grad`, as in FP32

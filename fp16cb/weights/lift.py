@@ -1,5 +1,5 @@
 """The lift: how the 16-bit grads reach FP32 inside the step, a bounded chunk at a time. The model's 16-bit params
-and grads as views into one flat buffer per run (`FlatRun`), the chunks of masters the optimizer steps together
+and grads as views into one flat buffer per run (`BufferRun`), the chunks of masters the optimizer steps together
 (`lift_chunks`, `chunk_limit`), and each chunk's plan (`LiftPlan`): one scratch buffer viewed as the masters' grads,
 filled by copies coalesced in memory order and reused by every chunk; and the copies that round a chunk's stepped
 masters into the model (`to_model_copies`), made once."""
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .layout import flat_views, split_like, memory_order
 
-__all__ = ['FlatRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK',
+__all__ = ['BufferRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK',
            'chunk_limit']
 
 _grad_of = operator.attrgetter('grad')
@@ -36,7 +36,7 @@ def _hook(p, fn):
     try: return p.register_post_accumulate_grad_hook(fn)
     finally: p.requires_grad_(False)
 
-class FlatRun:
+class BufferRun:
     """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
     flat buffers of their dtype, so each copy between them and the masters is one vectorised op.
     `keep_none`: a param without grad keeps none (FP32's semantics: it is not stepped); else it gets a zero grad.
@@ -148,7 +148,7 @@ def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=F
             while k < len(idx) and models[idx[k]].dtype == models[idx[j]].dtype: k += 1
             ps = [models[i] for i in idx[j:k]]
             size = sum(p.numel() for p in ps)
-            runs.append(FlatRun(ps, data[o:o+size], keep_none=True, with_grad=with_grad, per_step=per_step))
+            runs.append(BufferRun(ps, data[o:o+size], keep_none=True, with_grad=with_grad, per_step=per_step))
             o, j = o + size, k
     return runs
 
@@ -158,7 +158,7 @@ def _buffers(n:int, like:Tensor, with_grad:bool=True) -> tuple:
             torch.zeros(n, dtype=like.dtype, device=like.device) if with_grad else None)
 
 def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
-    """A `FlatRun` per run of consecutive params with the same dtype inside each flat master; the runs of one (device,
+    """A `BufferRun` per run of consecutive params with the same dtype inside each flat master; the runs of one (device,
     dtype) share one data and one grad buffer, so that the check and the zeroing read them as one tensor."""
     parts = []
     for pg, mg in zip(model_pgs, master_pgs):
@@ -178,7 +178,7 @@ def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
     for ps, master, n in parts:
         k = (ps[0].device, ps[0].dtype)
         o, (data, grad) = offs[k], shared[k]
-        runs.append(FlatRun(ps, master, keep_none=True, per_step=per_step, bufs=(data[o:o+n], grad[o:o+n])))
+        runs.append(BufferRun(ps, master, keep_none=True, per_step=per_step, bufs=(data[o:o+n], grad[o:o+n])))
         offs[k] = o + n
     return runs
 
@@ -278,7 +278,7 @@ def to_model_copies(items:list) -> tuple:
     pairs = []
     for m, _, sources in items:
         for o, off in sources or ():
-            if isinstance(o, FlatRun): pairs.append((o.buf, o.master)); continue
+            if isinstance(o, BufferRun): pairs.append((o.buf, o.master)); continue
             pairs.append((o.detach(), flat_views(memory_order(m)[off:off + o.numel()], [o])[0]))
     return _coalesce(pairs)
 

@@ -10,7 +10,7 @@ from .layout import split_like, memory_order, laid_out_as
 from .functional import get_master, _pairs
 from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, sliced_torch_step
 from .drivers import fused_runs
-from .lift import Scratch, LiftPlan, Chunk, FlatRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
+from .lift import Scratch, LiftPlan, Chunk, BufferRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state16 import HalfState
 from .writes import WriteWatch
@@ -172,7 +172,7 @@ class FP32Masters(WeightStore):
         o = sources[0][0]
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
         lift = partial(self._lift_slice, memory_order(m), memory_order(laid_out_as(o.grad, m)), self._factor(gi) if unscale else None)
-        land = partial(self._land_slice, memory_order(o.buf if isinstance(o, FlatRun) else o))
+        land = partial(self._land_slice, memory_order(o.buf if isinstance(o, BufferRun) else o))
         update(m, gi, self.chunk_limit(m.device), lift, land)  # 16-bit state widened a slice at a time
         return True
 

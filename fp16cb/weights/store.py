@@ -22,7 +22,8 @@ class Stage(Enum):
     "Where a store is in the current optimizer step (as torch's `GradScaler` keeps an `OptState` per optimizer)."
     NEW = 0       # set up for a fit: under DDP, the ranks still have to agree on the weights (at the first batch)
     READY = 1     # between steps: the next backward accumulates into the model's grads
-    UNSCALED = 2  # `prepare_grads` checked the grads (unscaling waits for the step); the step may still be cancelled
+    CHECKED = 2   # `prepare_grads` checked the grads for inf/NaN; they stay loss-scaled (unscaled as the step consumes
+                  # them, or at once for a later callback's `before_step`); the step may still be cancelled
     STEPPED = 3   # the optimizer stepped (the model follows it already); the model's grads are owed a clearing
     SKIPPED = 4   # the step overflowed and was skipped; the model's grads are owed a clearing
 
@@ -92,7 +93,7 @@ class WeightStore:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
         grads = self.checked = self._grads_to_check()
         if not grads: return None
-        self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.UNSCALED, scale, 1. / scale, {}, False
+        self.stage, self.scale, self.grad_factor, self.coefs, self.cleared = Stage.CHECKED, scale, 1. / scale, {}, False
         self._rescale = None
         stats = self.check(grads, 1., with_max=with_max)
         if len(stats) == 1 or scale == 1.: return stats
@@ -129,7 +130,7 @@ class WeightStore:
         fastai's own call right after the step finds them cleared by `finish` already: nothing to do again."""
         if self._fresh and self.stage is Stage.READY: return
         self.zero_model_grads()
-        if self.stage is Stage.UNSCALED and self.none_after_step and not self.in_backward:
+        if self.stage is Stage.CHECKED and self.none_after_step and not self.in_backward:
             for p in self._hooked_params(): p.grad = None
             self._trusted = False
         if self.stage in (Stage.STEPPED, Stage.SKIPPED): self.cleared = True
@@ -258,7 +259,7 @@ class WeightStore:
 
     def stepped_in_backward(self) -> bool:
         "Whether the backward of the step under way has stepped params already (a cancellation cannot undo it)."
-        return self.in_backward and (self.stage is Stage.UNSCALED or bool(self._found))
+        return self.in_backward and (self.stage is Stage.CHECKED or bool(self._found))
 
     def _step_unreached(self):
         """Params that had a grad before but that this backward did not reach (a branch not taken): fastai's optimizer
@@ -283,7 +284,7 @@ class WeightStore:
         found, self._found = list(self._found.values()), {}
         self._bad_last, self._bad = self._bad, {}
         if not found: return None
-        self.stage, self.scale, self.cleared = Stage.UNSCALED, 1., True
+        self.stage, self.scale, self.cleared = Stage.CHECKED, 1., True
         dev = found[0].device
         return torch.stack([f.to(dev) for f in found]).any().float().reshape(1)
 
