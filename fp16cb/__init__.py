@@ -7,7 +7,7 @@ with _warnings.catch_warnings():  # fastai.layers calls the deprecated `torch.ji
     import fastai.basics as _fastai_basics
 
 from .dtypes import convert_network, resolve_dtype
-from .weights import get_master, to_master_grads, to_model_params, copy_clone, MasterWeights
+from .weights import get_master, to_master_grads, to_model_params, copy_clone, FP32Masters
 from .scaling import (test_overflow, grad_overflow, LossScaler, StaticScaler, BackoffScaler, LogNormalScaler,
                       LossScaleError, BNStatsGuard)
 from .callbacks import ModelToHalf, MixedPrecision, cast_floats
@@ -17,7 +17,7 @@ from . import checkpoint as _checkpoint  # patches Learner.save / load / export:
 from . import collapse as _collapse  # a collapsing loss scale's error names where the overflow starts (the failing step only)
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
-           'copy_clone', 'MasterWeights', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
+           'copy_clone', 'FP32Masters', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision',
            'BNStatsGuard']
 

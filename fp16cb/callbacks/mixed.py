@@ -8,7 +8,7 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy
-from ..weights import MasterWeights, HalfStorage, Stage, resolve_state_dtype
+from ..weights import FP32Masters, HalfStorage, Stage, resolve_state_dtype
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
@@ -123,7 +123,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward, state_dtype=self.state_dtype,
                   stochastic=self.stochastic_rounding, generator=self.rng(model) if self.half_storage or self.state_dtype else None)
         if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
-        else: self.store = MasterWeights(self.learn.opt, self.flat_master and not self._per_param,
+        else: self.store = FP32Masters.make(self.learn.opt, self.flat_master and not self._per_param,
                                          fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}  # FP32 originals still kept

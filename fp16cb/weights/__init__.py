@@ -14,11 +14,11 @@ from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_
 from .functional import MASTERED, get_master, to_master_grads, to_model_params, copy_clone, check_unique_params
 from .optstate import move_opt_state
 from .store import Stage, WeightStore
-from .masters import FP32Masters, FlatMasters, ParamMasters, MasterWeights
+from .masters import FP32Masters, FlatMasters, ParamMasters
 from .half import HalfStorage, round_stochastic, round_to
 from .state16 import HalfState, resolve_state_dtype
 
-__all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights', 'HalfStorage',
+__all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
            'round_stochastic', 'round_to', 'HalfState', 'resolve_state_dtype', 'dense_strides', 'flat_views', 'flatten_like',
            'with_layout_of', 'owns_storage']

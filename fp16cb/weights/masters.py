@@ -15,7 +15,7 @@ from .store import WeightStore, check_same_kind
 from .state16 import HalfState
 from .writes import WriteWatch
 
-__all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters', 'MasterWeights']
+__all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters']
 
 class FP32Masters(WeightStore):
     """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
@@ -67,6 +67,11 @@ class FP32Masters(WeightStore):
         self._missing, self._trusted = [], False
         self.writes = WriteWatch(self.models, self.masters)  # other code's writes to the model reach the masters
         if in_backward: self.arm_in_backward()
+
+    @staticmethod
+    def make(opt, flat:bool=False, **kwargs) -> FP32Masters:
+        "FP32 masters for `opt`: one flat master per group (`FlatMasters`) when `flat`, else one per param (`ParamMasters`)."
+        return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
 
     def _plan_chunks(self, in_backward:bool) -> list:
         """The `Chunk`s one optimizer step takes, in the masters' buffer order: each chunk of at most `chunk_limit`
@@ -440,9 +445,4 @@ class ParamMasters(FP32Masters):
     def _sources(self) -> dict:
         "Each master is fed by its param's grad (a param without grad leaves its master without one, as in FP32)."
         return {id(m): [(p, 0)] for p, m in zip((p for pg in self.model_pgs for p in pg), self.master_params)}
-
-def MasterWeights(opt, flat:bool=False, **kwargs) -> FP32Masters:
-    """FP32 masters for `opt`: `FlatMasters` when `flat`, else `ParamMasters` (kwargs: `fp32_of`, `names`, `model`,
-    `in_backward`, and the 16-bit optimizer state's `state_dtype`, `stochastic`, `generator`)."""
-    return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
 
