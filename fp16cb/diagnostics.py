@@ -5,14 +5,12 @@ import math
 from dataclasses import dataclass, field
 import torch
 from torch import Tensor
-from .dtypes import FP16_MAX
+from .dtypes import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 from .monitor import scale_health
 
 __all__ = ['state_bytes', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
            'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
 
-FP16_MIN_NORMAL = 2.**-14  # smallest normal fp16 (full 11-bit precision above it)
-FP16_MIN_SUBNORMAL = 2.**-24  # smallest subnormal fp16: anything smaller is lost
 
 def scaling_callback(obj):
     "The callback of `obj` (a `Learner`, or the callback itself) that records `scales` and `skips` per step."

@@ -6,12 +6,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping',
+__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping',
            'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device',
            'bare_copy']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP16_MAX = 65504.  # the largest finite float16
+FP16_MIN_NORMAL = 2.**-14  # the smallest normal float16: under it fp16 keeps a fixed spacing of 2^-24 (subnormals)
+FP16_MIN_SUBNORMAL = 2.**-24  # the smallest subnormal float16: anything smaller flushes to zero
 _ALIASES = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
             'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
 

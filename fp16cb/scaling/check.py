@@ -6,7 +6,7 @@ import operator
 import torch
 from torch import Tensor
 
-from .scalers import FP16_TINY
+from .scalers import FP16_MIN_NORMAL
 
 __all__ = ['test_overflow', 'grad_overflow', 'OverflowCheck', 'check_and_unscale_', 'fused_supported',
            'nonfinite_flags', 'underflow_flag']
@@ -140,7 +140,7 @@ def _summable(ts:list) -> bool:
     return all(t.device.type == 'cpu' and t.dtype != torch.float16 for t in ts)
 
 
-def underflow_flag(stats:Tensor, grads:list, loss:Tensor, min_normal:float=FP16_TINY) -> Tensor:
+def underflow_flag(stats:Tensor, grads:list, loss:Tensor, min_normal:float=FP16_MIN_NORMAL) -> Tensor:
     """A calibrating step's `stats` (`[found, max |grad|]`) with a third entry, 1 when its gradients underflowed at the
     scale they were made with: more than half of the nonzero `grads` (the 16-bit ones, as the backward left them) lie
     under `min_normal` (fp16: 2^-14), where fp16 rounds to a fixed spacing of 2^-24 and flushes to zero, or every

@@ -6,13 +6,12 @@ import math
 from statistics import NormalDist
 import torch
 
-from ..dtypes import FP16_MAX, resolve_dtype
+from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, resolve_dtype
 from ..validation import check_positive, check_real, check_int, check_bool
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
-           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'FP16_TINY']
+           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'FP16_MIN_NORMAL']
 
-FP16_TINY = 2.**-14  # the smallest normal float16: under it fp16 rounds to a fixed spacing of 2^-24 and flushes to zero
 # ---- scalers
 class LossScaleError(FloatingPointError):
     "Training cannot go on: gradients keep overflowing whatever the loss scale."
@@ -109,7 +108,7 @@ class BackoffScaler(LossScaler):
         calibrate:bool=False, # set the scale from the largest |grad| of the first finite step (run at `init_scale`)
         headroom:float=2.**4, # calibration leaves the largest scaled grad this factor under `max_value`
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
-        min_normal:float=FP16_TINY, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
+        min_normal:float=FP16_MIN_NORMAL, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
     ):
         factor, wait = check_positive('div_factor', factor, strict_min=1.), check_int('scale_wait', wait, 1)
         min_scale, max_scale = _check_scale_range(min_scale, max_scale)
@@ -208,7 +207,7 @@ class LogNormalScaler(LossScaler):
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
         max_skipped:int=50, # more overflowing steps in a row than this is an error
         calibrate:bool=False, # the first step runs at `init_scale` (1: nothing to overflow) and its largest |grad| is the first observation; an underflowing one is skipped and still observed (as `BackoffScaler`)
-        min_normal:float=FP16_TINY, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
+        min_normal:float=FP16_MIN_NORMAL, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
     ):
         overflow_prob = check_real('overflow_prob', overflow_prob, 0., .5, lo_open=True, hi_open=True)
         window, warmup = check_int('window', window, 1), check_int('warmup', warmup, 0)
@@ -292,7 +291,7 @@ class GradScalerAdapter:
 SEED_LOSS_SCALE = 512.  # `MixedPrecision`'s default `loss_scale`: with `dynamic`, any other value is the starting scale
 
 def _max_value(dtype) -> float: return FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max
-def _min_normal(dtype) -> float: return FP16_TINY if dtype is None else torch.finfo(resolve_dtype(dtype)).tiny
+def _min_normal(dtype) -> float: return FP16_MIN_NORMAL if dtype is None else torch.finfo(resolve_dtype(dtype)).tiny
 
 def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scale_wait, min_loss_scale=1.,
                 max_skipped=50, dtype=None) -> LossScaler:
