@@ -110,12 +110,12 @@ class BackoffScaler(LossScaler):
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
         min_normal:float=FP16_MIN_NORMAL, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
     ):
-        factor, wait = check_positive('div_factor', factor, strict_min=1.), check_int('scale_wait', wait, 1)
+        factor, wait = check_positive('factor', factor, strict_min=1.), check_int('wait', wait, 1)  # their own names
         min_scale, max_scale = _check_scale_range(min_scale, max_scale)
         hysteresis = check_int('hysteresis', hysteresis, 1)
         check_positive('headroom', headroom, strict_min=0.); check_positive('max_value', max_value)
         calibrate, min_normal = check_bool('calibrate', calibrate), check_positive('min_normal', min_normal)
-        super().__init__(min(max(check_positive('loss_scale', init_scale), min_scale), max_scale), max_skipped)
+        super().__init__(min(max(check_positive('init_scale', init_scale), min_scale), max_scale), max_skipped)
         self.factor, self.wait, self.min_scale, self.max_scale, self.hysteresis = factor, wait, min_scale, max_scale, hysteresis
         self.clean_in_a_row, self.overflows_left = 0, hysteresis
         self.calibrated, self.headroom, self.max_value = not calibrate, float(headroom), float(max_value)
