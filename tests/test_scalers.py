@@ -339,3 +339,11 @@ def test_a_step_another_callback_cancels_changes_nothing(scaler):
     assert len(mp.scales) == len(mp.skips) == mp.scaler.n_steps == n and mp.n_skipped == 0
     if scaler == 'lognormal': assert mp.scaler.n_obs == n
     if scaler == 'backoff': assert mp.scaler.clean_in_a_row == n - 1  # the calibrating step, then n - 1 clean ones
+
+def test_calibrate_is_an_explicit_loss_scale():
+    "`loss_scale='calibrate'` is what fastai's default 512 means with a dynamic scale; a static scale needs a number."
+    from conftest import make_learner, quiet_fit
+    runs = [make_learner().to_fp16(**kw) for kw in ({}, {'loss_scale': 'calibrate'})]
+    for l in runs: quiet_fit(l, 1)
+    assert runs[0].mixed_precision.scales == runs[1].mixed_precision.scales and runs[1].mixed_precision.scales[0] == 1.
+    with pytest.raises(ValueError, match="loss_scale='calibrate'"): make_learner().to_fp16(loss_scale='calibrate', dynamic=False)

@@ -10,7 +10,7 @@ from fastai.callback.core import CancelStepException
 from ..dtypes import resolve_dtype, model_device, bare_copy
 from ..weights import FP32Masters, HalfStorage, Stage, resolve_state_dtype
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
-from ..scaling import (StaticScaler, make_scaler, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
+from ..scaling import (StaticScaler, make_scaler, CALIBRATE, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, is_ddp, syncs)
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
@@ -32,7 +32,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     order = 10
     checkpoint_key = 'MixedPrecision'
     def __init__(self,
-        loss_scale:float=512, # with `dynamic`: 512 (fastai's default) means calibrate (the first step runs at scale 1, its largest |grad| sets the scale), any other value is the start; without: the fixed scale
+        loss_scale:float=512, # 'calibrate' (with `dynamic`; fastai's default 512 means the same): the first step runs at scale 1 and its largest |grad| sets the scale; another number: the dynamic scale's start, or the static scale
         flat_master:bool=False, # flat FP32 masters per param group, cut at the lift's chunk size (the optimizer steps fewer, bigger tensors; not with LAMB/LARC)
         dynamic:bool=True, # dynamic loss scaling: divided by `div_factor` on overflow (the step skipped), multiplied after `scale_wait` clean steps
         max_loss_scale:float=2.**24, # ceiling of the dynamic scale
@@ -58,7 +58,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.flat_master, self.clip = check_bool('flat_master', flat_master), check_positive('clip', clip, allow_none=True)
         dynamic = check_bool('dynamic', dynamic)
         # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
-        loss_scale = check_real('loss_scale', loss_scale, 0., FP32_MAX, lo_open=True)  # the FP32 loss is multiplied by it
+        if loss_scale != CALIBRATE:  # the FP32 loss is multiplied by it
+            loss_scale = check_real('loss_scale', loss_scale, 0., FP32_MAX, lo_open=True)
         max_loss_scale = check_real('max_loss_scale', max_loss_scale, 0., FP32_MAX, lo_open=True)
         min_loss_scale = check_real('min_loss_scale', min_loss_scale, 0., max_loss_scale, lo_open=True, hi_name='max_loss_scale')
         div_factor, scale_wait = check_real('div_factor', div_factor, 1., lo_open=True), check_int('scale_wait', scale_wait, 1)

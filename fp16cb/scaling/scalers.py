@@ -10,7 +10,7 @@ from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, resolve_dtype
 from ..validation import check_positive, check_real, check_int, check_bool
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
-           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'FP16_MAX', 'FP16_MIN_NORMAL']
+           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'CALIBRATE', 'calibrates', 'FP16_MAX', 'FP16_MIN_NORMAL']
 
 # ---- scalers
 class LossScaleError(FloatingPointError):
@@ -288,7 +288,13 @@ class GradScalerAdapter:
         if self.gs is not None and self.gs.is_enabled(): self.gs.load_state_dict(sd)
     def __repr__(self): return f"GradScalerAdapter(scale={self.scale:g})"
 
-SEED_LOSS_SCALE = 512.  # `MixedPrecision`'s default `loss_scale`: with `dynamic`, any other value is the starting scale
+SEED_LOSS_SCALE = 512.  # `MixedPrecision`'s default `loss_scale` (fastai's): with a dynamic scale it means CALIBRATE
+CALIBRATE = 'calibrate'  # `loss_scale=CALIBRATE`: the first step runs at scale 1 and its largest |grad| sets the scale
+# (with a dynamic scale, fastai's default 512 means the same; any other number is where the dynamic scale starts)
+
+def calibrates(loss_scale) -> bool:
+    "Whether `loss_scale` asks a dynamic scale to calibrate on the first step: `CALIBRATE`, or fastai's default 512."
+    return loss_scale == CALIBRATE or loss_scale == SEED_LOSS_SCALE
 
 def _max_value(dtype) -> float: return FP16_MAX if dtype is None else torch.finfo(resolve_dtype(dtype)).max
 def _min_normal(dtype) -> float: return FP16_MIN_NORMAL if dtype is None else torch.finfo(resolve_dtype(dtype)).tiny
@@ -302,14 +308,17 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     if scaler is None: scaler = 'backoff' if dynamic else 'static'
     if not isinstance(scaler, str): raise ValueError(f"`scaler` must be None, a LossScaler or a name, got {scaler!r}")
     name = scaler.lower()
-    if name == 'static': return StaticScaler(loss_scale, max_skipped=max_skipped)
+    if name == 'static':
+        if loss_scale == CALIBRATE: raise ValueError("loss_scale='calibrate' sets a dynamic scale from the first step: "
+                                                     "use dynamic=True, or give a static scale as a number")
+        return StaticScaler(loss_scale, max_skipped=max_skipped)
     if name == 'backoff':  # `loss_scale` other than fastai's default 512: the start; else the first step calibrates it
-        calibrate = loss_scale == SEED_LOSS_SCALE
+        calibrate = calibrates(loss_scale)
         return BackoffScaler(1. if calibrate else loss_scale, div_factor, scale_wait, min_scale=min_loss_scale,
                              max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate, max_value=_max_value(dtype),
                              min_normal=_min_normal(dtype))
     if name == 'lognormal':  # the default `loss_scale`: the first step calibrates (at 1); any other: the start
-        calibrate = loss_scale == SEED_LOSS_SCALE
+        calibrate = calibrates(loss_scale)
         return LogNormalScaler(min(max(1. if calibrate else loss_scale, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
                                max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype),
                                calibrate=calibrate, min_normal=_min_normal(dtype))
