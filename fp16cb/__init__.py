@@ -12,9 +12,9 @@ from .scaling import (test_overflow, grad_overflow, LossScaler, StaticScaler, Ba
                       LossScaleError, BNStatsGuard)
 from .callbacks import ModelToHalf, MixedPrecision, cast_floats
 from .native import NativeMixedPrecision
-from . import learner as _learner  # patches Learner.to_fp16 & co.; fastai's MixedPrecision and ours refuse each other's arguments
-from . import checkpoint as _checkpoint  # patches Learner.save / load / export: FP32 masters, loss-scaler state, atomic writes
-from . import collapse as _collapse  # a collapsing loss scale's error names where the overflow starts (the failing step only)
+from . import checkpoint as _checkpoint  # Learner.save / load / export: FP32 masters, loss-scaler state, atomic writes
+from . import patches as _patches  # every change to fastai's and torch's classes, listed there
+_patches.install()
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'FP32Masters', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',

@@ -1,18 +1,17 @@
 """What a precision callback does when the loss scale cannot go lower (the failing step only, never a clean one): the
 error names the module where the overflow starts and the remedy, found on copies of the model (`overflow`); with
-`on_collapse='keep_fp32'`, `MixedPrecision` keeps those modules FP32 and goes on. Patched onto the callbacks here, so
-that the core of a step never imports the diagnostics (no import cycle: they use the callbacks' forward casts)."""
+`on_collapse='keep_fp32'`, `MixedPrecision` keeps those modules FP32 and goes on. `fp16cb.patches` gives these to the
+callbacks (their `_collapse`), so that the core of a step never imports the diagnostics (no import cycle: they use the
+callbacks' forward casts)."""
 from __future__ import annotations
-from fastcore.basics import patch
 
 from .callbacks import MixedPrecision
 from .native import NativeMixedPrecision
 from .overflow import Precision, diagnose_collapse
 
-__all__ = []
+__all__ = ['masters_collapse', 'native_collapse']
 
-@patch
-def _collapse(self:MixedPrecision, err:Exception):
+def masters_collapse(self:MixedPrecision, err:Exception):
     """The scale cannot go lower: the error naming where the overflow starts and the remedy, found on copies of the
     model; or, with `on_collapse='keep_fp32'`, those modules kept FP32 from now on (None)."""
     mth = self._model_to_half()
@@ -25,8 +24,7 @@ def _collapse(self:MixedPrecision, err:Exception):
     self.scaler.skipped_in_a_row = 0
     diag.warn()
 
-@patch
-def _collapse(self:NativeMixedPrecision, err:Exception):
+def native_collapse(self:NativeMixedPrecision, err:Exception):
     "Training stops: the error naming where the overflow starts and the remedy."
     return diagnose_collapse(self.learn, Precision(self.dtype, autocast=True), self.record.scales[-1], err,
                              self.record.overflows).error

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .scaling import world_size, is_multiprocess, is_ddp, syncs, reduce_max_
 
 __all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'rewrap',
-           'patch_fastai']
+           'patch_fastai', 'recording_init']
 
 def broadcast_(tensors:list, src:int=0):
     "Every tensor of `tensors` set in place to its value on rank `src` (no-op in a single process)."
@@ -29,11 +29,10 @@ def broadcast_(tensors:list, src:int=0):
     for t in tensors:
         if t.numel(): dist.broadcast(t, src)
 
-def _record_ddp_arguments():
-    """Let every `DistributedDataParallel` keep the arguments it was made with (`_fp16cb_args`), so that a re-wrap
-    gives the new one exactly the user's (`broadcast_buffers=False` included). Installed once, on import."""
-    init = DDP.__init__
-    if getattr(init, '_fp16cb', False): return
+def recording_init(init):
+    """`DistributedDataParallel.__init__` that also keeps the arguments each DDP was made with (`_fp16cb_args`), so that
+    a re-wrap gives the new one exactly the user's (`broadcast_buffers=False` included). `fp16cb.patches` installs it."""
+    init = getattr(init, '__wrapped__', init) if getattr(init, '_fp16cb', False) else init  # once, even on a reload
     sig = inspect.signature(init)
     @functools.wraps(init)
     def __init__(self, module, *args, **kwargs):
@@ -41,7 +40,7 @@ def _record_ddp_arguments():
         bound = sig.bind(self, module, *args, **kwargs).arguments
         self.__dict__['_fp16cb_args'] = {k: v for k, v in bound.items() if k not in ('self', 'module')}
     __init__._fp16cb = True
-    DDP.__init__ = __init__
+    return __init__
 
 def _ddp_kwargs(ddp:DDP) -> dict:
     "The arguments `ddp` was made with (recorded), or, for one made before fp16cb was imported, those it keeps as attributes."
@@ -73,5 +72,3 @@ def patch_fastai():
     dl = getattr(mod, 'DistributedDL', None)
     if dl is not None and dl._broadcast is not _broadcast_idxs: dl._broadcast = _broadcast_idxs
 
-patch_fastai()
-_record_ddp_arguments()

@@ -1,28 +1,27 @@
-"""`Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32`, replacing fastai's own patches."""
+"""`Learner.to_fp16 / to_bf16 / to_fp32 / to_native_fp16 / to_native_fp32` & co., replacing fastai's own patches: the
+functions here; `fp16cb.patches` installs them on `Learner`."""
 from __future__ import annotations
 import difflib, functools, inspect
 from torch.amp import GradScaler
 import torch
 from fastai.learner import Learner
 import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
-from fastcore.basics import patch
 from fastcore.meta import delegates
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .native import NativeMixedPrecision
 
-from .session import session_of
+from .session import session_of, FIT_CHECKS
 
-__all__ = ['precision_callbacks', 'AMP_ARGS', 'check_kwargs', 'refuse_arguments']
+__all__ = ['precision_callbacks', 'AMP_ARGS', 'check_kwargs', 'to_fp16', 'to_bf16', 'to_fp32', 'to_native_fp16',
+           'to_native_bf16', 'to_native_fp32', 'to_non_native_fp16', 'to_channelslast']
 
 from .session import FOREIGN, is_ours, family_of
 
-@patch
 def precision_callbacks(self:Learner) -> list:
     "The mixed-precision callbacks of this learner (ours and fastai's)."
     return [cb for cb in self.cbs if family_of(cb) is not None]
 
-@patch
 def _set_precision(self:Learner, cbs:list):
     "Replace whatever precision callbacks the learner has with `cbs`, restoring the FP32 model and optimizer first."
     if session_of(self).in_fit:
@@ -35,7 +34,7 @@ def _set_precision(self:Learner, cbs:list):
     if cbs: self.add_cbs(cbs)
     return self
 
-AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')  # fastai's AMP `to_fp16`
+from .validation import AMP_ARGS  # fastai's AMP `to_fp16`'s arguments
 
 def _args_of(cls) -> list: return [n for n in inspect.signature(cls).parameters if n != 'self']
 
@@ -83,14 +82,13 @@ def _no_dtype(
     if 'dtype' in kwargs: raise TypeError(f"`learn.{name}()` trains in bfloat16 and takes no `dtype`: for another dtype, "
                                           f"call `learn.{other}(dtype=...)`")
 
-@patch
 @_shows(ModelToHalf)
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
     """Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling.
-    `loss_scale=512` (fastai's default) means calibrate: the first step runs at scale 1 and its largest gradient sets
-    the scale (a step whose gradients underflowed at scale 1 is skipped, counted in `n_skipped`); any other value is the
-    dynamic scale's start, or with `dynamic=False` the fixed scale."""
+    `loss_scale='calibrate'` (and fastai's default 512, which means the same): the first step runs at scale 1 and its
+    largest gradient sets the scale (a step whose gradients underflowed at scale 1 is skipped, counted in `n_skipped`);
+    a number is the dynamic scale's start, or with `dynamic=False` the fixed scale."""
     check_kwargs('to_fp16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
@@ -98,7 +96,6 @@ def to_fp16(self:Learner, **kwargs):
     if getattr(self, 'model', None) is not None: half.check_model(self.model)  # a typo, a float64 model fail here, not in fit
     return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
-@patch
 @_shows(ModelToHalf, dynamic=False, loss_scale=1.)
 @delegates(MixedPrecision, but=['dtype'])
 def to_bf16(self:Learner, **kwargs):
@@ -109,7 +106,6 @@ def to_bf16(self:Learner, **kwargs):
     if not kwargs['dynamic']: kwargs.setdefault('loss_scale', 1.)  # dynamic: calibrated from the first step, as fp16
     return self.to_fp16(dtype=torch.bfloat16, **kwargs)
 
-@patch
 def to_fp32(self:Learner):
     "Back to plain FP32 training: removes the precision callbacks; the model holds the exact FP32 master weights."
     return self._set_precision([])
@@ -118,14 +114,12 @@ _NATIVE_FOREIGN = {k: ("it is an argument of `learn.to_fp16()` (FP32 master weig
                         "`to_native_fp16` takes GradScaler's arguments.") for k in _args_of(MixedPrecision)}
 _NATIVE_FOREIGN['amp_mode'] = "fastai's `amp_mode` is `dtype` here: `learn.to_native_bf16()` for bf16."
 
-@patch
 @delegates(NativeMixedPrecision)
 def to_native_fp16(self:Learner, **kwargs):
     "Train with PyTorch's autocast + GradScaler (fp16 by default; `dtype=torch.bfloat16` for bf16)."
     check_kwargs('to_native_fp16', kwargs, NativeMixedPrecision, _NATIVE_FOREIGN)
     return self._set_precision([NativeMixedPrecision(**kwargs)])
 
-@patch
 @delegates(NativeMixedPrecision, but=['dtype'])
 def to_native_bf16(self:Learner, **kwargs):
     "Train with PyTorch's autocast in bfloat16 (no loss scaling)."
@@ -133,12 +127,10 @@ def to_native_bf16(self:Learner, **kwargs):
     check_kwargs('to_native_bf16', kwargs, NativeMixedPrecision, _NATIVE_FOREIGN)
     return self.to_native_fp16(dtype=torch.bfloat16, **kwargs)
 
-@patch
 def to_native_fp32(self:Learner):
     "Back to plain FP32 training (removes any precision callback)."
     return self._set_precision([])
 
-@patch
 def to_non_native_fp16(self:Learner, **kwargs):
     "fastai's non-native fp16 (its `ModelToHalf` + `NonNativeMixedPrecision`), replacing any precision callbacks (ours too)."
     return self._set_precision([_fastai_fp16.ModelToHalf(), _fastai_fp16.NonNativeMixedPrecision(**kwargs)])
@@ -152,22 +144,11 @@ def to_channelslast(self:Learner, use_amp:bool=True, **kwargs):
     if any(is_ours(cb) for cb in self.cbs): use_amp = False
     return _fastai_to_channelslast(self, use_amp=use_amp, **kwargs)
 to_channelslast._fastai = _fastai_to_channelslast
-Learner.to_channelslast = to_channelslast
 
 # ---- fastai and fp16cb both have a `MixedPrecision`: arguments given to the wrong class name the right one
 
 _OURS = [n for n in inspect.signature(MixedPrecision).parameters if n != 'self']
 _SCALER = [n for n in inspect.signature(GradScaler).parameters if n != 'device']  # what fastai's AMP callback passes on
-
-def refuse_arguments(cls, check):
-    "Wrap `cls.__init__` so that `check(kwargs)` may raise before it runs (once: a reload does not wrap twice)."
-    init = getattr(cls.__init__, '_fp16cb_wrapped', cls.__init__)
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        check(kwargs)
-        init(self, *args, **kwargs)
-    __init__._fp16cb_wrapped = init
-    cls.__init__ = __init__
 
 def _check_fastai_amp(kwargs):
     ours = [k for k in kwargs if k in _OURS and k not in _SCALER]
@@ -181,17 +162,9 @@ def _check_fastai_amp(kwargs):
         raise TypeError(f"fastai's `MixedPrecision` (PyTorch AMP) got {bad[0]!r}; it takes `amp_mode` and GradScaler's "
                         f"arguments: {', '.join(_SCALER)}")
 
-def _check_ours(cls_name, other):
-    def check(kwargs):
-        amp = [k for k in kwargs if k in AMP_ARGS]
-        if amp:
-            raise TypeError(f"{', '.join(map(repr, amp))}: arguments of fastai's AMP `MixedPrecision` "
-                            f"(`fastai.callback.fp16`), not of fp16cb's `{cls_name}`. {other}")
-    return check
-
-refuse_arguments(_fastai_fp16.MixedPrecision, _check_fastai_amp)
-refuse_arguments(MixedPrecision, _check_ours('MixedPrecision', "fp16cb's autocast + GradScaler is "
-                 "`NativeMixedPrecision(init_scale=...)` (`learn.to_native_fp16(...)`); fastai's is "
-                 "`fastai.callback.fp16.MixedPrecision`."))
-refuse_arguments(NativeMixedPrecision, lambda kw: 'amp_mode' in kw and _check_ours('NativeMixedPrecision',
-                 "Use `dtype=torch.bfloat16` (or `learn.to_native_bf16()`) for bf16.")(kw))
+def refuse_fastai_amp_args(cbs):
+    """fastai's `MixedPrecision` (PyTorch AMP) given fp16cb's arguments, or ones it does not take: refused when the fit
+    starts (fastai keeps them for its GradScaler, which would raise a bare `TypeError` at the fit's first event)."""
+    for cb in cbs:
+        if type(cb) is _fastai_fp16.MixedPrecision: _check_fastai_amp(getattr(cb, 'kwargs', {}))
+FIT_CHECKS.append(refuse_fastai_amp_args)

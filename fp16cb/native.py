@@ -13,11 +13,12 @@ from .session import SessionCallback
 from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_,
                       warn_all_skipped, nonfinite_flags)
 from .monitor import scale_health, ScaleColumns  # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
-from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX
+from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
 from .compat import Facts, check, OPTIONS
 
 __all__ = ['NativeMixedPrecision']
 
+@refuses_amp_args("Use `dtype=torch.bfloat16` (or `learn.to_native_bf16()`) for bf16.", only=('amp_mode',))
 class NativeMixedPrecision(ScaleColumns, SessionCallback):
     "Mixed precision with PyTorch's autocast and GradScaler, on the model's device (CPU included)."
     order = 10

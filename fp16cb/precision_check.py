@@ -10,7 +10,6 @@ from torch import Tensor
 
 __all__ = ['precision_check', 'plot_precision_check', 'DIVERGES']
 from fastai.learner import Learner
-from fastcore.basics import patch
 from .overflow import Precision, bare_copy, same_rng, run_batch, find_remedy, unwrap, shown, INPUTS, LOSS, rng_state
 from .dtypes import has_fast_half_math, model_device
 from .policy import PrecisionPolicy, CATEGORIES
@@ -79,7 +78,6 @@ class _Sums:
         dev = self.t[keys[0]].device
         return dict(zip(keys, torch.stack([self.t[k].to(dev).double() for k in keys]).tolist()))
 
-@patch
 def precision_check(self:Learner,
     n_batches:int=8, # training batches to run, each in FP32 and in the learner's precision, from the current weights
     plot:bool=True, # draw the per-module figures (as `lr_find` draws its curve)
@@ -151,7 +149,6 @@ def precision_check(self:Learner,
     if plot: plot_precision_check(df)
     return df
 
-precision_check = Learner.precision_check  # `@patch` leaves the name unbound here: the function, for `fp16cb.precision_check(learn)`
 
 def _compute_dtype(n, mods, kept, prec) -> str:
     if prec.autocast: return f"{str(prec.dtype)[6:]} autocast"

@@ -13,12 +13,12 @@ import copy, functools, inspect
 from contextlib import contextmanager
 from fastai.callback.core import Callback
 from fastai.learner import Learner
-from fastcore.basics import patch
 from fastcore.foundation import L
 import fastai.callback.fp16 as _fastai_fp16
 
 __all__ = ['PrecisionSession', 'session_of', 'SessionCallback', 'REGISTRY', 'FOREIGN', 'is_ours', 'family_of',
-           'check_precision_cbs', 'restore_precision']
+           'check_precision_cbs', 'restore_precision', 'FIT_CHECKS',
+           'fit_in_session', 'remove_cb_restoring', 'freeze_to_fp32', 'deepcopy_fp32']
 
 _KEY = '_fp16cb_session'
 REGISTRY = {}  # our precision callback classes: name -> class (each has `family` and `checkpoint_key`)
@@ -164,11 +164,12 @@ def _unwrapped(f):
     "`f` without the wrapper this module put around it (a reloaded module must not wrap twice; others' wrappers stay)."
     return f.__wrapped__ if getattr(f, '_fp16cb', False) else f
 
-@patch
 def restore_precision(self:Learner):
     "Put the learner back in its between-fits state: exact FP32 model, optimizer on the model's params, no autocast."
     session_of(self).teardown_all()
     return self
+
+FIT_CHECKS = []  # `f(cbs)` called with a fit's callbacks before it starts (`learner` adds fastai AMP's arguments' check)
 
 def check_precision_cbs(cbs):
     "Raise a `ValueError` unless `cbs` (callbacks or their classes) hold at most one precision setup."
@@ -183,11 +184,12 @@ _fit = _unwrapped(Learner.fit)
 _fit_sig = inspect.signature(_fit)
 
 @functools.wraps(_fit)
-def _fit_in_session(self, *args, **kwargs):
-    check_precision_cbs(list(self.cbs) + list(L(_fit_sig.bind(self, *args, **kwargs).arguments.get('cbs'))))
+def fit_in_session(self, *args, **kwargs):
+    cbs = list(self.cbs) + list(L(_fit_sig.bind(self, *args, **kwargs).arguments.get('cbs')))
+    check_precision_cbs(cbs)
+    for check in FIT_CHECKS: check(cbs)
     with session_of(self).fit(): return _fit(self, *args, **kwargs)
-_fit_in_session._fp16cb = True
-Learner.fit = _fit_in_session
+fit_in_session._fp16cb = True
 
 _remove_cb = _unwrapped(Learner.remove_cb)
 
@@ -196,7 +198,7 @@ def _family(learn, cb) -> list:
     return [cb] + [c for c in learn.cbs if c is not cb and is_ours(c) and c.family == cb.family]
 
 @functools.wraps(_remove_cb)
-def _remove_cb_restoring(self, cb):
+def remove_cb_restoring(self, cb):
     # removing a precision callback of ours (by class too: fastai removes each instance through here) removes its whole
     # setup, the FP32 learner restored first, as `to_fp32()` does: `ModelToHalf` alone would train a pure 16-bit model.
     # A precision callback given to `fit(cbs=...)` is removed when an exception leaves the fit: restored first too
@@ -207,19 +209,17 @@ def _remove_cb_restoring(self, cb):
         if getattr(c, 'learn', None) is self: session_of(self).drop(c)
         _remove_cb(self, c)
     return self
-_remove_cb_restoring._fp16cb = True
-Learner.remove_cb = _remove_cb_restoring
+remove_cb_restoring._fp16cb = True
 
 _freeze_to = _unwrapped(Learner.freeze_to)
 
 @functools.wraps(_freeze_to)
-def _freeze_to_fp32(self, n):
+def freeze_to_fp32(self, n):
     # mid-fit (a callback unfreezing after an epoch): freeze the model's own params, then make the masters again
     with session_of(self).suspended(): return _freeze_to(self, n)
-_freeze_to_fp32._fp16cb = True
-Learner.freeze_to = _freeze_to_fp32
+freeze_to_fp32._fp16cb = True
 
-def _deepcopy_fp32(self, memo):
+def deepcopy_fp32(self, memo):
     """`copy.deepcopy(learn)` (keep-the-best in a callback): mid-fit, the copy is taken of the plain FP32 learner, so it
     is a learner between fits, with the exact FP32 weights of that moment, that fits and predicts on its own."""
     with session_of(self).suspended():
@@ -227,4 +227,3 @@ def _deepcopy_fp32(self, memo):
         memo[id(self)] = res
         res.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # fastai's: all but the lock, a new lock
     return res
-Learner.__deepcopy__ = _deepcopy_fp32

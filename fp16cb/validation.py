@@ -1,10 +1,11 @@
 """Argument checks for the constructors: a bad value raises a `ValueError` that names the argument (at construction,
 not at fit time), and numpy scalars are accepted as the Python numbers they stand for."""
 from __future__ import annotations
-import math, numbers
+import functools, math, numbers
 import numpy as np
 
-__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int', 'check_choice']
+__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int', 'check_choice', 'AMP_ARGS',
+           'refuses_amp_args']
 
 FP32_MAX = 3.4028234663852886e38  # the largest finite float32 (`torch.finfo(torch.float32).max`)
 INT32_MAX = 2**31 - 1
@@ -78,3 +79,24 @@ def check_choice(
     if not any(v == c and type(v) is type(c) for c in choices):
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}, got {v!r}")
     return v
+
+AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')  # fastai's AMP `to_fp16`
+
+def refuses_amp_args(
+    hint:str, # what to use instead, said after the arguments are named
+    only=AMP_ARGS, # the arguments refused (fastai's AMP `MixedPrecision`'s, by default)
+):
+    """Class decorator: the class's `__init__` refuses fastai's AMP arguments (`AMP_ARGS`) with a `TypeError` that says
+    they are fastai's and what to use instead (Python's own error would only say 'unexpected keyword')."""
+    def deco(cls):
+        init = cls.__init__
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            amp = [k for k in kwargs if k in only]
+            if amp: raise TypeError(f"{', '.join(map(repr, amp))}: arguments of fastai's AMP `MixedPrecision` "
+                                    f"(`fastai.callback.fp16`), not of fp16cb's `{cls.__name__}`. {hint}")
+            init(self, *args, **kwargs)
+        cls.__init__ = __init__
+        return cls
+    return deco
+

@@ -143,9 +143,14 @@ def test_signatures_show_the_callback_arguments():
 # ---- fastai's MixedPrecision and ours: each refuses the other's arguments, naming the right class --------------
 
 def test_fastai_mixed_precision_refuses_our_arguments_naming_ours():
-    with pytest.raises(TypeError, match=r"from fp16cb import MixedPrecision, ModelToHalf"):
-        fastai_fp16.MixedPrecision(loss_scale=512, flat_master=True)  # the README's line under fastai's star import
-    with pytest.raises(TypeError, match="GradScaler's arguments"): fastai_fp16.MixedPrecision(growth=2.)
+    """fastai's class is not changed (its `__init__` keeps the arguments for GradScaler): the fit refuses them before
+    it starts, naming ours, where GradScaler would raise a bare `TypeError` at the first event."""
+    for kw, msg in (({'loss_scale': 512, 'flat_master': True}, r"from fp16cb import MixedPrecision, ModelToHalf"),
+                    ({'growth': 2.}, "GradScaler's arguments")):
+        learn = make_learner(cbs=fastai_fp16.MixedPrecision(**kw))  # the README's line under fastai's star import
+        w0 = [p.detach().clone() for p in learn.model.parameters()]
+        with pytest.raises(TypeError, match=msg): quiet_fit(learn, 1)
+        assert all(torch.equal(a, p) for a, p in zip(w0, learn.model.parameters()))  # before any step
     assert fastai_fp16.MixedPrecision(amp_mode='fp16', init_scale=8.).kwargs == {'init_scale': 8.}  # fastai's own use
 
 def test_our_callbacks_refuse_fastais_arguments_naming_theirs():

@@ -14,21 +14,24 @@ from ..scaling import (StaticScaler, make_scaler, CALIBRATE, check_positive, rea
                       warn_all_skipped, is_ddp, syncs)
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
-from ..validation import check_bool, check_real, check_int, check_choice, FP32_MAX
+from ..validation import check_bool, check_real, check_int, check_choice, FP32_MAX, refuses_amp_args
 from ..distributed import patch_fastai
 from .model_to_half import ModelToHalf
 
 __all__ = ['MixedPrecision']
 
+@refuses_amp_args("fp16cb's autocast + GradScaler is `NativeMixedPrecision(init_scale=...)` (`learn.to_native_fp16(...)`); "
+                  "fastai's is `fastai.callback.fp16.MixedPrecision`.")
 class MixedPrecision(ScaleColumns, SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
     The weight store owns the step: `before_step` asks it to check the grads (one fused, read-only pass), reads the one
     host sync, skips or clips; the optimizer's `step` steps the store (the grads reach FP32, unscaled and clipped, a
     bounded chunk at a time as the optimizer consumes them), which the model follows.
-    With `dynamic` and `loss_scale=512` (fastai's default) the scale is calibrated: the first step runs at scale 1 and its
-    largest |grad| sets the scale (`BackoffScaler`); if that step's gradients underflowed (more than half of the nonzero
-    16-bit grads under the dtype's smallest normal, or all of them zero for a nonzero loss) it is skipped, counted in
-    `n_skipped`, instead of applied. Any other `loss_scale` is the dynamic scale's start."""
+    With `dynamic` and `loss_scale='calibrate'` (or fastai's default 512, which means the same) the scale is
+    calibrated: the first step runs at scale 1 and its largest |grad| sets the scale (`BackoffScaler`); if that step's
+    gradients underflowed (more than half of the nonzero 16-bit grads under the dtype's smallest normal, or all of them
+    zero for a nonzero loss) it is skipped, counted in `n_skipped`, instead of applied. A number is the dynamic scale's
+    start."""
     order = 10
     checkpoint_key = 'MixedPrecision'
     def __init__(self,

@@ -1,0 +1,56 @@
+"""Every change `import fp16cb` makes to fastai's and torch's classes, in one place: what is set on which class, and
+what it replaces. The functions live with what they serve (`learner`, `session`, `checkpoint`, `precision_check`,
+`distributed`); this module only installs them, once, when `fp16cb` is imported (a reload installs them again, never
+wrapped twice). Two changes come later, each where its cause is: fastai's `DistributedDL` broadcasts its indices on the
+CPU too (`distributed.patch_fastai`, when `fastai.distributed` is loaded), and a fit's optimizer is of a routed
+subclass of its own class for the fit (`weights.route`: `learn.opt` keeps its identity; the class is given back after).
+fp16cb's own callbacks get the collapse diagnosis here (`collapse`), so that the step's code never imports the
+diagnostics."""
+from __future__ import annotations
+from typing import NamedTuple
+from fastai.learner import Learner
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import learner, session, precision_check, distributed, collapse
+from .callbacks import MixedPrecision
+from .native import NativeMixedPrecision
+
+__all__ = ['Change', 'CHANGES', 'install']
+
+class Change(NamedTuple):
+    "One attribute set on a class at import: `cls.name = value`, and what it replaces (or adds)."
+    cls: type
+    name: str
+    value: object
+    replaces: str
+
+CHANGES = (
+    # the precision of a learner (fastai patches its own `to_fp16` & co. onto Learner: these replace them)
+    Change(Learner, 'to_fp16', learner.to_fp16, "fastai's `to_fp16` (PyTorch AMP): a 16-bit model, FP32 master weights, loss scaling"),
+    Change(Learner, 'to_bf16', learner.to_bf16, "fastai's `to_bf16` (AMP in bf16): a bf16 model, FP32 master weights"),
+    Change(Learner, 'to_fp32', learner.to_fp32, "fastai's `to_fp32`: also gives back the exact FP32 weights"),
+    Change(Learner, 'to_native_fp16', learner.to_native_fp16, "new: autocast + GradScaler (`NativeMixedPrecision`)"),
+    Change(Learner, 'to_native_bf16', learner.to_native_bf16, "new: autocast in bf16"),
+    Change(Learner, 'to_native_fp32', learner.to_native_fp32, "new: the same as `to_fp32`"),
+    Change(Learner, 'to_non_native_fp16', learner.to_non_native_fp16, "fastai's: also removes fp16cb's callbacks first"),
+    Change(Learner, 'to_channelslast', learner.to_channelslast, "fastai's: keeps fp16cb's precision (no AMP on top)"),
+    Change(Learner, 'precision_callbacks', learner.precision_callbacks, "new: the learner's precision callbacks"),
+    Change(Learner, '_set_precision', learner._set_precision, "new: replace the precision callbacks, FP32 first"),
+    Change(Learner, 'precision_check', precision_check.precision_check, "new: `learn.precision_check()`"),
+    # the lifecycle of a fit (`session`): set up once, torn down once, paused for what must see the FP32 learner
+    Change(Learner, 'fit', session.fit_in_session, "fastai's `fit`, run inside the learner's `PrecisionSession`"),
+    Change(Learner, 'remove_cb', session.remove_cb_restoring, "fastai's: a precision callback goes with its setup"),
+    Change(Learner, 'freeze_to', session.freeze_to_fp32, "fastai's: mid-fit, applied to the FP32 learner"),
+    Change(Learner, '__deepcopy__', session.deepcopy_fp32, "new: `copy.deepcopy(learn)` mid-fit copies the FP32 learner"),
+    Change(Learner, 'restore_precision', session.restore_precision, "new: back to the between-fits state"),
+    # torch's DDP: a re-wrap after the model's conversion takes the user's arguments
+    Change(DDP, '__init__', distributed.recording_init(DDP.__init__), "torch's, which also keeps its arguments"),
+    # fp16cb's own callbacks: the diagnosis of a collapsing loss scale (the failing step only)
+    Change(MixedPrecision, '_collapse', collapse.masters_collapse, "the plain error (`MixedPrecision._collapse`)"),
+    Change(NativeMixedPrecision, '_collapse', collapse.native_collapse, "the plain error"),
+)
+
+def install():
+    "Set every `CHANGES` row (and fastai's `DistributedDL` on gloo, if `fastai.distributed` is loaded already)."
+    for c in CHANGES: setattr(c.cls, c.name, c.value)
+    distributed.patch_fastai()
