@@ -110,7 +110,6 @@ class FP32Masters(WeightStore):
         out = self._through_core(self._driver, *args, **kwargs)
         if held is not None: held()
         if not self._fold: self.master_to_model()
-        self.writes.note()
         return out
 
     def _hold(self, params:list):
@@ -233,13 +232,13 @@ class FP32Masters(WeightStore):
         n = self.chunk_limit(m.device)
         if m is not p and self._sliced_ok and m.numel() > n:  # a slice at a time: its grad, its state in FP32
             lift = lambda s, mm=memory_order(m), g=memory_order(laid_out_as(p.grad, m)): _with_grad(mm[s], g[s].float())
-            land = lambda s, q, out=memory_order(p.detach()): out[s].copy_(q)
+            land = lambda s, q, out=memory_order(p.data): out[s].copy_(q)  # `.data`: not counted as others' write
             return sliced_update(self.core, m, self.core.hypers[gi], n, lift, land, self.state16)
         if m is not p: m.grad = p.grad.float()
         with self.state16.lifted([m], self.core.state): fastai_update(self.core, m, self.core.hypers[gi])
         if m is not p:
             m.grad = None
-            p.detach().copy_(m)
+            p.data.copy_(m)  # `.data`: the store's own write, not counted as other code's (`WriteWatch`)
 
     def _plan(self, chunk:list):
         """The chunk's `LiftPlan`: made once and kept while its sources' grads are the same tensors; when a master's
@@ -284,8 +283,7 @@ class FP32Masters(WeightStore):
         "The model's grads (16-bit, loss-scaled, before any clearing), one per param; own params' grads."
         pairs = [(p, p.grad) for p in self.models] + [(p, p.grad) for p in self.own_params]
         return [p for p, _ in pairs], [g for _, g in pairs]
-    def _after_broadcast(self): self.master_to_model(); self.writes.note()
-    def _wrote_model(self): self.writes.note()
+    def _after_broadcast(self): self.master_to_model()
     def follow_writes(self, everything:bool=False): self.writes.follow(everything)
 
     def backward(self):

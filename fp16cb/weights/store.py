@@ -85,10 +85,7 @@ class WeightStore:
     ):
         """Check the step's grads for inf/NaN in one fused, read-only pass, as the backward left them: `[found, (max
         |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes them."""
-        if self.in_backward:
-            found = self._found_in_backward()
-            self._wrote_model()
-            return found
+        if self.in_backward: return self._found_in_backward()
         for p in self.sparse:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
         grads = self.checked = self._grads_to_check()
@@ -324,7 +321,6 @@ class WeightStore:
         if self.stepped_hook is not None: self.stepped_hook(params)
     def _step_one(self, p): raise NotImplementedError
     def _after_broadcast(self): pass
-    def _wrote_model(self): "The store has just written the model's params (what other code writes is told from now)."
     def _step_impl(self, *args, **kwargs): raise NotImplementedError
     def zero_model_grads(self): raise NotImplementedError
 

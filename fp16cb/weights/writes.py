@@ -1,12 +1,13 @@
 """Other code's writes to the model's 16-bit params reaching the FP32 masters (a weight constraint, WGAN's clipping, a
 `load_state_dict` in a callback): as in FP32, the optimizer steps from the weights as they were written.
 
-torch counts every in-place write to a param (`Tensor._version`; the store's own copies go to the flat buffer behind
-the params, which counts apart). After each step the store notes the counts; before the next one a count that moved
-means other code wrote: only then are that param's elements compared with its master rounded, and those that differ
-are taken into the master (the others keep their exact FP32 values). Otherwise one integer read per param and step. A write through
-`.data` is not counted by torch: code known to write so (`compat.DATA_WRITERS`: fastai's WGAN clipping) has every
-weight compared after its `before_batch`; for any other, the end of the fit compares everything once and warns."""
+torch counts every in-place write to a param (`Tensor._version`); the store's own copies go to the flat buffer behind
+the params (or through `.data`), which torch counts apart. The store notes the counts at the set-up; before each step
+a count that moved means other code wrote: only then are that param's elements compared with its master rounded, and
+those that differ are taken into the master (the others keep their exact FP32 values). Otherwise one integer read per
+param and step. A write through `.data` is not counted by torch: code known to write so (`compat.DATA_WRITERS`:
+fastai's WGAN clipping) has every weight compared after its `before_batch`; for any other, the end of the fit compares
+everything once and warns."""
 from __future__ import annotations
 import warnings
 import torch
@@ -20,20 +21,21 @@ class WriteWatch:
         self.note()
 
     def note(self):
-        "The store has just written the model (its step, a broadcast): the write counts from which others' are told."
-        self.versions = [b._version for b, _ in self.pairs]
+        "The write counts from which other code's writes are told (at the set-up)."
+        self.versions = [p._version for p, _ in self.pairs]
 
     @torch.no_grad()
     def follow(self, everything:bool=False, count:bool=False) -> int:
         """Take the elements other code wrote into the masters: of the params whose write count moved (`everything`:
-        all of them, compared element by element). `count`: return how many were taken (one host read), else 0."""
+        all of them, compared element by element). `count`: return how many were taken (one host read), else 0.
+        (The store's own writes go through the flat buffers behind the params, whose counts are their own.)"""
         counts = []
-        for (p, m), v in zip(self.pairs, self.versions):
+        for i, ((p, m), v) in enumerate(zip(self.pairs, self.versions)):
             if not everything and p._version == v: continue
             changed = torch.ne(p, m.to(p.dtype)).logical_and_(p == p)  # a NaN master rounds to NaN: not a write
             m.copy_(torch.where(changed, p.to(m.dtype), m))
+            self.versions[i] = p._version
             if count: counts.append(changed.sum())
-        self.note()
         return int(sum(counts)) if counts else 0  # the host read: at the fit's end only
 
     def settle(self):
