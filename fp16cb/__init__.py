@@ -2,7 +2,8 @@
 __version__ = "0.1.0"
 
 import warnings as _warnings
-with _warnings.catch_warnings():  # fastai.layers calls the deprecated `torch.jit.script` at import: not our users' concern
+# fastai.layers calls the deprecated `torch.jit.script` at import: not our users' concern
+with _warnings.catch_warnings():
     _warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
     import fastai.basics as _fastai_basics
 
@@ -18,8 +19,8 @@ _patches.install()
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
            'copy_clone', 'FP32Masters', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
-           'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision', 'NativeMixedPrecision',
-           'BNStatsGuard']
+           'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision',
+           'NativeMixedPrecision', 'BNStatsGuard']
 
 from .diagnostics import plot_loss_scale, gradient_report, plot_gradient_range, GradientReport
 from .precision_check import precision_check, plot_precision_check

@@ -30,8 +30,9 @@ def broadcast_(tensors:list, src:int=0):
         if t.numel(): dist.broadcast(t, src)
 
 def recording_init(init):
-    """`DistributedDataParallel.__init__` that also keeps the arguments each DDP was made with (`_fp16cb_args`), so that
-    a re-wrap gives the new one exactly the user's (`broadcast_buffers=False` included). `fp16cb.patches` installs it."""
+    """`DistributedDataParallel.__init__` that also keeps the arguments each DDP was made with (`_fp16cb_args`), so
+    that a re-wrap gives the new one exactly the user's (`broadcast_buffers=False` included). `fp16cb.patches` installs
+    it."""
     init = getattr(init, '__wrapped__', init) if getattr(init, '_fp16cb', False) else init  # once, even on a reload
     sig = inspect.signature(init)
     @functools.wraps(init)
@@ -43,7 +44,8 @@ def recording_init(init):
     return __init__
 
 def _ddp_kwargs(ddp:DDP) -> dict:
-    "The arguments `ddp` was made with (recorded), or, for one made before fp16cb was imported, those it keeps as attributes."
+    """The arguments `ddp` was made with (recorded), or, for one made before fp16cb was imported, those it keeps as
+    attributes."""
     if '_fp16cb_args' in ddp.__dict__: return dict(ddp.__dict__['_fp16cb_args'])
     names = [k for k in inspect.signature(DDP.__init__).parameters if k not in ('self', 'module')]
     kw = {k: ddp.__dict__[k] for k in names if k in ddp.__dict__}

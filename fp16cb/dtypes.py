@@ -6,9 +6,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype', 'keeps_fp32', 'convert_network', 'convert_network_keeping',
-           'cpu_has_native', 'has_fast_half_math', 'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device',
-           'bare_copy']
+__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype',
+           'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cpu_has_native', 'has_fast_half_math',
+           'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device', 'bare_copy']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP16_MAX = 65504.  # the largest finite float16
@@ -43,8 +43,9 @@ class Converted(NamedTuple):
 def convert_network_keeping(model:nn.Module, dtype:torch.dtype, keep=None) -> dict:
     """Convert `model`'s FP32/fp16/bf16 parameters and buffers to `dtype`, BatchNorm layers excepted, in place.
     `keep`: the ids of the modules that stay FP32 instead of BatchNorm's (a `PrecisionPolicy`'s choice).
-    Tensors of any other dtype (float64, complex, integer) keep theirs. Returns `{id(tensor): Converted}` with the original tensor of
-    everything converted, so the exact values can be restored later (the originals are kept, not copied)."""
+    Tensors of any other dtype (float64, complex, integer) keep theirs. Returns `{id(tensor): Converted}` with the
+    original tensor of everything converted, so the exact values can be restored later (the originals are kept, not
+    copied)."""
     converted, seen = {}, set()
     for module in model.modules():
         if (keeps_fp32(module) if keep is None else id(module) in keep): continue
@@ -84,10 +85,10 @@ def _slow_half_message(dtype:torch.dtype) -> str:
         alt = (f"Use `learn.to_bf16()` instead: bf16 is native on this CPU ({cap}), with FP32's range and no loss "
                "scaling." if cpu_has_native(torch.bfloat16) else
                f"`learn.to_bf16()` is not native on this CPU either ({cap}): FP32 is the fastest here.")
-        return (f"fp16 training on the CPU is correct but slow: this CPU ({cap}) has no native fp16 math, so torch runs "
-                "fp16 matmuls and convolutions on reference kernels. How much slower depends on the model: on an AMD "
-                "EPYC with AVX512-BF16 and no fp16 math (torch 2.14, one thread), a training step measured 1.9x (a "
-                "small tabular MLP), 8x (a compute-bound MLP), 23x (an LSTM) and over 40x (a resnet18) slower than "
+        return (f"fp16 training on the CPU is correct but slow: this CPU ({cap}) has no native fp16 math, so torch "
+                "runs fp16 matmuls and convolutions on reference kernels. How much slower depends on the model: on an "
+                "AMD EPYC with AVX512-BF16 and no fp16 math (torch 2.14, one thread), a training step measured 1.9x "
+                "(a small tabular MLP), 8x (a compute-bound MLP), 23x (an LSTM) and over 40x (a resnet18) slower than "
                 "FP32; compute-bound layers (matmuls, convolutions, recurrent layers) suffer most. " + alt)
     return (f"bf16 training on the CPU is correct but slower than FP32: this CPU ({cap}) has no native bf16 math "
             "(AVX512, AVX512-BF16 or AMX), and a compute-bound model trains several times slower (4x for a "
@@ -111,7 +112,8 @@ def user_stacklevel(skip:tuple|None=None) -> int:
 
 _warned = set()
 def warn_slow_half(dtype:torch.dtype, device):
-    "Warn once per process and dtype when training in `dtype` on a device without native math for it (at the user's line)."
+    """Warn once per process and dtype when training in `dtype` on a device without native math for it (at the user's
+    line)."""
     if has_fast_half_math(dtype, device) or (dtype, str(device)) in _warned: return
     _warned.add((dtype, str(device)))
     warnings.warn(_slow_half_message(dtype), RuntimeWarning, stacklevel=user_stacklevel())
@@ -141,7 +143,8 @@ def model_device(model) -> torch.device:
     return torch.device('cpu')
 
 _HOOK_DICTS = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called', '_forward_pre_hooks',
-               '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks', '__deepcopy__', '_state_dict_hooks')
+               '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks', '__deepcopy__',
+               '_state_dict_hooks')
 _HALF = (torch.float16, torch.bfloat16)
 
 def bare_copy(
@@ -150,7 +153,8 @@ def bare_copy(
 ) -> nn.Module:
     """A deep copy of `model` without its hooks (ours cast to 16-bit) and without grads, its fp16/bf16 params and
     buffers in FP32 (float64 and complex as they are): the FP32 model of that moment."""
-    saved = [(m, {k: m.__dict__[k] for k in _HOOK_DICTS if k in m.__dict__}) for m in model.modules()]  # and `__deepcopy__`
+    # and `__deepcopy__`
+    saved = [(m, {k: m.__dict__[k] for k in _HOOK_DICTS if k in m.__dict__}) for m in model.modules()]
     memo = {}
     try:
         for m, hooks in saved:

@@ -26,7 +26,8 @@ def _set_precision(self:Learner, cbs:list):
     "Replace whatever precision callbacks the learner has with `cbs`, restoring the FP32 model and optimizer first."
     if session_of(self).in_fit:
         raise RuntimeError("the precision of a learner cannot change during a fit (`to_fp16`/`to_bf16`/`to_fp32`/"
-                           "`to_native_fp16` was called from a callback or in a fit): set it before `fit`, or after it.")
+                           "`to_native_fp16` was called from a callback or in a fit): set it before `fit`, "
+                           "or after it.")
     old = self.precision_callbacks()
     for cb in old:
         if hasattr(cb, 'restore'): cb.restore()
@@ -62,13 +63,14 @@ def _shows(
     also=None, # a callback whose `_HALF_ARGS` the method passes on (`ModelToHalf`: `keep_fp32`), shown last
     **defaults, # the method's own defaults, shown instead of the delegated callback's
 ):
-    """Decorator, after fastcore's `delegates`: the signature shows `defaults` (this method's own), then the arguments of
-    `also` (a callback) that it passes on (`keep_fp32`), so that `help(learn.to_bf16)` shows what a call does."""
+    """Decorator, after fastcore's `delegates`: the signature shows `defaults` (this method's own), then the arguments
+    of `also` (a callback) that it passes on (`keep_fp32`), so that `help(learn.to_bf16)` shows what a call does."""
     def _f(f):
         sig = inspect.signature(f)
         ps = [p.replace(default=defaults[p.name]) if p.name in defaults else p for p in sig.parameters.values()]
-        if also is not None: ps += [p.replace(kind=p.KEYWORD_ONLY) for n, p in inspect.signature(also).parameters.items()
-                                    if n in _HALF_ARGS]
+        if also is not None:
+            ps += [p.replace(kind=p.KEYWORD_ONLY) for n, p in inspect.signature(also).parameters.items()
+                   if n in _HALF_ARGS]
         f.__signature__ = sig.replace(parameters=ps)
         return f
     return _f
@@ -79,8 +81,9 @@ def _no_dtype(
     kwargs:dict, # the call's keyword arguments
 ):
     "A `TypeError` for `dtype` given to a method whose name says its dtype (`to_bf16`), naming the one that takes it."
-    if 'dtype' in kwargs: raise TypeError(f"`learn.{name}()` trains in bfloat16 and takes no `dtype`: for another dtype, "
-                                          f"call `learn.{other}(dtype=...)`")
+    if 'dtype' in kwargs:
+        raise TypeError(f"`learn.{name}()` trains in bfloat16 and takes no `dtype`: for another dtype, "
+                        f"call `learn.{other}(dtype=...)`")
 
 @_shows(ModelToHalf)
 @delegates(MixedPrecision)
@@ -93,7 +96,8 @@ def to_fp16(self:Learner, **kwargs):
     kwargs = dict(kwargs)
     dtype, keep_fp32 = kwargs.pop('dtype', torch.float16), kwargs.pop('keep_fp32', None)  # keep_fp32: `ModelToHalf`'s
     half = ModelToHalf(dtype, keep_fp32=keep_fp32)
-    if getattr(self, 'model', None) is not None: half.check_model(self.model)  # a typo, a float64 model fail here, not in fit
+    # a typo, a float64 model fail here, not in fit
+    if getattr(self, 'model', None) is not None: half.check_model(self.model)
     return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
 @_shows(ModelToHalf, dynamic=False, loss_scale=1.)
@@ -132,7 +136,8 @@ def to_native_fp32(self:Learner):
     return self._set_precision([])
 
 def to_non_native_fp16(self:Learner, **kwargs):
-    "fastai's non-native fp16 (its `ModelToHalf` + `NonNativeMixedPrecision`), replacing any precision callbacks (ours too)."
+    """fastai's non-native fp16 (its `ModelToHalf` + `NonNativeMixedPrecision`), replacing any precision callbacks (ours
+    too)."""
     return self._set_precision([_fastai_fp16.ModelToHalf(), _fastai_fp16.NonNativeMixedPrecision(**kwargs)])
 
 import fastai.callback.channelslast  # noqa: F401 (Learner.to_channelslast)

@@ -41,7 +41,8 @@ def _strip_recorder(rec):
 def remove_precision_metrics(learn,
     fit_ends:bool=True, # the fit is over: also take the columns out of the Recorder's names and rows (False: a pause)
 ):
-    "Drop the columns `add_precision_metrics` added, from the metrics and (at the fit's end) the Recorder's names and rows."
+    """Drop the columns `add_precision_metrics` added, from the metrics and (at the fit's end) the Recorder's names and
+    rows."""
     mets = list(learn.metrics)
     if not any(isinstance(m, PrecisionValue) for m in mets): return
     learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
@@ -50,7 +51,8 @@ def remove_precision_metrics(learn,
 
 def hide_precision_metrics(learn) -> tuple|None:
     """For a `validate`/`get_preds` run inside a fit: take the columns out of the metrics, so that it returns what it
-    does in FP32 fastai (`loss, acc = learn.validate()`); what `show_precision_metrics` puts back (None: nothing hidden)."""
+    does in FP32 fastai (`loss, acc = learn.validate()`); what `show_precision_metrics` puts back (None: nothing
+    hidden)."""
     mets = list(learn.metrics)
     if not any(isinstance(m, PrecisionValue) for m in mets): return None
     rec = getattr(learn, 'recorder', None)
@@ -67,7 +69,8 @@ def show_precision_metrics(learn, hidden:tuple|None):
     if rec is not None and names is not None: rec.metric_names = names  # the nested run's `before_fit` set its own
 
 def add_precision_metrics(learn, cb):
-    "Show `cb.loss_scale` and `cb.n_skipped` as the Recorder columns `loss_scale` and `n_skipped` when the scale is dynamic."
+    """Show `cb.loss_scale` and `cb.n_skipped` as the Recorder columns `loss_scale` and `n_skipped` when the scale is
+    dynamic."""
     remove_precision_metrics(learn, fit_ends=False)
     if not cb.loss_scaler.is_dynamic: return
     learn.metrics = list(learn.metrics) + [PrecisionValue(cb, a, a) for a in COLUMNS]
@@ -113,7 +116,8 @@ def scale_health(
     scaler = cb.loss_scaler  # a `LossScaler`, or torch's GradScaler behind `GradScalerAdapter`
     floor, dynamic = scaler.floor, scaler.is_dynamic
     if len(skips) >= 10 and sum(skips) > max(5, max_skip_frac * len(skips)) and 'skips' not in warned:
-        causes = (["the dynamic loss scale grows again too soon (raise `scale_wait`/`growth_interval`)"] if dynamic else [])
+        causes = (["the dynamic loss scale grows again too soon (raise `scale_wait`/`growth_interval`)"]
+                  if dynamic else [])
         causes.append("some batches hold NaN/inf (check the inputs and targets)")
         if str(getattr(cb, 'dtype', '')) != 'torch.bfloat16':
             causes.append("the forward pass overflows in fp16 (try `learn.to_bf16()`, which has FP32's range)")

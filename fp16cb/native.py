@@ -12,7 +12,8 @@ from .callbacks.casts import cast_floats
 from .session import SessionCallback
 from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_,
                       warn_all_skipped, nonfinite_flags)
-from .monitor import scale_health, ScaleColumns  # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
+# warns once: scale stuck at its floor, many skipped steps; the Recorder columns
+from .monitor import scale_health, ScaleColumns
 from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
 from .compat import Facts, check, OPTIONS
 
@@ -35,7 +36,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         max_skipped:int=50, # more skipped (inf/NaN) steps in a row than this stops training with `LossScaleError`
     ):
         self.dtype = resolve_dtype(dtype)
-        # GradScaler keeps the scale in an FP32 tensor and counts the interval in an int32 one: their limits, checked now
+        # GradScaler keeps the scale in an FP32 tensor and counts the interval in an int32 one:
+        # their limits, checked now
         self.init_scale = check_real('init_scale', init_scale, 0., FP32_MAX, lo_open=True)
         self.growth_factor = check_real('growth_factor', growth_factor, 1., lo_open=True)
         self.backoff_factor = check_real('backoff_factor', backoff_factor, 0., 1., lo_open=True, hi_open=True)
@@ -46,7 +48,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
 
     def _scaler_args(self) -> tuple:
-        "GradScaler's arguments given other values than their defaults (bf16 runs no GradScaler: they would do nothing)."
+        """GradScaler's arguments given other values than their defaults (bf16 runs no GradScaler: they would do
+        nothing)."""
         defaults = inspect.signature(NativeMixedPrecision.__init__).parameters
         return tuple(k for k in ('init_scale', 'growth_factor', 'backoff_factor', 'growth_interval')
                      if getattr(self, k) != defaults[k].default)
@@ -77,10 +80,12 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         self.show_scale_columns()  # fp16's dynamic GradScaler: `loss_scale` and `n_skipped` columns (bf16 has none)
 
     def teardown(self):
-        """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one that
-        came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to step;
-        one that came after the backward and before `GradScaler.step` leaves the grads unscaled (what FP32 would hold)."""
-        self._resume_autocast = self._pausing() and getattr(self, '_autocast', None) is not None  # a pause inside a forward
+        """Leave autocast if an exception interrupted a batch (fastai then skips `after_batch` and `after_fit`); one
+        that came between `GradScaler.step` (`before_step`) and its `update` (`after_step`) leaves the scaler ready to
+        step; one that came after the backward and before `GradScaler.step` leaves the grads unscaled (what FP32 would
+        hold)."""
+        # a pause inside a forward
+        self._resume_autocast = self._pausing() and getattr(self, '_autocast', None) is not None
         self._exit_autocast()
         self.drop_scale_columns(fit_ends=not self.session.suspending)
         if not self._pausing():
@@ -89,7 +94,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
             if learn is not None and learn.opt is not None:
                 self.record.unscale_left([getattr(p, 'grad', None) for pg in learn.opt.param_lists for p in pg])
         self.record.teardown()
-        if not (self.session.suspending or self.session.failing): warn_all_skipped(self.record.this_fit, self.skip_label)
+        if not (self.session.suspending or self.session.failing):
+            warn_all_skipped(self.record.this_fit, self.skip_label)
 
     def resume(self):
         "Back from a pause inside a batch (a later callback's `before_batch` saved, loaded or froze): autocast again."
@@ -99,7 +105,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         self._autocast.__enter__()
 
     def _pausing(self) -> bool:
-        "Torn down for a pause mid-fit (`learn.save`...): a step under way goes on after it, its `update` still to come."
+        """Torn down for a pause mid-fit (`learn.save`...): a step under way goes on after it, its `update` still to
+        come."""
         learn = self.__dict__.get('learn')
         return learn is not None and self.session.suspending
 
@@ -120,8 +127,11 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
     n_skipped = property(lambda self: self.record.overflows.count, doc="Steps skipped for inf/NaN gradients so far.")
-    overflows = property(lambda self: self.record.overflows.read(), doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held inf/NaN).")
-    n_overflows = property(lambda self: self.record.overflows.count, doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
+    overflows = property(lambda self: self.record.overflows.read(),
+                         doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held "
+                             "inf/NaN).")
+    n_overflows = property(lambda self: self.record.overflows.count,
+                           doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
     @property
     def skip_label(self) -> str: return f'{self.dtype} autocast'.replace('torch.', '')
     def after_epoch(self):
@@ -133,7 +143,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
             self._autocast = None
 
     def before_backward(self):
-        if self.scaler.is_enabled(): self.record.scaled(self.scaler.get_scale)  # read only if a fit ends before the step
+        # read only if a fit ends before the step
+        if self.scaler.is_enabled(): self.record.scaled(self.scaler.get_scale)
         self.learn.loss_grad = self.scaler.scale(self.learn.loss_grad)
 
     def before_step(self):
@@ -153,15 +164,17 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         raise CancelStepException()
 
     def after_cancel_step(self):
-        "Another callback cancelled the step after our `before_step`: as in FP32 nothing happened; GradScaler forgets it."
+        """Another callback cancelled the step after our `before_step`: as in FP32 nothing happened; GradScaler forgets
+        it."""
         if self._stepped and not self.skipped:
             self._forget_step()
             self.record.cancelled()
             self._scale_kept_grads()
 
     def _scale_kept_grads(self):
-        """The cancelled step's grads stay until the optimizer's `zero_grad` (held back: the next backward adds to them),
-        as in FP32; GradScaler divided them in our `before_step`, so they get the scale back, which the next adds at."""
+        """The cancelled step's grads stay until the optimizer's `zero_grad` (held back: the next backward adds to
+        them), as in FP32; GradScaler divided them in our `before_step`, so they get the scale back, which the next adds
+        at."""
         if self._scale == 1.: return
         gs = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
         with torch.no_grad():
@@ -169,17 +182,20 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         self.record.scaled(self.scaler.get_scale)
 
     def _overflowing(self) -> tuple:
-        "A skipped step: which params' FP32 grads (unscaled by GradScaler) hold inf/NaN, `(flags on the device, names)`."
+        """A skipped step: which params' FP32 grads (unscaled by GradScaler) hold inf/NaN,
+        `(flags on the device, names)`."""
         rank = {k: i for i, k in enumerate(self._names)}  # as `model.named_parameters()` orders them
         params = sorted((p for pg in self.learn.opt.param_lists for p in pg), key=lambda p: rank.get(id(p), len(rank)))
-        return nonfinite_flags([getattr(p, 'grad', None) for p in params]), [self._names.get(id(p), '?') for p in params]
+        return (nonfinite_flags([getattr(p, 'grad', None) for p in params]),
+                [self._names.get(id(p), '?') for p in params])
 
     def _collapse(self, err:Exception):
         "Training stops (the failing step only): the error to raise (`fp16cb.collapse` adds where the overflow starts)."
         return err
 
     def _grads_finite(self) -> bool:
-        "Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the weights."
+        """Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the
+        weights."""
         grads = [p.grad for pg in self.learn.opt.param_lists for p in pg if getattr(p, 'grad', None) is not None]
         found = reduce_max_(self._check(grads, 1.), self.learn.model) if grads else None  # DDP: any rank's inf
         return found is None or not found.item() > 0  # inv_scale 1: the grads are left as they are
@@ -187,7 +203,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
     def after_step(self): self._end_step()
 
     def _end_step(self):
-        "The step GradScaler took: a clean one counts here (a skip counted in `before_step`), then GradScaler's `update`."
+        """The step GradScaler took: a clean one counts here (a skip counted in `before_step`), then GradScaler's
+        `update`."""
         if not self._stepped: return
         if not self.skipped: self.record.record(self._scale, False); self.skipped_in_a_row = 0
         self.scaler.update()

@@ -47,7 +47,8 @@ def same_rng(dl=None):
     """Within: draw at will; after, torch's (CPU and CUDA), Python's and numpy's RNG are as before, and so is `dl` (a
     fastai `DataLoader` that was iterated: its own RNG and state)."""
     state, py, npy = rng_state(), random.getstate(), np.random.get_state()
-    dl_state = (dict(dl.__dict__), dl.rng, dl.rng.getstate()) if isinstance(getattr(dl, 'rng', None), random.Random) else None
+    dl_state = ((dict(dl.__dict__), dl.rng, dl.rng.getstate()) if isinstance(getattr(dl, 'rng', None), random.Random)
+                else None)
     try: yield
     finally:
         _set_rng_state(state); random.setstate(py); np.random.set_state(npy)
@@ -79,12 +80,14 @@ class Precision(NamedTuple):
             res = to_half(m, self.dtype, self.policy.adding(keep))
         return m, {res.names[k] for k in res.kept if k in res.names}
 
-    def context(self, device): return torch.autocast(torch.device(device).type, dtype=self.dtype) if self.autocast else nullcontext()
+    def context(self, device):
+        return torch.autocast(torch.device(device).type, dtype=self.dtype) if self.autocast else nullcontext()
 
     def call(self, keep:list) -> str:
         "The call that trains with the modules `keep` FP32 (the user's other name specs kept)."
         pol = self.ours.policy
-        named = ['re:' + re.escape(k) if k in CATEGORIES else k for k in keep]  # a module named 'norm' is not the category
+        # a module named 'norm' is not the category
+        named = ['re:' + re.escape(k) if k in CATEGORIES else k for k in keep]
         specs = [s for s in pol.user_specs() if isinstance(s, str)] + [k for k in named if k not in pol.specs]
         meth = 'to_bf16' if self.dtype == torch.bfloat16 else 'to_fp16'
         more = ' with your other keep_fp32 specs' if any(not isinstance(s, str) for s in pol.user_specs()) else ''
@@ -193,7 +196,8 @@ class _Tracer:
         for kind, i in self.events:
             c = cs[i]
             if kind == 'pre' and c['in_fin'] is False:  # made inside the module running it (or the data's)
-                run.kind, run.origins = ('inputs', [INPUTS]) if c['parent'] is None else ('forward', [cs[c['parent']]['name']])
+                run.kind, run.origins = (('inputs', [INPUTS]) if c['parent'] is None else
+                                         ('forward', [cs[c['parent']]['name']]))
                 return
             if kind == 'post' and c['out_fin'] is False and c['in_fin'] is not False:
                 run.kind, run.origins = 'forward', [c['name']]
@@ -292,7 +296,8 @@ def find_remedy(m32:nn.Module, prec:Precision, batch:tuple, scale:float, rounds:
         m16, kept = prec.make(m32, keep)
         run = run_batch(m16, xb, yb, loss_func, scale, rng=rng)
         if not run.overflowed: return Remedy(keep, True, fp32_max)
-        new = [_in_range(run.origin, fp32_max, limit)] if run.kind == 'forward' else run.origins if run.kind == 'gradient' else []
+        new = ([_in_range(run.origin, fp32_max, limit)] if run.kind == 'forward' else
+               run.origins if run.kind == 'gradient' else [])
         new = [n for n in new if n and n not in (INPUTS, LOSS) and n not in kept]
         if not new: break
         keep = _merged(keep, new)
@@ -304,20 +309,26 @@ def _fmt(x:float) -> str: return f"{x:.3g}" if math.isfinite(x) else 'inf/NaN'
 def where_text(run:Run, prec:Precision, scale:float, fp32_max:dict, params:list) -> str:
     "Where the inf/NaN of `run` starts, in words."
     at = f"(this batch run again on a copy of the model, in {prec.label} at loss scale {scale:g})"
-    if run.kind == 'inputs': return f"Where it starts {at}: the batch's inputs (`learn.xb`) hold inf/NaN: check the data (fastai's `FillMissing`, or drop those rows)."
-    if run.kind == 'loss': return (f"Where it starts {at}: the model's output is finite but the loss (or its gradient) is inf/NaN: "
-                                   "check the targets (`learn.yb`) and the loss function.")
+    if run.kind == 'inputs':
+        return (f"Where it starts {at}: the batch's inputs (`learn.xb`) hold inf/NaN: check the data (fastai's "
+                "`FillMissing`, or drop those rows).")
+    if run.kind == 'loss':
+        return (f"Where it starts {at}: the model's output is finite but the loss (or its gradient) is inf/NaN: "
+                "check the targets (`learn.yb`) and the loss function.")
     if run.kind == 'forward':
         o = run.origin
         big = fp32_max.get(o)
-        fp32 = f"; in FP32 it reaches {_fmt(big)}, {prec.label.split()[0]}'s largest is {torch.finfo(prec.dtype).max:g}" if big is not None else ''
-        return (f"Where it starts {at}: the output of {shown(o)} ({run.types.get(o, '?')}) holds inf/NaN in the forward pass, "
-                f"its inputs finite{fp32}; the modules after it only inherit it.")
+        fp32 = (f"; in FP32 it reaches {_fmt(big)}, {prec.label.split()[0]}'s largest is "
+                f"{torch.finfo(prec.dtype).max:g}" if big is not None else '')
+        return (f"Where it starts {at}: the output of {shown(o)} ({run.types.get(o, '?')}) holds inf/NaN in the "
+                f"forward pass, its inputs finite{fp32}; the modules after it only inherit it.")
     if run.kind == 'gradient' and run.origins:
         mods = ', '.join(f"{shown(o)} ({run.types.get(o, '?')})" if o != LOSS else LOSS for o in run.origins)
-        return (f"Where it starts {at}: the forward pass is finite; the gradient turns inf/NaN first in {mods}: finite at "
-                f"the output, inf/NaN at the input or in the module's own parameters' gradients; the modules before it only inherit it.")
-    seen = f" The parameters whose gradients held inf/NaN at the last skipped step: {', '.join(params)}." if params else ''
+        return (f"Where it starts {at}: the forward pass is finite; the gradient turns inf/NaN first in {mods}: "
+                f"finite at the output, inf/NaN at the input or in the module's own parameters' gradients; the modules "
+                f"before it only inherit it.")
+    seen = (f" The parameters whose gradients held inf/NaN at the last skipped step: {', '.join(params)}." if params
+            else '')
     return (f"Where it starts {at}: nowhere: this batch runs without inf/NaN on a copy of the model, so the inf/NaN "
             f"came from outside its forward and backward (a callback changing the loss or the gradients?).{seen}")
 
@@ -330,8 +341,8 @@ def remedy_text(rem:Remedy|None, prec:Precision, device, ours:bool) -> str:
     if prec.dtype == torch.float16 and has_fast_half_math(torch.bfloat16, device):
         alts.append(f"`learn.to_bf16()` (bfloat16 has FP32's range; native on this {torch.device(device).type})")
     if not alts: alts.append("training in FP32 (`learn.to_fp32()`)")
-    tail = (" `learn.to_fp16(on_collapse='keep_fp32')` (`MixedPrecision(on_collapse='keep_fp32')`) applies such a remedy "
-            "during the fit." if ours and rem is not None and rem.keep and rem.checked else '')
+    tail = (" `learn.to_fp16(on_collapse='keep_fp32')` (`MixedPrecision(on_collapse='keep_fp32')`) applies such a "
+            "remedy during the fit." if ours and rem is not None and rem.keep and rem.checked else '')
     return "Remedy: " + ', or '.join(alts) + '.' + tail
 
 class Diagnosis(NamedTuple):
@@ -342,8 +353,8 @@ class Diagnosis(NamedTuple):
     where: str
 
     def warn(self):
-        warnings.warn(f"fp16cb: the loss scale collapsed. {self.where} on_collapse='keep_fp32': {self.keep} are kept FP32 "
-                      f"from now on (checked on the failing batch) and training goes on.", RuntimeWarning,
+        warnings.warn(f"fp16cb: the loss scale collapsed. {self.where} on_collapse='keep_fp32': {self.keep} are kept "
+                      f"FP32 from now on (checked on the failing batch) and training goes on.", RuntimeWarning,
                       stacklevel=user_stacklevel())
 
 def diagnose_collapse(
@@ -355,7 +366,8 @@ def diagnose_collapse(
     fp32_of:dict|None=None, # `{param: FP32 master}` (exact FP32 values of a 16-bit model)
     fixable:bool=False, # `on_collapse='keep_fp32'`: `applicable` when a checked remedy is found
 ) -> Diagnosis:
-    "Where the overflow of the failing step starts and the remedy, from copies of the model (the live one is untouched)."
+    """Where the overflow of the failing step starts and the remedy, from copies of the model (the live one is
+    untouched)."""
     keep, checked = [], False
     try:
         model = unwrap(learn.model)
@@ -368,7 +380,8 @@ def diagnose_collapse(
             rem = find_remedy(m32, prec, batch, scale, rng=rng) if run.kind in ('forward', 'gradient') else None
         params = (log.read()[-1]['params'] if log is not None and len(log) else [])
         where = where_text(run, prec, scale, rem.fp32_max if rem else {}, params)
-        text = where + ' ' + (remedy_text(rem, prec, dev, not prec.autocast) if run.kind in ('forward', 'gradient', None) else '')
+        text = where + ' ' + (remedy_text(rem, prec, dev, not prec.autocast)
+                              if run.kind in ('forward', 'gradient', None) else '')
         if rem is not None: keep, checked = rem.keep, rem.checked
     except Exception as e:  # the diagnosis must never hide the error it explains
         where = text = f"(fp16cb could not find where the overflow starts: {type(e).__name__}: {e})"

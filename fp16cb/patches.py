@@ -26,13 +26,15 @@ class Change(NamedTuple):
 
 CHANGES = (
     # the precision of a learner (fastai patches its own `to_fp16` & co. onto Learner: these replace them)
-    Change(Learner, 'to_fp16', learner.to_fp16, "fastai's `to_fp16` (PyTorch AMP): a 16-bit model, FP32 master weights, loss scaling"),
+    Change(Learner, 'to_fp16', learner.to_fp16,
+           "fastai's `to_fp16` (PyTorch AMP): a 16-bit model, FP32 master weights, loss scaling"),
     Change(Learner, 'to_bf16', learner.to_bf16, "fastai's `to_bf16` (AMP in bf16): a bf16 model, FP32 master weights"),
     Change(Learner, 'to_fp32', learner.to_fp32, "fastai's `to_fp32`: also gives back the exact FP32 weights"),
     Change(Learner, 'to_native_fp16', learner.to_native_fp16, "new: autocast + GradScaler (`NativeMixedPrecision`)"),
     Change(Learner, 'to_native_bf16', learner.to_native_bf16, "new: autocast in bf16"),
     Change(Learner, 'to_native_fp32', learner.to_native_fp32, "new: the same as `to_fp32`"),
-    Change(Learner, 'to_non_native_fp16', learner.to_non_native_fp16, "fastai's: also removes fp16cb's callbacks first"),
+    Change(Learner, 'to_non_native_fp16', learner.to_non_native_fp16,
+           "fastai's: also removes fp16cb's callbacks first"),
     Change(Learner, 'to_channelslast', learner.to_channelslast, "fastai's: keeps fp16cb's precision (no AMP on top)"),
     Change(Learner, 'precision_callbacks', learner.precision_callbacks, "new: the learner's precision callbacks"),
     Change(Learner, '_set_precision', learner._set_precision, "new: replace the precision callbacks, FP32 first"),
@@ -41,7 +43,8 @@ CHANGES = (
     Change(Learner, 'fit', session.fit_in_session, "fastai's `fit`, run inside the learner's `PrecisionSession`"),
     Change(Learner, 'remove_cb', session.remove_cb_restoring, "fastai's: a precision callback goes with its setup"),
     Change(Learner, 'freeze_to', session.freeze_to_fp32, "fastai's: mid-fit, applied to the FP32 learner"),
-    Change(Learner, '__deepcopy__', session.deepcopy_fp32, "new: `copy.deepcopy(learn)` mid-fit copies the FP32 learner"),
+    Change(Learner, '__deepcopy__', session.deepcopy_fp32,
+           "new: `copy.deepcopy(learn)` mid-fit copies the FP32 learner"),
     Change(Learner, 'restore_precision', session.restore_precision, "new: back to the between-fits state"),
     # torch's DDP: a re-wrap after the model's conversion takes the user's arguments
     Change(DDP, '__init__', distributed.recording_init(DDP.__init__), "torch's, which also keeps its arguments"),

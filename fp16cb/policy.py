@@ -1,9 +1,9 @@
-"""Per-layer precision policy: which modules of a 16-bit model stay FP32, and the casts at the edges of each FP32 island.
-After the op categories of the Google/NVIDIA "Automated Mixed-Precision for TensorFlow" slides (2019): most of the
-network runs in 16-bit, numerically touchy layers in FP32; as Keras lets a layer carry its own dtype policy and
-NVCaffe lets a layer choose its math (NVIDIA's "Training with mixed precision" slides, 2017), a module can carry its
-own choice (`module.fp16cb_dtype = torch.float32`). Casts go only where a kept subtree (an *island*) meets the 16-bit
-rest: its floating inputs cast up once, its outputs back once; nothing is cast inside an island."""
+"""Per-layer precision policy: which modules of a 16-bit model stay FP32, and the casts at the edges of each FP32
+island. After the op categories of the Google/NVIDIA "Automated Mixed-Precision for TensorFlow" slides (2019): most of
+the network runs in 16-bit, numerically touchy layers in FP32; as Keras lets a layer carry its own dtype policy and
+NVCaffe lets a layer choose its math (NVIDIA's "Training with mixed precision" slides, 2017), a module can carry its own
+choice (`module.fp16cb_dtype = torch.float32`). Casts go only where a kept subtree (an *island*) meets the 16-bit rest:
+its floating inputs cast up once, its outputs back once; nothing is cast inside an island."""
 from __future__ import annotations
 import difflib, fnmatch, re, sys, warnings
 from typing import NamedTuple
@@ -12,7 +12,8 @@ from torch import nn
 
 from .dtypes import user_stacklevel
 
-__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'policy_report', 'is_compiled', 'uncompiled', 'named_modules']
+__all__ = ['CATEGORIES', 'PrecisionPolicy', 'Island', 'Resolved', 'policy_report', 'is_compiled', 'uncompiled',
+           'named_modules']
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
 if hasattr(nn, 'RMSNorm'): _NORMS += (nn.RMSNorm,)
@@ -98,7 +99,8 @@ def _is_word(spec) -> bool:
 
 def _regex(spec, pattern:str) -> re.Pattern:
     try: return re.compile(pattern)
-    except re.error as e: raise ValueError(f"keep_fp32: {spec!r} is not a valid regex ({e}): fix it, or use a glob") from None
+    except re.error as e:
+        raise ValueError(f"keep_fp32: {spec!r} is not a valid regex ({e}): fix it, or use a glob") from None
 
 _ORIG = re.compile(r'(?:(?<=^)|(?<=\.)|(?<=^re:))_orig_mod\.')  # `torch.compile`'s wrapper in a qualified name
 
@@ -170,7 +172,8 @@ class PrecisionPolicy:
     def adding(self, names) -> PrecisionPolicy:
         "This policy keeping the modules `names` (qualified names, matched exactly) FP32 too: a new policy."
         # a module's name that is also a category's ('norm') is given as a regex: the category would keep other modules
-        new = [n if (_is_word(n) or re.fullmatch(r'[\w.]+', n)) and n not in CATEGORIES else 're:' + re.escape(n) for n in names]
+        new = [n if (_is_word(n) or re.fullmatch(r'[\w.]+', n)) and n not in CATEGORIES else 're:' + re.escape(n)
+               for n in names]
         new = [n for n in new if n not in self.specs]
         if not new: return self
         return type(self)(*[s for s in self.specs if s != 'batchnorm'], *new, batchnorm='batchnorm' in self.specs)
@@ -186,8 +189,8 @@ class PrecisionPolicy:
             if not (mt.by_name and _is_word(mt.spec)) or mt.spec in names: continue
             close = _closest(mt.spec, list(CATEGORIES) + names)
             hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ''
-            raise ValueError(f"keep_fp32: {mt.spec!r} is neither a category nor the name of a module of the model{hint}. "
-                             f"The categories: {_categories()}. A module is named by its qualified name "
+            raise ValueError(f"keep_fp32: {mt.spec!r} is neither a category nor the name of a module of the "
+                             f"model{hint}. The categories: {_categories()}. A module is named by its qualified name "
                              "('encoder.0.norm1'), a glob ('encoder.*.norm1') or 're:<regex>'.")
 
     def _warn_unmatched(self, spec, names:list):
@@ -225,7 +228,8 @@ class PrecisionPolicy:
         "The module's own `fp16cb_dtype` (None: it has none)."
         dt = getattr(m, _ATTR, None)
         if dt is not None and dt not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"{name or 'the model'}.{_ATTR} = {dt!r}: expected torch.float32, torch.float16 or torch.bfloat16")
+            raise ValueError(f"{name or 'the model'}.{_ATTR} = {dt!r}: expected torch.float32, torch.float16 or "
+                             "torch.bfloat16")
         return dt
 
     def resolve(self,
@@ -242,7 +246,8 @@ class PrecisionPolicy:
         by_spec, kept = self._spec_reasons(model), {}
         def visit(name, m, inherited):
             dt = self._override(name, m)
-            reason = (inherited or by_spec.get(id(m))) if dt is None else (f"{_ATTR}=float32" if dt == torch.float32 else None)
+            reason = ((inherited or by_spec.get(id(m))) if dt is None else
+                      (f"{_ATTR}=float32" if dt == torch.float32 else None))
             if reason is not None: kept[id(m)] = reason
             for cn, c in _children(name, m): visit(cn, c, f"inside {name or 'the model'}" if reason else None)
         visit('', model, None)

@@ -16,10 +16,10 @@ from .policy import PrecisionPolicy, CATEGORIES
 
 def _precision_of(learn) -> tuple:
     """`(Precision, scale_of, floor, label, half_storage, state16)` of the learner's precision callbacks (`to_fp16()`'s
-    defaults when it has none): `scale_of(max |FP32 grad|)` is the loss scale that precision would use for these batches,
-    `floor` the lowest it can go to (a dynamic scale backs off from gradients that overflow above it), `half_storage` how
-    16-bit storage rounds the updated weights: 'stochastic' or 'nearest' (None: FP32 masters); `state16`: whether the
-    optimizer's state is 16-bit already (None: the mode has no such option)."""
+    defaults when it has none): `scale_of(max |FP32 grad|)` is the loss scale that precision would use for these
+    batches, `floor` the lowest it can go to (a dynamic scale backs off from gradients that overflow above it),
+    `half_storage` how 16-bit storage rounds the updated weights: 'stochastic' or 'nearest' (None: FP32 masters);
+    `state16`: whether the optimizer's state is 16-bit already (None: the mode has no such option)."""
     from .callbacks import MixedPrecision, ModelToHalf
     from .native import NativeMixedPrecision
     from .scaling import BackoffScaler
@@ -34,11 +34,13 @@ def _precision_of(learn) -> tuple:
     if mp is None: mp, label = MixedPrecision(), "to_fp16() (the learner has no precision set: fp16cb's default)"
     else: label = f"to_{'bf16' if mp.dtype == torch.bfloat16 else 'fp16'}()"
     mth = next((cb for cb in cbs if isinstance(cb, ModelToHalf)), None)
-    policy = mth.policy if mth is not None else PrecisionPolicy() if not any(isinstance(cb, MixedPrecision) for cb in cbs) else None
+    policy = (mth.policy if mth is not None else
+              PrecisionPolicy() if not any(isinstance(cb, MixedPrecision) for cb in cbs) else None)
     sc = mp.scaler
     calibrating = isinstance(sc, BackoffScaler) and not sc.calibrated
     return (Precision(mp.dtype, policy), (sc.calibrated_scale if calibrating else (lambda g: sc.scale)),
-            min(sc.floor, sc.scale), label, ('stochastic' if mp.stochastic_rounding else 'nearest') if mp.half_storage else None,
+            min(sc.floor, sc.scale), label,
+            ('stochastic' if mp.stochastic_rounding else 'nearest') if mp.half_storage else None,
             mp.state_dtype is not None)
 
 def _lrs(learn, model) -> dict:
@@ -112,7 +114,8 @@ def precision_check(self:Learner,
             xb, yb, rng = tuple(b[:n_inp]), tuple(b[n_inp:]), rng_state()
             r32 = run_batch(m32, xb, yb, self.loss_func, keep_outputs=True, rng=rng)
             if scale is None:
-                scale = float(scale_of(max((float(g.abs().max()) for g in r32.grads.values() if g is not None and g.numel()), default=0.)))
+                scale = float(scale_of(max((float(g.abs().max()) for g in r32.grads.values()
+                                            if g is not None and g.numel()), default=0.)))
             r16 = run_batch(m16, xb, yb, self.loss_func, scale, prec.context(dev), ref=r32.outputs, rng=rng)
             if first is None: first = (xb, yb, rng, r32.outputs)  # what a divergence's remedy is checked on
             losses.append((r32.loss, r16.loss))
@@ -128,7 +131,8 @@ def precision_check(self:Learner,
         mods = dict(m32.named_modules())
         div = None if first is None else _divergence(m32, prec, mods, rel, first, self.loss_func, scale, dev)
     rows = [n for n, m in mods.items() if any(True for _ in m.parameters(recurse=False))]
-    rows = [o for o in (INPUTS,) if o in overflow] + [n for n in mods if n in rows or n in overflow] + [o for o in (LOSS,) if o in overflow]
+    rows = ([o for o in (INPUTS,) if o in overflow] + [n for n in mods if n in rows or n in overflow]
+            + [o for o in (LOSS,) if o in overflow])
     def share(n, k):
         d = counts.get((n, k + '_of'), 0.)
         return counts.get((n, k), 0.) / d if d else float('nan')
@@ -144,7 +148,8 @@ def precision_check(self:Learner,
     }, index=pd.Index([n if n else '(model)' for n in rows], name='module'))
     l32, l16 = (float(np.mean([l[i] for l in losses])) if losses else float('nan') for i in (0, 1))
     df.attrs.update(mode=f"learn.{label}", loss_scale=scale, loss_fp32=l32, loss_16bit=l16, n_batches=len(losses),
-                    keep_fp32=rem.keep if rem is not None and rem.checked and rem.keep else [div[0]] if div is not None and div[2] else [],
+                    keep_fp32=(rem.keep if rem is not None and rem.checked and rem.keep else
+                               [div[0]] if div is not None and div[2] else []),
                     advice=_advice(df, overflow, rem, prec, dev, scale, floor, half_storage, state16, div))
     if plot: plot_precision_check(df)
     return df
@@ -157,16 +162,19 @@ def _compute_dtype(n, mods, kept, prec) -> str:
 
 def _flushed(g:Tensor, scale:float, dtype) -> Tensor:
     "Which values of the FP32 gradient `g` are nonzero but 0 once scaled by `scale` and rounded to `dtype`."
-    return (g != 0) & ((g * scale).to(dtype) == 0) if dtype in (torch.float16, torch.bfloat16) else torch.zeros_like(g, dtype=torch.bool)
+    return ((g != 0) & ((g * scale).to(dtype) == 0) if dtype in (torch.float16, torch.bfloat16) else
+            torch.zeros_like(g, dtype=torch.bool))
 
 def _count(sums, r32, r16, params32, params16, lrs, prec, scale, half_storage):
     "Add one batch's underflowing gradients and swallowed updates, per module, to `sums` (on the device)."
     for n, g in r32.out_grads.items():  # activation gradients: 16-bit between the modules
-        sums.add((n, 'underflow_act'), _flushed(g, scale, prec.dtype).sum()); sums.add((n, 'underflow_act_of'), (g != 0).sum())
+        sums.add((n, 'underflow_act'), _flushed(g, scale, prec.dtype).sum())
+        sums.add((n, 'underflow_act_of'), (g != 0).sum())
     for n, g32 in r32.grads.items():
         if g32 is None: continue
         mod, p16 = n.rpartition('.')[0], params16.get(n)
-        sd = prec.dtype if prec.autocast or p16 is None else p16.dtype  # the dtype the mode holds this weight (and grad) in
+        # the dtype the mode holds this weight (and grad) in
+        sd = prec.dtype if prec.autocast or p16 is None else p16.dtype
         sums.add((mod, 'underflow'), _flushed(g32, scale, sd).sum()); sums.add((mod, 'underflow_of'), (g32 != 0).sum())
         w = params32[n].detach()
         if sd not in (torch.float16, torch.bfloat16, torch.float32): continue
@@ -194,26 +202,30 @@ def _divergence(m32, prec, mods:dict, rel:dict, first:tuple, loss_func, scale, d
     return spec, float(np.mean(rel[name])), not run.overflowed and bool(after) and max(after) <= DIVERGES
 
 def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, state16=None, div=None) -> str:
-    "One sentence: what to do (the first word says which: safe, keep_fp32=[...], differs, use to_bf16, check, underflow, swallowed)."
+    """One sentence: what to do (the first word says which: safe, keep_fp32=[...], differs, use to_bf16, check,
+    underflow, swallowed)."""
     bf16 = prec.dtype == torch.float16 and has_fast_half_math(torch.bfloat16, device)
-    if div is not None and not (overflow and rem is not None and rem.keep and rem.checked):  # a wrong output, said first
+    # a wrong output, said first
+    if div is not None and not (overflow and rem is not None and rem.keep and rem.checked):
         name, v, fixed = div
-        what = (f"{name!r}'s output is {v:.0%} off FP32's in {prec.label}, finite (a value that overflows inside it and "
-                f"comes out finite, as `x**2` in a hand-written norm)")
-        if fixed: return (f"keep_fp32={[name]!r}: `{prec.call([name])}` ({what}; kept FP32, every module's output follows "
-                          f"FP32's)" + (", or `learn.to_bf16()`" if bf16 else '') + '.')
+        what = (f"{name!r}'s output is {v:.0%} off FP32's in {prec.label}, finite (a value that overflows inside it "
+                f"and comes out finite, as `x**2` in a hand-written norm)")
+        if fixed:
+            return (f"keep_fp32={[name]!r}: `{prec.call([name])}` ({what}; kept FP32, every module's output follows "
+                    f"FP32's)" + (", or `learn.to_bf16()`" if bf16 else '') + '.')
         return (f"differs: {what}, and keeping it FP32 does not bring the outputs back: "
                 + ("`learn.to_bf16()`, or train in FP32." if prec.dtype == torch.float16 else "train in FP32."))
     if overflow:
         starts = ', '.join(shown(o) for o in overflow)
         if rem is not None and rem.checked and not rem.keep and scale > floor:
-            return (f"safe: the gradients overflow at loss scale {scale:g} (in {starts}) but not at {floor:g}: the dynamic "
-                    f"loss scale backs off from it (those first steps are skipped).")
+            return (f"safe: the gradients overflow at loss scale {scale:g} (in {starts}) but not at {floor:g}: the "
+                    f"dynamic loss scale backs off from it (those first steps are skipped).")
         if rem is not None and rem.keep and rem.checked:
-            return (f"keep_fp32={rem.keep!r}: `{prec.call(rem.keep)}` (inf/NaN starts in {starts}; with those modules FP32 "
-                    f"the first overflowing batch runs clean)" + (", or `learn.to_bf16()`" if bf16 else '') + '.')
+            return (f"keep_fp32={rem.keep!r}: `{prec.call(rem.keep)}` (inf/NaN starts in {starts}; with those modules "
+                    f"FP32 the first overflowing batch runs clean)" + (", or `learn.to_bf16()`" if bf16 else '') + '.')
         if set(overflow) <= {INPUTS, LOSS}:
-            return f"check the data: inf/NaN starts in {starts} (the inputs, or the loss for finite predictions), not in the model."
+            return (f"check the data: inf/NaN starts in {starts} (the inputs, or the loss for finite predictions), not "
+                    "in the model.")
         if prec.dtype == torch.float16:
             return (f"use to_bf16: inf/NaN starts in {starts} and keeping modules FP32 does not remove it"
                     + ('' if bf16 else ' (bf16 is not native on this device: or train in FP32)') + '.')
@@ -227,27 +239,30 @@ def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, st
     if half_storage and len(sw) and sw.max() > .1:
         if half_storage == 'stochastic':  # already on: only FP32 masters would do more
             return (f"swallowed: rounded to nearest, 16-bit storage would round {sw.max():.0%} of the updates of "
-                    f"{sw.idxmax()!r} to nothing; stochastic rounding (on) keeps them on average only, with noise: FP32 "
-                    "master weights (half_storage=False) keep them exactly.")
-        return (f"swallowed: 16-bit storage rounds {sw.max():.0%} of the updates of {sw.idxmax()!r} to nothing: keep FP32 "
-                "master weights (half_storage=False), or stochastic_rounding=True.")
+                    f"{sw.idxmax()!r} to nothing; stochastic rounding (on) keeps them on average only, with noise: "
+                    "FP32 master weights (half_storage=False) keep them exactly.")
+        return (f"swallowed: 16-bit storage rounds {sw.max():.0%} of the updates of {sw.idxmax()!r} to nothing: keep "
+                "FP32 master weights (half_storage=False), or stochastic_rounding=True.")
     return (f"safe: no overflow, no underflow over 1% at loss scale {scale:g}"
-            + (f" (FP32 masters keep the {sw.max():.0%} of updates 16-bit storage would swallow)" if not half_storage and len(sw) and sw.max() > 0 else '')
-            + ("; short of memory, `state_dtype=torch.bfloat16` stores the optimizer's state (Adam's moments, momentum) "
-               "in bf16 between steps: 4 bytes/param less with Adam" if state16 is False else '') + '.')
+            + (f" (FP32 masters keep the {sw.max():.0%} of updates 16-bit storage would swallow)"
+               if not half_storage and len(sw) and sw.max() > 0 else '')
+            + ("; short of memory, `state_dtype=torch.bfloat16` stores the optimizer's state (Adam's moments, "
+               "momentum) in bf16 between steps: 4 bytes/param less with Adam" if state16 is False else '') + '.')
 
 def plot_precision_check(
     df, # what `learn.precision_check()` returned
     axs=None, # four matplotlib axes (a new figure when None)
 ):
-    "Bars per module: batches where inf/NaN starts, underflowed gradients, swallowed updates, output difference from FP32."
+    """Bars per module: batches where inf/NaN starts, underflowed gradients, swallowed updates, output difference from
+    FP32."""
     import matplotlib.pyplot as plt, textwrap
     from matplotlib.ticker import LogLocator, LogFormatterSciNotation, NullFormatter
     if axs is None: _, axs = plt.subplots(1, 4, figsize=(12, 1.6 + .3 * len(df)), sharey=True, layout='constrained')
     names = list(df.index)[::-1]
     d = df.iloc[::-1]
     panels = [('overflow', 'overflow (batches)', 'tab:red'), ('underflow', 'underflow (share of grads)', 'tab:orange'),
-              ('swallowed', 'swallowed (share of updates)', 'tab:purple'), ('rel_diff', 'output vs FP32 (rel. diff.)', 'tab:blue')]
+              ('swallowed', 'swallowed (share of updates)', 'tab:purple'),
+              ('rel_diff', 'output vs FP32 (rel. diff.)', 'tab:blue')]
     for ax, (col, title, color) in zip(axs, panels):
         v = d[col].astype(float).replace([np.inf, -np.inf], np.nan)
         if col == 'rel_diff' and d[col].isin([np.inf]).any(): v = v.fillna(v.max() * 10 if v.notna().any() else 1.)
@@ -258,7 +273,8 @@ def plot_precision_check(
         if col == 'rel_diff' and (v > 0).any():  # whole decades, labelled at the decades only: no crowded labels
             ax.set_xscale('log')
             lo, hi = v[v > 0].min(), v.max()
-            ax.set_xlim(10. ** math.floor(math.log10(lo)), 10. ** max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1))
+            ax.set_xlim(10. ** math.floor(math.log10(lo)),
+                        10. ** max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1))
             ax.xaxis.set_major_locator(LogLocator(numticks=4)); ax.xaxis.set_major_formatter(LogFormatterSciNotation())
             ax.xaxis.set_minor_formatter(NullFormatter())
     axs[0].figure.suptitle(textwrap.fill(df.attrs.get('advice', ''), 150), fontsize='small')

@@ -55,7 +55,8 @@ class PrecisionSession:
     def is_active(self, cb) -> bool: return any(c is cb for c in self.active)
 
     def begin(self, cb):
-        "From `cb.before_fit`: set `cb` up, unless this is the nested `before_fit` of a `validate`/`get_preds` in a fit."
+        """From `cb.before_fit`: set `cb` up, unless this is the nested `before_fit` of a `validate`/`get_preds` in a
+        fit."""
         if self.is_active(cb):
             if self.in_fit:
                 if cb is self.active[0]: self.depth += 1
@@ -87,8 +88,8 @@ class PrecisionSession:
     @contextmanager
     def suspended(self):
         """Within: the plain FP32 learner (exact FP32 masters in the model, the optimizer on the model's own params with
-        their state). On exit the fit's setup comes back, made again from those FP32 values (nothing rounded twice), with
-        the gradients accumulated so far (a step in progress keeps them)."""
+        their state). On exit the fit's setup comes back, made again from those FP32 values (nothing rounded twice),
+        with the gradients accumulated so far (a step in progress keeps them)."""
         cbs, depth, outer = list(self.active), self.depth, self.suspending
         if not cbs:
             yield self.learn; return
@@ -108,8 +109,9 @@ class PrecisionSession:
 
     @contextmanager
     def fit(self):
-        """Around `Learner.fit`: any exception leaves the learner torn down at once (fastai then skips `after_fit`). A fit
-        run inside another (from a callback) nests like a `validate`: when it raises, the outer fit's setup stays."""
+        """Around `Learner.fit`: any exception leaves the learner torn down at once (fastai then skips `after_fit`). A
+        fit run inside another (from a callback) nests like a `validate`: when it raises, the outer fit's setup
+        stays."""
         outer, depth = not self.in_fit, self.depth
         if outer: self.teardown_all()  # whatever a fit that ended without `after_fit` (and without us) left behind
         self.fitting += 1
@@ -121,7 +123,8 @@ class PrecisionSession:
         finally: self.fitting -= 1
 
     def _teardown_failed(self, e:BaseException):
-        "Tear down after the fit raised `e`, with nothing collective; what it changed is noted on `e` (the user's error stays on top)."
+        """Tear down after the fit raised `e`, with nothing collective; what it changed is noted on `e` (the user's
+        error stays on top)."""
         self.failing, self.notes = True, []
         try: self.teardown_all()
         finally:
@@ -169,7 +172,8 @@ def restore_precision(self:Learner):
     session_of(self).teardown_all()
     return self
 
-FIT_CHECKS = []  # `f(cbs)` called with a fit's callbacks before it starts (`learner` adds fastai AMP's arguments' check)
+# `f(cbs)` called with a fit's callbacks before it starts (`learner` adds fastai AMP's arguments' check)
+FIT_CHECKS = []
 
 def check_precision_cbs(cbs):
     "Raise a `ValueError` unless `cbs` (callbacks or their classes) hold at most one precision setup."
@@ -178,7 +182,8 @@ def check_precision_cbs(cbs):
     if len(set(kinds)) < len(kinds) or len({family_of(k) for k in kinds}) > 1:
         raise ValueError(f"two precision setups would be stacked in this fit ({', '.join(k.__name__ for k in kinds)}): "
                          f"set the precision once with `learn.to_fp16()`, `to_bf16()`, `to_native_fp16()` or "
-                         f"`to_fp32()` (the last call wins) and do not pass precision callbacks to `fit(cbs=...)` as well.")
+                         f"`to_fp32()` (the last call wins) and do not pass precision callbacks to `fit(cbs=...)` "
+                         f"as well.")
 
 _fit = _unwrapped(Learner.fit)
 _fit_sig = inspect.signature(_fit)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import functools, math, numbers
 import numpy as np
 
-__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int', 'check_choice', 'AMP_ARGS',
-           'refuses_amp_args']
+__all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int', 'check_choice',
+           'AMP_ARGS', 'refuses_amp_args']
 
 FP32_MAX = 3.4028234663852886e38  # the largest finite float32 (`torch.finfo(torch.float32).max`)
 INT32_MAX = 2**31 - 1
@@ -16,7 +16,8 @@ def _range(lo, hi, lo_open, hi_open, hi_name) -> str:
     "The allowed range in words: '> 0', '>= 1 and <= 2147483647', '> 0 and <= `max_loss_scale` (1024)'."
     parts = []
     if lo is not None: parts.append(f"{'>' if lo_open else '>='} {_fmt(lo)}")
-    if hi is not None: parts.append(f"{'<' if hi_open else '<='} " + (f"`{hi_name}` ({_fmt(hi)})" if hi_name else _fmt(hi)))
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} " + (f"`{hi_name}` ({_fmt(hi)})" if hi_name else _fmt(hi)))
     return ' and '.join(parts)
 
 def _in_range(x, lo, hi, lo_open, hi_open) -> bool:
@@ -44,7 +45,8 @@ def check_real(
     hi_name:str=None, # the name of the argument `hi` comes from (the error then names both)
     allow_none:bool=False, # None is accepted (and returned)
 ) -> float:
-    "`v` as a finite Python float within the bounds; a `ValueError` naming `name` otherwise (overflow and inf included)."
+    """`v` as a finite Python float within the bounds; a `ValueError` naming `name` otherwise (overflow and inf
+    included)."""
     if v is None and allow_none: return v
     rng = _range(lo, hi, lo_open, hi_open, hi_name)
     err = ValueError(f"`{name}` must be a finite number{' ' + rng if rng else ''}, got {v!r}")
@@ -80,7 +82,8 @@ def check_choice(
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}, got {v!r}")
     return v
 
-AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')  # fastai's AMP `to_fp16`
+# fastai's AMP `to_fp16`
+AMP_ARGS = ('amp_mode', 'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'enabled')
 
 def refuses_amp_args(
     hint:str, # what to use instead, said after the arguments are named

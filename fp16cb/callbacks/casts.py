@@ -65,7 +65,8 @@ def cast_floats(b, dtype:torch.dtype, keep64:bool=False):
     container keeps its type and its other fields (a Hugging Face `ModelOutput` read as `out.logits`, a namedtuple); one
     in which nothing was cast is given back as it is."""
     if isinstance(b, torch.Tensor):
-        return b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype and not (keep64 and b.dtype == torch.float64) else b
+        return (b.to(dtype) if torch.is_floating_point(b) and b.dtype != dtype
+                and not (keep64 and b.dtype == torch.float64) else b)
     vals = _values(b)
     if not vals: return b
     new = [cast_floats(v, dtype, keep64) for v in vals]
@@ -86,8 +87,8 @@ def _floats(b) -> list:
     return [t for v in _values(b) or () for t in _floats(v)]
 
 class RangeWatch:
-    """Whether casting the eval inputs to fp16 made an inf of a finite value (beyond fp16's 65504): a flag on the device,
-    OR-ed batch by batch (no host sync), read once at the end of the validation (`found`)."""
+    """Whether casting the eval inputs to fp16 made an inf of a finite value (beyond fp16's 65504): a flag on the
+    device, OR-ed batch by batch (no host sync), read once at the end of the validation (`found`)."""
     def __init__(self): self.flag = None
     def __call__(self, before, after):
         for a, b in zip(_floats(before), _floats(after)):
@@ -133,7 +134,8 @@ class IslandHooks:
         return cast_floats(out, dtype, keep64=True)
 
     def _model_out(self, module, args, out):
-        "The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's outputs."
+        """The model's output: an island's 16-bit output goes back to its exact FP32 value; forget this forward's
+        outputs."""
         outs = list(self._outs)
         self._outs.clear()
         for res, fp32 in outs:
@@ -227,7 +229,8 @@ def to_half(model:nn.Module, dtype:torch.dtype, policy:PrecisionPolicy):
     res = policy.resolve(model)
     convert_network_keeping(model, dtype, keep=set(res.kept))
     IslandHooks(model, res.islands, dtype)
-    model.register_forward_pre_hook(_cast_inputs(torch.float32 if id(model) in res.kept else dtype), with_kwargs=True, prepend=True)
+    model.register_forward_pre_hook(_cast_inputs(torch.float32 if id(model) in res.kept else dtype), with_kwargs=True,
+                                    prepend=True)
     EntryCasts(model, res, dtype)
     return res
 

@@ -1,6 +1,7 @@
 """`python -m fp16cb` (or `fp16cb`): train a tiny CNN on scikit-learn's digits in several precisions and compare them;
 `--experiments` reproduces at small scale the precision comparison of NVIDIA's NVCaffe slides "Training with Mixed
-Precision" and the three problems of pure fp16 named in fastai's mixed-precision docs (after Micikevicius et al. 2018)."""
+Precision" and the three problems of pure fp16 named in fastai's mixed-precision docs (after Micikevicius et al.
+2018)."""
 from __future__ import annotations
 import argparse, math, sys, textwrap, time, warnings
 import torch
@@ -57,7 +58,8 @@ def _epilog(width:int=78) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     "The command line of the main job; bad values exit with status 2 and a message that says what is wrong."
-    p = argparse.ArgumentParser(prog='python -m fp16cb', description=textwrap.fill(__doc__.split(';')[0].replace('`', ''), 78),
+    p = argparse.ArgumentParser(prog='python -m fp16cb',
+                                description=textwrap.fill(__doc__.split(';')[0].replace('`', ''), 78),
                                 epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--modes', type=_modes, default=','.join(DEFAULT_MODES), metavar='MODE[,MODE...]',
                    help=f"precision modes to compare, named below (default: {','.join(DEFAULT_MODES)})")
@@ -151,7 +153,8 @@ def _acc_curves(ax, rows, title):
         x, m = range(1, n + 1), [o[0] for o in stats]
         line, = ax.plot(x, m, marker='o', ms=3, label=f"{label} ({len(curves)} seed{'s' * (len(curves) > 1)})")
         if len(curves) > 1:
-            ax.fill_between(x, [a - sd for a, sd in stats], [a + sd for a, sd in stats], color=line.get_color(), alpha=.2)
+            ax.fill_between(x, [a - sd for a, sd in stats], [a + sd for a, sd in stats], color=line.get_color(),
+                            alpha=.2)
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, 100); ax.set_xlabel('epoch'); ax.set_ylabel('validation accuracy %')
@@ -165,7 +168,8 @@ def _figure_default(rows):
     fig = Figure(figsize=(5 * (1 + len(scaled)), 3.5), layout='tight')
     axs = fig.subplots(1, 1 + len(scaled), squeeze=False)
     _acc_curves(axs[0, 0], rows, "digits (scikit-learn), tiny CNN")
-    for ax, (label, run) in zip(axs[0, 1:], scaled): plot_loss_scale(run, ax=ax, title=f"{label}: loss scale (seed {run.seed})")
+    for ax, (label, run) in zip(axs[0, 1:], scaled):
+        plot_loss_scale(run, ax=ax, title=f"{label}: loss scale (seed {run.seed})")
     return fig
 
 def _comparison_chart(ax, rows):
@@ -199,7 +203,8 @@ def _figure_experiments(res, device='cpu'):
     from .experiments import make_learner
     fig = Figure(figsize=(13, 8), layout='tight')
     axs = fig.subplots(2, 2)
-    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res[:4]  # the rest: the precision-policy and FP16-storage rows
+    # the rest: the precision-policy and FP16-storage rows
+    (_, _, table), (_, _, van), (_, _, und), (_, _, ovf) = res[:4]
     _comparison_chart(axs[0, 0], table)
     axs[0, 0].set_title("precision comparison of NVIDIA's NVCaffe slides: digits, tiny CNN", fontsize='medium')
     _acc_curves(axs[0, 1], [(label, runs) for label, _, runs in van], '1: vanishing updates without FP32 masters')

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from fastai.callback.core import Callback
 
-__all__ = ['free_port', 'launch', 'ranks_on_cuda', 'init', 'shard', 'ByteCounter', 'count_allreduce', 'DDPWrap', 'fingerprint',
-           'demo_learner', 'shutdown', 'main']
+__all__ = ['free_port', 'launch', 'ranks_on_cuda', 'init', 'shard', 'ByteCounter', 'count_allreduce', 'DDPWrap',
+           'fingerprint', 'demo_learner', 'shutdown', 'main']
 
 def free_port() -> int:
     "A TCP port free on 127.0.0.1 now (for `MASTER_PORT`)."
@@ -47,8 +47,9 @@ def launch(
     return [o for o, _ in outs]
 
 def ranks_on_cuda(local_world:int|None=None) -> bool:
-    """Whether this machine's `local_world` processes (default: `LOCAL_WORLD_SIZE`, as `torchrun` sets it) train on GPUs:
-    one for each. Else they train on the CPU with gloo: nccl refuses two ranks on one GPU (a one-GPU H100 machine)."""
+    """Whether this machine's `local_world` processes (default: `LOCAL_WORLD_SIZE`, as `torchrun` sets it) train on
+    GPUs: one for each. Else they train on the CPU with gloo: nccl refuses two ranks on one GPU (a one-GPU H100
+    machine)."""
     n = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if local_world is None else local_world
     return torch.cuda.is_available() and torch.cuda.device_count() >= n
 
@@ -165,7 +166,8 @@ def shutdown():
     dist.destroy_process_group()
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--nproc', type=int, default=2, help="processes to launch when not started by torchrun")
     p.add_argument('--epochs', type=int, default=1)
     args = p.parse_args(argv)

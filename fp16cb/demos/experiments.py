@@ -51,8 +51,9 @@ class HalfLossScale(Callback):
         if found and self.check: raise CancelStepException()
 
 def classic_momentum(p, lr, mom, mom_buf=None, **kwargs):
-    """The 'vanilla' momentum of the slides, in the weights' own dtype: H = m*H - lr*dW, W = W + H. In 16-bit the product
-    lr*dW underflows and W + H rounds small updates away: the vanishing updates that FP32 masters, or the modified rule, avoid."""
+    """The 'vanilla' momentum of the slides, in the weights' own dtype: H = m*H - lr*dW, W = W + H. In 16-bit the
+    product lr*dW underflows and W + H rounds small updates away: the vanishing updates that FP32 masters, or the
+    modified rule, avoid."""
     if mom_buf is None: mom_buf = torch.zeros_like(p.data)
     mom_buf.mul_(mom).sub_(p.grad.data * torch.tensor(lr, dtype=p.dtype))  # lr*dW computed in the param's dtype
     p.data.add_(mom_buf)
@@ -76,10 +77,12 @@ MODES = {
                     lambda learn: learn.to_bf16()),
     'native':      ("`learn.to_native_fp16()`: PyTorch's autocast in fp16 with its GradScaler",
                     lambda learn: learn.to_native_fp16()),
-    'native_bf16': ("`learn.to_native_bf16()`: PyTorch's autocast in bf16, no scaler", lambda learn: learn.to_native_bf16()),
+    'native_bf16': ("`learn.to_native_bf16()`: PyTorch's autocast in bf16, no scaler",
+                    lambda learn: learn.to_native_bf16()),
     'fp16':        ("pure fp16: model and optimizer step in fp16, no FP32 masters, no loss scale",
                     lambda learn: learn.to_fp32().add_cb(ModelToHalf())),
-    'fp16_scaled': ("pure fp16 with a static loss scale of 1000 (the NVCaffe slides' 'FP16 training, loss scale = 1000')",
+    'fp16_scaled': ("pure fp16 with a static loss scale of 1000 "
+                    "(the NVCaffe slides' 'FP16 training, loss scale = 1000')",
                     lambda learn: learn.to_fp32().add_cbs([ModelToHalf(), HalfLossScale(1000.)])),
     'to_fp16_unscaled': ("`learn.to_fp16(loss_scale=1, dynamic=False)`: FP32 masters but no loss scaling",
                          lambda learn: learn.to_fp16(loss_scale=1., dynamic=False)),
@@ -91,14 +94,16 @@ MODES = {
     # the per-layer precision policy
     'bf16_norm': ("to_bf16, LayerNorm/GroupNorm kept FP32", lambda learn: learn.to_bf16(keep_fp32='norm')),
     'bf16_classifier': ("to_bf16, final classifier kept FP32", lambda learn: learn.to_bf16(keep_fp32='classifier')),
-    'bf16_norm_classifier': ("to_bf16, norms and classifier FP32", lambda learn: learn.to_bf16(keep_fp32=['norm', 'classifier'])),
+    'bf16_norm_classifier': ("to_bf16, norms and classifier FP32",
+                             lambda learn: learn.to_bf16(keep_fp32=['norm', 'classifier'])),
     'fp16_norm': ("to_fp16, norms kept FP32", lambda learn: learn.to_fp16(keep_fp32='norm')),
     'fp16_classifier': ("to_fp16, final classifier kept FP32", lambda learn: learn.to_fp16(keep_fp32='classifier')),
     # FP16 master-weight storage
     'fp16_storage_plain': ("fp16 storage, classic momentum in fp16, no masters", _plain_storage),
     'fp16_storage_rn': ("fp16 storage, modified rule, round to nearest",
                         lambda learn: learn.to_fp16(half_storage=True, stochastic_rounding=False)),
-    'fp16_storage': ("fp16 storage, modified rule, stochastic rounding", lambda learn: learn.to_fp16(half_storage=True)),
+    'fp16_storage': ("fp16 storage, modified rule, stochastic rounding",
+                     lambda learn: learn.to_fp16(half_storage=True)),
 }
 DEFAULT_MODES = ('fp32', 'to_fp16', 'to_bf16', 'native')
 
@@ -134,7 +139,8 @@ def digits_linear(offset:float=0.) -> nn.Module:
     return lin
 
 class DigitsTransformer(nn.Module):
-    "An 8x8 image as 8 tokens of 8 pixels: linear embedding + position, one pre-norm encoder layer, mean, LayerNorm, head."
+    """An 8x8 image as 8 tokens of 8 pixels: linear embedding + position, one pre-norm encoder layer, mean, LayerNorm,
+    head."""
     def __init__(self, d:int=32, heads:int=4):
         super().__init__()
         self.embed, self.pos = nn.Linear(8, d), nn.Parameter(torch.zeros(8, d))
@@ -145,8 +151,9 @@ class DigitsTransformer(nn.Module):
 def digits_transformer() -> nn.Module: return DigitsTransformer()
 
 def offset_cnn(offset:float=4096.) -> nn.Module:
-    """The digits CNN whose classifier adds `offset` to every logit (its bias): the softmax ignores a common shift, but
-    16-bit logits near 4096 are spaced by 4 (fp16) or 32 (bf16), so a 16-bit classifier rounds class differences away."""
+    """The digits CNN whose classifier adds `offset` to every logit (its bias): the softmax ignores a common shift,
+    but 16-bit logits near 4096 are spaced by 4 (fp16) or 32 (bf16), so a 16-bit classifier rounds class differences
+    away."""
     m = digits_cnn()
     with torch.no_grad(): m[-1].bias.add_(offset)
     return m
@@ -187,7 +194,8 @@ TASKS = {
     'transformer': Task('transformer', digits_transformer, epochs=6, lr=1e-2,
                         note="8 tokens of 8 pixels, 1 pre-norm encoder layer (d=32), Adam, one-cycle"),
     'logit_offset': Task('logit_offset', offset_cnn, epochs=6,
-                         note="tiny CNN whose logits all carry +4096 (16-bit spacing 4 in fp16, 32 in bf16), Adam, one-cycle"),
+                         note="tiny CNN whose logits all carry +4096 (16-bit spacing 4 in fp16, 32 in bf16), Adam, "
+                              "one-cycle"),
     # FP16 storage: the loss x 2^-22 puts raw gradients below fp16's subnormals once unscaled; SGD's lr x 2^22 (< 65504)
     # makes up for it
     'storage': Task('storage', digits_cnn, epochs=4, lr=0.015 * 2**22, opt_func=partial(SGD, mom=0.9), one_cycle=False,
@@ -247,8 +255,9 @@ def train(learn:Learner, epochs:int=None, lr:float=None) -> Run:
     changed = [(a.to(dt) != b.to(dt)) if dt else (a != b) for a, b in zip(after, before)]
     moved = sum(int(c.sum()) for c in changed) / max(1, sum(b.numel() for b in before))
     acc = vals[-1] if vals else float('nan')
-    return Run('', 0, float(acc), secs, float(cb.loss_scale) if cb is not None else None, int(sum(cb.skips)) if cb else 0,
-               list(cb.scales) if cb else [], list(cb.skips) if cb else [], [float(v) for v in vals], moved, err,
+    return Run('', 0, float(acc), secs, float(cb.loss_scale) if cb is not None else None,
+               int(sum(cb.skips)) if cb else 0, list(cb.scales) if cb else [], list(cb.skips) if cb else [],
+               [float(v) for v in vals], moved, err,
                all(bool(torch.isfinite(a).all()) for a in after))
 
 def run_mode(mode, seed:int=0, task='digits', device='cpu', epochs:int=None, label:str=None) -> Run:
@@ -275,7 +284,8 @@ EXPERIMENTS = [
       ('FP16 + loss scale 1000', 'fp16_scaled', 'other'), ('bf16 (to_bf16)', 'to_bf16', 'recipe'),
       ('native AMP fp16', 'native', 'recipe')]),
     ("Failure 1: vanishing updates without FP32 masters", 'vanishing',
-     [('FP32', 'fp32', 'fp32'), ('pure FP16 (no masters)', 'fp16', 'breaks'), ('mixed (FP32 masters)', 'to_fp16', 'recipe')]),
+     [('FP32', 'fp32', 'fp32'), ('pure FP16 (no masters)', 'fp16', 'breaks'),
+      ('mixed (FP32 masters)', 'to_fp16', 'recipe')]),
     ("Failure 2: gradient underflow without loss scaling", 'underflow',
      [('FP32', 'fp32', 'fp32'), ('mixed, loss scale 1', 'to_fp16_unscaled', 'breaks'),
       ('mixed, dynamic loss scale', 'to_fp16', 'recipe')]),
@@ -283,11 +293,13 @@ EXPERIMENTS = [
      [('FP32', 'fp32', 'fp32'), ('FP16, scale 2^24, unchecked', 'fp16_unchecked', 'breaks'),
       ('mixed, dynamic, scale_wait=20', 'to_fp16_wait20', 'recipe')]),
     ("Precision policy: opt-ins on a small transformer (speed and accuracy)", 'transformer',
-     [('FP32', 'fp32', 'fp32'), ('to_bf16 (BatchNorm only)', 'to_bf16', 'recipe'), ('+ norms FP32', 'bf16_norm', 'recipe'),
-      ('+ classifier FP32', 'bf16_classifier', 'recipe'), ('+ norms + classifier', 'bf16_norm_classifier', 'recipe')]),
+     [('FP32', 'fp32', 'fp32'), ('to_bf16 (BatchNorm only)', 'to_bf16', 'recipe'),
+      ('+ norms FP32', 'bf16_norm', 'recipe'), ('+ classifier FP32', 'bf16_classifier', 'recipe'),
+      ('+ norms + classifier', 'bf16_norm_classifier', 'recipe')]),
     ("Precision policy: keeping the classifier FP32 is what makes fp16 match FP32", 'logit_offset',
-     [('FP32', 'fp32', 'fp32'), ('to_fp16', 'to_fp16', 'breaks'), ('to_fp16, classifier FP32', 'fp16_classifier', 'recipe'),
-      ('to_bf16', 'to_bf16', 'breaks'), ('to_bf16, classifier FP32', 'bf16_classifier', 'recipe')]),
+     [('FP32', 'fp32', 'fp32'), ('to_fp16', 'to_fp16', 'breaks'),
+      ('to_fp16, classifier FP32', 'fp16_classifier', 'recipe'), ('to_bf16', 'to_bf16', 'breaks'),
+      ('to_bf16, classifier FP32', 'bf16_classifier', 'recipe')]),
     ("FP16 master-weight storage (NVIDIA's NVCaffe slides): plain vs modified update", 'storage',
      [('FP32 masters (to_fp16)', 'to_fp16', 'fp32'), ('fp16 storage, plain update', 'fp16_storage_plain', 'breaks'),
       ('fp16 storage, modified, nearest', 'fp16_storage_rn', 'recipe'),

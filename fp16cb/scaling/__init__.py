@@ -2,14 +2,15 @@
 that pick the loss scale (`scalers`), the fused inf/NaN check (`check`), the step's one host sync taken across ranks
 (`ranks`), and the accounting of skipped steps with what a skip must undo (`record`)."""
 from .scalers import (LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, LossScaleError, make_scaler,
-                      GradScalerAdapter, SEED_LOSS_SCALE, CALIBRATE, FP16_MAX, FP16_MIN_NORMAL, check_positive)  # noqa: F401 (callers' imports)
+                      GradScalerAdapter, SEED_LOSS_SCALE, CALIBRATE, FP16_MAX, FP16_MIN_NORMAL,
+                      check_positive)  # noqa: F401 (callers' imports)
 from .check import (test_overflow, grad_overflow, OverflowCheck, check_and_unscale_, fused_supported, nonfinite_flags,
                     underflow_flag, _real)  # noqa: F401 (`_real`: the store's)
 from .ranks import world_size, is_multiprocess, is_ddp, syncs, reduce_max_, read_stats
 from .record import BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped, OverflowLog, StepRecord
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
-           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'CALIBRATE', 'FP16_MAX', 'test_overflow', 'grad_overflow', 'OverflowCheck',
-           'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
+           'GradScalerAdapter', 'SEED_LOSS_SCALE', 'CALIBRATE', 'FP16_MAX', 'test_overflow', 'grad_overflow',
+           'OverflowCheck', 'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
            'warn_all_skipped', 'world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'StepRecord',
            'nonfinite_flags', 'OverflowLog', 'underflow_flag', 'read_stats', 'FP16_MIN_NORMAL']

@@ -71,7 +71,9 @@ def check_and_unscale_(ts:list, found:Tensor, inv:Tensor, inv_scale:float):
             _REFUSED.add(key)
     _generic_check_and_unscale(ts, found, inv_scale)
 
-_FEW = 64  # up to this many tensors (the flat buffers of a store, one per chunk-sized flat master at most), a check at scale 1 reads them with one `aminmax` each; more: the fused kernel
+# up to this many tensors (the flat buffers of a store, one per chunk-sized flat master at most), a check at scale 1
+# reads them with one `aminmax` each; more: the fused kernel
+_FEW = 64
 
 class OverflowCheck:
     "Unscale gradients in place and detect inf/NaN in the same fused pass; optionally the largest |grad| too."
@@ -80,7 +82,8 @@ class OverflowCheck:
 
     def _grouped(self, grads) -> dict:
         "`grads` by (device, dtype), cached while the caller passes the very same tensors (it does, step after step)."
-        if not (self._grads is not None and len(grads) == len(self._grads) and all(map(operator.is_, grads, self._grads))):
+        if not (self._grads is not None and len(grads) == len(self._grads)
+                and all(map(operator.is_, grads, self._grads))):
             self._grads, self._groups = list(grads), _by_device(grads)
         return self._groups
 
@@ -109,7 +112,8 @@ class OverflowCheck:
             check_and_unscale_(ts, found, inv, inv_scale)
             if with_max: maxes.append(_max_abs(ts).to(first).reshape(1))
         founds = [f.to(first) for f in founds.values()]
-        found = founds[0] if len(founds) == 1 else torch.stack(founds).sum(0) if founds else torch.zeros(1, device=first)
+        found = (founds[0] if len(founds) == 1 else torch.stack(founds).sum(0) if founds else
+                 torch.zeros(1, device=first))
         if not with_max: return found
         return torch.cat([found, torch.stack(maxes).max().reshape(1) if maxes else torch.zeros(1, device=first)])
 
@@ -120,7 +124,8 @@ class OverflowCheck:
         ts = _real(grads)
         if not ts: return torch.zeros(2 if with_max else 1, device=first)
         self.approx = not with_max and _summable(ts)
-        if self.approx: return torch.stack([t.sum().float() for t in ts]).isfinite().all().logical_not_().float().reshape(1)
+        if self.approx:
+            return torch.stack([t.sum().float() for t in ts]).isfinite().all().logical_not_().float().reshape(1)
         return self.exact(ts, with_max)
 
     def exact(self, grads:list, with_max:bool=False) -> Tensor:
@@ -151,7 +156,8 @@ def underflow_flag(stats:Tensor, grads:list, loss:Tensor, min_normal:float=FP16_
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     nonzero = sum((torch.count_nonzero(t).to(dev) for t in ts), zero)
     small = nonzero - sum((torch.count_nonzero(t.abs() >= min_normal).to(dev) for t in ts), zero)
-    flushed = (stats[1] == 0) & (loss.detach().as_subclass(Tensor).abs().reshape(()).to(dev) != 0)  # fastai's TensorBase: plain
+    # fastai's TensorBase: plain
+    flushed = (stats[1] == 0) & (loss.detach().as_subclass(Tensor).abs().reshape(()).to(dev) != 0)
     return torch.cat([stats, ((2 * small > nonzero) | flushed).to(stats.dtype).reshape(1)])
 
 
@@ -161,6 +167,7 @@ def nonfinite_flags(grads:list) -> Tensor|None:
     ts = [g for g in grads if g is not None]
     if not ts: return None
     dev = ts[0].device
-    finite = [torch.isfinite(g).all().to(dev) if g is not None else torch.ones((), dtype=torch.bool, device=dev) for g in grads]
+    finite = [torch.isfinite(g).all().to(dev) if g is not None else torch.ones((), dtype=torch.bool, device=dev)
+              for g in grads]
     return torch.stack(finite).logical_not_()
 

@@ -24,7 +24,8 @@ class BNStatsGuard:
         self.armed = True  # a snapshot is due: nothing was accumulated since the last optimizer step
 
     def snapshot(self):
-        "Copy the statistics aside (one fused copy) when a new step starts; micro-batches of an accumulated step keep the first."
+        """Copy the statistics aside (one fused copy) when a new step starts; micro-batches of an accumulated step keep
+        the first."""
         if not self.armed or not self.bufs: return
         torch._foreach_copy_(self.snaps, self.bufs)
         self.armed = False
@@ -63,11 +64,12 @@ def lr_find_stops_on(learn,
         if err is not None: raise err from None
 
 def warn_all_skipped(skips:list, what:str):
-    "At the end of a fit: warn when every optimizer step of it was skipped for inf/NaN gradients (the weights never moved)."
+    """At the end of a fit: warn when every optimizer step of it was skipped for inf/NaN gradients (the weights never
+    moved)."""
     if skips and all(skips):
         warnings.warn(f"all {len(skips)} optimizer steps of this fit were skipped for inf/NaN gradients ({what}): the "
-                      f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or try "
-                      f"`learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)
+                      f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or "
+                      f"try `learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)
 
 class OverflowLog:
     """Which parameters had inf/NaN gradients at each skipped step: the last `keep` steps (a long run stays bounded)

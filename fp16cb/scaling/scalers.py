@@ -27,8 +27,8 @@ _HINT = ("Likely causes: NaN/inf in the inputs, targets or loss; a learning rate
 
 class LossScaler:
     """Base strategy: `scale` is the current loss scale; `update` is called once per optimizer step after the overflow
-    check (a step that another callback cancels is no step: the scaler sees nothing of it, as torch's `GradScaler.update`
-    is never called for it)."""
+    check (a step that another callback cancels is no step: the scaler sees nothing of it, as torch's
+    `GradScaler.update` is never called for it)."""
     needs_max_grad = False  # whether `update` wants the largest |unscaled grad| of the step (costs one fused pass)
     calibrating = False  # whether this step sets the scale from the gradients (and is checked for underflow first)
     _state_names = ('scale', 'skipped_in_a_row', 'n_skipped', 'n_steps')
@@ -108,7 +108,7 @@ class BackoffScaler(LossScaler):
         calibrate:bool=False, # set the scale from the largest |grad| of the first finite step (run at `init_scale`)
         headroom:float=2.**4, # calibration leaves the largest scaled grad this factor under `max_value`
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
-        min_normal:float=FP16_MIN_NORMAL, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
+        min_normal:float=FP16_MIN_NORMAL, # 16-bit dtype's smallest normal (fp16: 2^-14): calibration's underflow check
     ):
         factor, wait = check_positive('factor', factor, strict_min=1.), check_int('wait', wait, 1)  # their own names
         min_scale, max_scale = _check_scale_range(min_scale, max_scale)
@@ -116,7 +116,8 @@ class BackoffScaler(LossScaler):
         check_positive('headroom', headroom, strict_min=0.); check_positive('max_value', max_value)
         calibrate, min_normal = check_bool('calibrate', calibrate), check_positive('min_normal', min_normal)
         super().__init__(min(max(check_positive('init_scale', init_scale), min_scale), max_scale), max_skipped)
-        self.factor, self.wait, self.min_scale, self.max_scale, self.hysteresis = factor, wait, min_scale, max_scale, hysteresis
+        self.factor, self.wait, self.min_scale, self.max_scale = factor, wait, min_scale, max_scale
+        self.hysteresis = hysteresis
         self.clean_in_a_row, self.overflows_left = 0, hysteresis
         self.calibrated, self.headroom, self.max_value = not calibrate, float(headroom), float(max_value)
         self.min_normal = float(min_normal)
@@ -126,7 +127,8 @@ class BackoffScaler(LossScaler):
         "Only the calibrating step needs the largest |grad| (read in the same sync as the overflow flag)."
         return not self.calibrated
 
-    calibrating = property(lambda self: not self.calibrated, doc="Whether the next step sets the scale (until one does).")
+    calibrating = property(lambda self: not self.calibrated,
+                           doc="Whether the next step sets the scale (until one does).")
 
     def calibrated_scale(self, max_grad:float) -> float:
         "The largest power of 2 that keeps `max_grad * headroom` under `max_value`, within `[min_scale, max_scale]`."
@@ -144,7 +146,8 @@ class BackoffScaler(LossScaler):
         self.scale, self.calibrated = self.calibrated_scale(max_grad), True
 
     def _underflow(self, max_grad):
-        "The calibrating step was skipped for underflow: its largest |grad| (0: every one flushed) still sets the scale."
+        """The calibrating step was skipped for underflow: its largest |grad| (0: every one flushed) still sets the
+        scale."""
         if self.calibrated: return
         self.scale, self.calibrated = self.calibrated_scale(max_grad if max_grad is not None else 0.), True
 
@@ -166,7 +169,8 @@ class BackoffScaler(LossScaler):
                 self.clean_in_a_row, self.overflows_left = 0, self.hysteresis
                 self.scale = min(self.scale * self.factor, self.max_scale)
 
-    is_dynamic = property(lambda self: True, doc="Backoff scaling moves the scale: down on overflow, up after `wait` clean steps.")
+    is_dynamic = property(lambda self: True,
+                          doc="Backoff scaling moves the scale: down on overflow, up after `wait` clean steps.")
     floor = property(lambda self: self.min_scale, doc="`min_scale`.")
 
     def __repr__(self):
@@ -181,9 +185,10 @@ def _censored_mean(mu, sigma, cutoff):
     return mu + sigma * math.exp(-a * a / 2) / math.sqrt(2 * math.pi) / sf
 
 class LogNormalScaler(LossScaler):
-    """OpenSeq2Seq's LogNormal automatic loss scaling (its mixed-precision guide): log2 of each step's largest |unscaled grad| is modelled as normal with a
-    running mean and variance; the next scale is the largest for which the scaled maximum overflows `max_value`
-    with probability `overflow_prob`: `log2(scale) = log2(max_value) - (mu + z*sigma)`, `z = Phi^-1(1-overflow_prob)`.
+    """OpenSeq2Seq's LogNormal automatic loss scaling (its mixed-precision guide): log2 of each step's largest
+    |unscaled grad| is modelled as normal with a running mean and variance; the next scale is the largest for which
+    the scaled maximum overflows `max_value` with probability `overflow_prob`:
+    `log2(scale) = log2(max_value) - (mu + z*sigma)`, `z = Phi^-1(1-overflow_prob)`.
 
     Overflowing steps enter the statistics as *censored* observations: their maximum is unknown but above the cutoff
     `c = log2(max_value/scale)`, so we add `E[X | X > c]` under the current fit (skipping them would bias the
@@ -206,8 +211,8 @@ class LogNormalScaler(LossScaler):
         pow2:bool=True, # round the scale down to a power of 2 (exact scaling/unscaling, a stable scale)
         max_value:float=FP16_MAX, # largest finite value of the 16-bit dtype (fp16: 65504)
         max_skipped:int=50, # more overflowing steps in a row than this is an error
-        calibrate:bool=False, # the first step runs at `init_scale` (1: nothing to overflow) and its largest |grad| is the first observation; an underflowing one is skipped and still observed (as `BackoffScaler`)
-        min_normal:float=FP16_MIN_NORMAL, # smallest normal value of the 16-bit dtype (fp16: 2^-14): calibration's underflow check
+        calibrate:bool=False, # the first step (at `init_scale`, 1) gives the first observation, even if it underflows
+        min_normal:float=FP16_MIN_NORMAL, # 16-bit dtype's smallest normal (fp16: 2^-14): calibration's underflow check
     ):
         overflow_prob = check_real('overflow_prob', overflow_prob, 0., .5, lo_open=True, hi_open=True)
         window, warmup = check_int('window', window, 1), check_int('warmup', warmup, 0)
@@ -219,9 +224,11 @@ class LogNormalScaler(LossScaler):
         self.min_scale, self.max_scale, self.backoff, self.pow2 = min_scale, max_scale, backoff, pow2
         self.max_value, self.z = max_value, NormalDist().inv_cdf(1 - overflow_prob)
         self.mu, self.var, self.n_obs = 0., 0., 0
-        self.calibrated, self.min_normal = not check_bool('calibrate', calibrate), check_positive('min_normal', min_normal)
+        self.calibrated, self.min_normal = (not check_bool('calibrate', calibrate),
+                                            check_positive('min_normal', min_normal))
 
-    calibrating = property(lambda self: not self.calibrated, doc="Whether the next step is the first observation (run at 1).")
+    calibrating = property(lambda self: not self.calibrated,
+                           doc="Whether the next step is the first observation (run at 1).")
 
     @property
     def sigma(self) -> float:
@@ -251,18 +258,21 @@ class LogNormalScaler(LossScaler):
 
     def _update(self, found_inf, max_grad):
         if not self.calibrated:
-            if found_inf:  # an overflow at scale 1 (what fp16 cannot hold anyway): skipped, tried again (max_skipped ends it)
+            # an overflow at scale 1 (what fp16 cannot hold anyway): skipped, tried again (max_skipped ends it)
+            if found_inf:
                 self.scale = max(min(self.scale / self.backoff, 1.), self.min_scale)
                 return
             if max_grad == 0: return  # an all-zero gradient of a zero loss says nothing: calibrate on a later step
             self.calibrated = True
         if not found_inf:
-            if max_grad is None: raise ValueError("LogNormalScaler.update needs the largest |unscaled grad| of the step")
+            if max_grad is None:
+                raise ValueError("LogNormalScaler.update needs the largest |unscaled grad| of the step")
             if max_grad > 0 and math.isfinite(max_grad): self.observe(math.log2(max_grad))
             if self.n_obs: self.scale = self.target()
             return
         if self.scale <= self.min_scale:
-            self._fail(f"gradients overflow even at min_loss_scale={self.min_scale:g}: the loss scale would fall under it.")
+            self._fail(f"gradients overflow even at min_loss_scale={self.min_scale:g}: the loss scale would fall "
+                       f"under it.")
         if self.n_obs:
             cutoff = math.log2(self.max_value / self.scale)
             self.observe(_censored_mean(self.mu, self.sigma, cutoff))
@@ -272,11 +282,13 @@ class LogNormalScaler(LossScaler):
     floor = property(lambda self: self.min_scale, doc="`min_scale`.")
 
     def __repr__(self):
-        return f"LogNormalScaler(scale={self.scale:g}, mu={self.mu:.2f}, sigma={self.sigma:.2f}, overflow_prob={self.overflow_prob:g})"
+        return (f"LogNormalScaler(scale={self.scale:g}, mu={self.mu:.2f}, sigma={self.sigma:.2f}, "
+                f"overflow_prob={self.overflow_prob:g})")
 
 class GradScalerAdapter:
     """torch's `GradScaler` behind the `LossScaler` interface (`scale`, `is_dynamic`, `floor`, `state_dict`), so that
-    health checks and diagnostics read `NativeMixedPrecision` as they read `MixedPrecision`. GradScaler updates itself."""
+    health checks and diagnostics read `NativeMixedPrecision` as they read `MixedPrecision`. GradScaler updates
+    itself."""
     def __init__(self, gs): self.gs = gs
     @property
     def scale(self) -> float: return self.gs.get_scale() if self.gs is not None and self.gs.is_enabled() else 1.
@@ -303,7 +315,8 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
                 max_skipped=50, dtype=None) -> LossScaler:
     """A `LossScaler` from `MixedPrecision`'s arguments: `None` keeps fastai v2's original behaviour (but for the start:
     with `dynamic` and the default `loss_scale`, the first step calibrates the scale), a name or an instance picks.
-    `dtype`: the model's 16-bit dtype, whose largest finite value 'lognormal' keeps the gradients under (fp16's if None)."""
+    `dtype`: the model's 16-bit dtype, whose largest finite value 'lognormal' keeps the gradients under (fp16's if
+    None)."""
     if isinstance(scaler, LossScaler): return scaler
     if scaler is None: scaler = 'backoff' if dynamic else 'static'
     if not isinstance(scaler, str): raise ValueError(f"`scaler` must be None, a LossScaler or a name, got {scaler!r}")
@@ -315,12 +328,13 @@ def make_scaler(scaler, *, loss_scale, dynamic, max_loss_scale, div_factor, scal
     if name == 'backoff':  # `loss_scale` other than fastai's default 512: the start; else the first step calibrates it
         calibrate = calibrates(loss_scale)
         return BackoffScaler(1. if calibrate else loss_scale, div_factor, scale_wait, min_scale=min_loss_scale,
-                             max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate, max_value=_max_value(dtype),
-                             min_normal=_min_normal(dtype))
+                             max_scale=max_loss_scale, max_skipped=max_skipped, calibrate=calibrate,
+                             max_value=_max_value(dtype), min_normal=_min_normal(dtype))
     if name == 'lognormal':  # the default `loss_scale`: the first step calibrates (at 1); any other: the start
         calibrate = calibrates(loss_scale)
-        return LogNormalScaler(min(max(1. if calibrate else loss_scale, min_loss_scale), max_loss_scale), min_scale=min_loss_scale,
-                               max_scale=max_loss_scale, max_skipped=max_skipped, max_value=_max_value(dtype),
-                               calibrate=calibrate, min_normal=_min_normal(dtype))
-    raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler instance")
+        return LogNormalScaler(min(max(1. if calibrate else loss_scale, min_loss_scale), max_loss_scale),
+                               min_scale=min_loss_scale, max_scale=max_loss_scale, max_skipped=max_skipped,
+                               max_value=_max_value(dtype), calibrate=calibrate, min_normal=_min_normal(dtype))
+    raise ValueError(f"unknown loss scaler {scaler!r}: expected 'backoff', 'lognormal', 'static' or a LossScaler "
+                     "instance")
 

@@ -35,10 +35,10 @@ def is_param_state(v, p) -> bool:
     return isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape
 
 class FusedRun:
-    """Masters consecutive in one FP32 buffer, of one param group, whose grads are consecutive in the scratch. Each step,
-    its stretches of params with equal scalar state (step count, flags) and the same state keys are stepped by fastai's
-    callbacks as one flat tensor each (`step`), at most `fuse_limit` elements a call; a param alone in its stretch is left
-    to fastai's per-param update."""
+    """Masters consecutive in one FP32 buffer, of one param group, whose grads are consecutive in the scratch. Each
+    step, its stretches of params with equal scalar state (step count, flags) and the same state keys are stepped by
+    fastai's callbacks as one flat tensor each (`step`), at most `fuse_limit` elements a call; a param alone in its
+    stretch is left to fastai's per-param update."""
     def __init__(self, items:list, master:Tensor, grad:Tensor):
         self.params, self.limit = [m for m, _ in items], fuse_limit(master.device)
         self.gi = items[0][1]
@@ -67,7 +67,8 @@ class FusedRun:
         return done
 
 def _signature(st:dict, p) -> tuple|None:
-    "`(scalar entries, state keys shaped like p)` of a param's state: equal ones step together (None: never, a tensor scalar)."
+    """`(scalar entries, state keys shaped like p)` of a param's state: equal ones step together (None: never, a tensor
+    scalar)."""
     scalars, keys = {}, []
     for k, v in st.items():
         if is_param_state(v, p): keys.append(k)
@@ -107,8 +108,9 @@ class _Stretch:
         return buf
 
     def _spread(self, st:dict, sts:list, flat:dict):
-        """The fused update's state back into each param's: flat tensors the step replaced are copied into the buffer, new
-        ones (the first step's moments) become buffers whose views the params get; scalars (the step count) each its own."""
+        """The fused update's state back into each param's: flat tensors the step replaced are copied into the buffer,
+        new ones (the first step's moments) become buffers whose views the params get; scalars (the step count) each its
+        own."""
         n = self.master.numel()
         for k, v in st.items():
             if k in flat:
@@ -138,7 +140,8 @@ def fused_runs(masters:list, views:list, groups:list) -> list:
     for m, v, gi in zip(masters, views, groups):
         if cur:
             pm, pv, pgi = cur[-1]
-            if not (gi == pgi and _contiguous(pm, m) and _contiguous(pv, v) and _dense(m) and _dense(pm)): close(); cur = []
+            if not (gi == pgi and _contiguous(pm, m) and _contiguous(pv, v) and _dense(m) and _dense(pm)):
+                close(); cur = []
         cur.append((m, v, gi))
     close()
     return runs

@@ -8,13 +8,15 @@ from torch import nn, Tensor
 from .layout import flat_views, flatten_like, split_like
 from .optstate import copy_clone, opt_state
 
-__all__ = ['MASTERED', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'check_unique_params', 'trainable']
+__all__ = ['MASTERED', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'check_unique_params',
+           'trainable']
 
 MASTERED = (torch.float32, torch.float16, torch.bfloat16)  # params of other dtypes (float64, complex) train as they are
 
 def trainable(pg, own:bool=False, keep=()):
-    """The trainable params of `pg` that get FP32 masters (`own`: those that train in their own dtype, without); `keep`:
-    ids of params the fit trained so far, kept though frozen since (FP32 fastai steps a frozen param that has a grad)."""
+    """The trainable params of `pg` that get FP32 masters (`own`: those that train in their own dtype, without);
+    `keep`: ids of params the fit trained so far, kept though frozen since (FP32 fastai steps a frozen param that has a
+    grad)."""
     return [p for p in pg if (getattr(p, 'requires_grad', False) or id(p) in keep) and hasattr(p, 'data')
             and (p.dtype not in MASTERED) == own]
 
@@ -48,7 +50,8 @@ def _flat_partitions(pg, opt=None):
     return [sorted(part, key=lambda p: str(p.dtype)) for part in parts.values()]  # stable: one run per dtype
 
 def _cut(part:list, limit) -> list:
-    "`part` cut into consecutive runs of at most `limit` elements (`limit(device)` when callable; a bigger param alone)."
+    """`part` cut into consecutive runs of at most `limit` elements (`limit(device)` when callable; a bigger param
+    alone)."""
     if limit is None or not part: return [part]
     n_max = limit(part[0].device) if callable(limit) else limit
     res, n = [[]], 0
@@ -64,12 +67,14 @@ def get_master(
     flat_master:bool=False, # One flat FP32 master per param group (per run of params with the same flags)
     *,
     fp32_of=None, # `param -> exact FP32 value`; given, masters share these tensors instead of cloning `param.data`
-    limit=None, # flat: the most elements of one flat master (an int, or `device -> int`); a bigger param is one alone. None: one per run
+    limit=None, # flat: most elements per flat master (int or `device -> int`), a bigger param alone; None: one per run
     keep=(), # ids of params kept though frozen (`trainable`)
 ) -> tuple: # `(model_pgs, master_pgs)`: trainable model params per group and their FP32 masters
     "Per param group of `opt`, the trainable model params and FP32 master copies of them."
-    model_pgs = [trainable(pg, keep=keep) for pg in opt.param_lists]  # float64 and complex params train as they are: no master
-    src = (lambda p: _fp32_leaf(fp32_of(p)).to(p.device)) if fp32_of is not None else (lambda p: p.data.detach().clone().float())
+    # float64 and complex params train as they are: no master
+    model_pgs = [trainable(pg, keep=keep) for pg in opt.param_lists]
+    src = ((lambda p: _fp32_leaf(fp32_of(p)).to(p.device)) if fp32_of is not None else
+           (lambda p: p.data.detach().clone().float()))
     if not flat_master:
         return model_pgs, [[nn.Parameter(src(p), requires_grad=True) for p in pg] for pg in model_pgs]
     master_pgs = []

@@ -30,15 +30,17 @@ class _Inner:
 _CLASSES = {}
 
 def _routed(cls, mixin):
-    """The subclass of `cls` whose `step` (and `zero_grad`) `mixin` routes, made once per class. Class attributes written
-    through it (`type(self).calls += 1` in the optimizer's own code) land on `cls`, as they would without the fit."""
+    """The subclass of `cls` whose `step` (and `zero_grad`) `mixin` routes, made once per class. Class attributes
+    written through it (`type(self).calls += 1` in the optimizer's own code) land on `cls`, as they would without the
+    fit."""
     k = (cls, mixin)
     if k not in _CLASSES:
         class Meta(type(cls)):
             def __setattr__(c, name, v): setattr(c.__dict__['_fp16cb_base'], name, v)
             def __delattr__(c, name): delattr(c.__dict__['_fp16cb_base'], name)
         _CLASSES[k] = Meta(f"Routed[{cls.__name__}]", (mixin, cls), {
-            '__module__': __name__, '_fp16cb_base': cls, '__doc__': f"{cls.__name__}, stepped through fp16cb's weight store for a fit."})
+            '__module__': __name__, '_fp16cb_base': cls,
+            '__doc__': f"{cls.__name__}, stepped through fp16cb's weight store for a fit."})
     return _CLASSES[k]
 
 class Route:
@@ -63,8 +65,9 @@ class Route:
         return self.own(self.opt, 'zero_grad')(*args, **kwargs)
 
     def through(self, core_step, *args, **kwargs):
-        """Step the optimizer once, `core_step(step, *args)` doing the innermost optimizer's part (`step`: its own): through
-        a wrapper (`Lookahead`), the wrapper's own `step` runs once and calls the wrapped optimizer's, which is this."""
+        """Step the optimizer once, `core_step(step, *args)` doing the innermost optimizer's part (`step`: its own):
+        through a wrapper (`Lookahead`), the wrapper's own `step` runs once and calls the wrapped optimizer's, which is
+        this."""
         own = self.own(self.core, 'step')
         if self.opt is self.core: return core_step(own, *args, **kwargs)
         self._inner = lambda *a, **k: core_step(own, *a, **k)
