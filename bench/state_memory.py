@@ -5,8 +5,9 @@ their `.grad`s) right after the optimizer step and before `zero_grad` (fastai's 
 before the learner was made (the data) and the batch (inputs, targets, predictions, loss). On a CPU these are exact
 bytes, not an allocator's blocks. Each mode with fastai's `Adam` and with `OptimWrapper(torch.optim.AdamW)`; the model
 is an MLP of about 9.5M parameters (`--width` scales it). The targets (at most 16 bytes/param with FP32 masters, 12
-with `half_storage`; with the optimizer's state in bf16, `state_dtype`, 4 less) are printed as met or not, never
-asserted here (tests/test_bench.py checks the accounting)."""
+with `half_storage`; with the optimizer's state in bf16, `state_dtype`, 4 less; in 8 bits, `state_dtype='8bit'`, 6 less,
+its block scales, 4 bytes per 256 elements and moment, within the slack) are printed as met or not, never asserted
+here (tests/test_bench.py checks the accounting; tests/test_state8.py the 8-bit figures on a smaller MLP)."""
 from __future__ import annotations
 import argparse, gc, json, platform, time, warnings
 from functools import partial
@@ -38,11 +39,15 @@ def live_storages() -> dict:
             if s.nbytes(): res[ptr] = s.nbytes()
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # `isinstance` on torch's deprecated module attributes warns
-        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        objs = [o for o in gc.get_objects() if _is_tensor(o)]
     for o in objs:
         add(o)
         if o.is_leaf and o.grad is not None: add(o.grad)
     return res
+
+def _is_tensor(o) -> bool:
+    try: return isinstance(o, torch.Tensor)
+    except ReferenceError: return False  # a weak proxy whose object is gone (`torch.compile` leaves some behind)
 
 class StateBytes(Callback):
     "Counts the live storages at `after_step` (after the optimizer step, before `zero_grad`), the batch and `baseline` excluded."
@@ -77,12 +82,19 @@ MODES = {'fp32': lambda l: l, 'fastai to_fp16': lambda l: l.to_fp16_fastai(), 't
          'to_bf16 half_storage state_dtype': lambda l: l.to_bf16(half_storage=True, state_dtype=torch.bfloat16),
          'to_bf16 step_in_backward state_dtype': lambda l: l.to_bf16(step_in_backward=True, state_dtype=torch.bfloat16),
          'to_bf16 half_storage step_in_backward state_dtype':
-             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16)}
+             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16),
+         'to_bf16 state8': lambda l: l.to_bf16(state_dtype='8bit'),
+         'to_bf16 half_storage state8': lambda l: l.to_bf16(half_storage=True, state_dtype='8bit'),
+         'to_bf16 step_in_backward state8': lambda l: l.to_bf16(step_in_backward=True, state_dtype='8bit'),
+         'to_bf16 half_storage step_in_backward state8':
+             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')}
 OPTIMIZERS = {'fastai Adam': Adam, 'torch AdamW': partial(OptimWrapper, opt=torch.optim.AdamW)}
 TARGETS = {'to_bf16': 16, 'to_bf16 flat': 16, 'to_fp16': 16, 'to_bf16 half_storage': 12, 'to_bf16 step_in_backward': 14,
            'to_bf16 half_storage step_in_backward': 10, 'to_bf16 state_dtype': 12, 'to_bf16 flat state_dtype': 12,
            'to_bf16 half_storage state_dtype': 8,
-           'to_bf16 step_in_backward state_dtype': 10, 'to_bf16 half_storage step_in_backward state_dtype': 6}
+           'to_bf16 step_in_backward state_dtype': 10, 'to_bf16 half_storage step_in_backward state_dtype': 6,
+           'to_bf16 state8': 10, 'to_bf16 half_storage state8': 6, 'to_bf16 step_in_backward state8': 8,
+           'to_bf16 half_storage step_in_backward state8': 4}
 SLACK = .05  # bytes/param of fixed buffers (the loss scale, the overflow flags, the scaler's state) on a small model
 
 def supported(mode:str, opt:str) -> bool:

@@ -15,7 +15,8 @@ import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-__all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'MOVING_AVERAGES', 'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
+__all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'STATE8', 'MOVING_AVERAGES', 'NONNEGATIVE',
+           'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
            'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table',
            'learner_facts', 'optimizer_kind', 'float64_layers', 'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH',
            'known_elementwise']
@@ -71,6 +72,10 @@ MODES = {m.name: m for m in (
     Mode('fp16-flat-state', 'to_fp16', dict(flat_master=True, state_dtype=torch.bfloat16)),
     Mode('bf16-half-state', 'to_bf16', dict(half_storage=True, state_dtype=torch.bfloat16)),
     Mode('bf16-half-sib-state', 'to_bf16', dict(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16)),
+    Mode('bf16-state8', 'to_bf16', dict(state_dtype='8bit')),
+    Mode('fp16-state8', 'to_fp16', dict(state_dtype='8bit')),
+    Mode('bf16-half-state8', 'to_bf16', dict(half_storage=True, state_dtype='8bit')),
+    Mode('bf16-half-sib-state8', 'to_bf16', dict(half_storage=True, step_in_backward=True, state_dtype='8bit')),
     Mode('fp16-clip', 'to_fp16', dict(clip=1.)),
     Mode('fp16-lognormal', 'to_fp16', dict(scaler='lognormal')),
     Mode('fp16-static', 'to_fp16', dict(dynamic=False, loss_scale=1024.)),
@@ -132,7 +137,7 @@ class Facts:
     grads_read: bool = False  # a callback after ours handles `before_step` (it may read or change the grads)
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
-    state_dtype: torch.dtype|None = None  # the optimizer's state stored in this dtype between steps (None: FP32)
+    state_dtype: torch.dtype|str|None = None  # the optimizer's state between steps: a 16-bit dtype, '8bit' (None: FP32)
     whole_param: str|None = None  # what in the optimizer's step is not known to be elementwise (LAMB's norms), by name
     sparse_grads: tuple = ()  # names of the modules whose params get sparse grads (`nn.Embedding(sparse=True)`)
 
@@ -200,6 +205,13 @@ RULES = (
          "subnormal, 6e-8: it rounds to 0), so the moment reads 0 where FP32's does not and the update lr*m/(sqrt(v)+eps) "
          "is divided by eps alone. Use state_dtype=torch.bfloat16, which has FP32's range.",
          reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has FP32's."),
+    Rule('state8-flat', OPTIONS, lambda f: f.flat_master and f.state_dtype == '8bit',
+         "state_dtype='8bit' cannot be used with flat_master=True: 8-bit state keeps one scale per block of 256 "
+         "elements, and a flat master's blocks straddle its params, so the state of a param that has no gradient at "
+         "a step (which the flat master must leave as it was) could not be put back exactly. Use flat_master=False "
+         "(one FP32 master per param, about as fast with fastai's optimizers), or state_dtype=torch.bfloat16 with "
+         "flat masters.",
+         reason="8-bit state's blocks would straddle a flat master's params: use one master per param."),
     Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers) and f.float64_model,
          lambda f: f"the model is float64 (its layers {', '.join(f.float64_layers[:5])}"
                    f"{' ...' if len(f.float64_layers) > 5 else ''}): a {str(f.dtype).replace('torch.', '')} model would "
@@ -276,7 +288,7 @@ def verdict(mode:str, opt:str, ctx:str) -> str|None:
     r = refusal(f)
     return None if r is None else r.message(f)
 
-# ---- which optimizer state a 16-bit (or, later, 8-bit) `state_dtype` may round: the moving averages, known by name
+# ---- which optimizer state a 16-bit or 8-bit `state_dtype` may round: the moving averages, known by name
 # A moving average (a moment, a momentum) forgets each rounding error at its decay's pace, as it forgets each grad's
 # noise; other state does not: a weight copy (timm MADGRAD's `x0` anchor, Lookahead's slow weights, torch ASGD's `ax`),
 # a running sum (Adagrad's `sum`, MADGRAD's `s` and `grad_sum_sq`), a previous grad (Adan's `neg_pre_grad`, Rprop's
@@ -299,6 +311,21 @@ STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, the 
            "its moments of the flat master's, in bfloat16 like them); between fits, in checkpoints and after "
            "`to_fp32()` the whole state is FP32.")
 
+# The moving averages never negative (second moments: averages of squares, their maxima): 8-bit state codes them on
+# torchao's unsigned map (its 256 values all >= 0, twice as fine), the others on its signed map.
+NONNEGATIVE = frozenset({'sqr_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'square_avg', 'exp_inf', 'acc_delta', 'exp_avg_var',
+                         'max_exp_avg_var', 'exp_hessian_diag_sq'})
+
+STATE8 = ("`state_dtype='8bit'` (or `torch.uint8`, the codes' dtype) stores the same moving averages, those of at "
+          "least 4096 elements, in 8 bits between steps: block-wise dynamic quantization (Dettmers et al. 2021) with "
+          "torchao's code, one FP32 scale per block of 256 elements, the second moments on torchao's unsigned map and "
+          "the others on its signed map, rounded to nearest (`stochastic_rounding` is for 16-bit storage and bf16 "
+          "state); Adam's two moments then take 2 bytes/param instead of 8. Smaller tensors stay FP32. Inside the step "
+          "the state is dequantized to FP32 with its param (a slice at a time for a param bigger than a chunk: slices "
+          "start at a block's start), updated by the optimizer's own code and quantized back. Between fits, in "
+          "checkpoints and after `to_fp32()` it is FP32, as with bf16 state, and quantizing that FP32 state gives back "
+          "the same codes, so a fit resumed from a checkpoint goes on bit for bit. Not with `flat_master=True`.")
+
 FLAT_PRESENCE = ("`flat_master=True` keeps one step count per flat group: when a param's gradient comes or goes during a "
                  "fit (a head switched on after warm-up, a layer skipped from some step, a torch optimizer's branch), the "
                  "fit goes on from that step with one FP32 master per param, each with its own count as FP32 keeps it, "
@@ -320,7 +347,7 @@ def table() -> str:
     for rule_name, i in seen.items():
         r = next(r for r in RULES if r.name == rule_name)
         lines.append(f"({i}) {r.reason}  ")
-    return '\n'.join(lines + ['', STATE16, '', FLAT_PRESENCE])
+    return '\n'.join(lines + ['', STATE16, '', STATE8, '', FLAT_PRESENCE])
 
 # ---- the facts of a live learner
 def optimizer_kind(opt) -> str:

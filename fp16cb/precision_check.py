@@ -247,7 +247,8 @@ def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, st
             + (f" (FP32 masters keep the {sw.max():.0%} of updates 16-bit storage would swallow)"
                if not half_storage and len(sw) and sw.max() > 0 else '')
             + ("; short of memory, `state_dtype=torch.bfloat16` stores the optimizer's state (Adam's moments, "
-               "momentum) in bf16 between steps: 4 bytes/param less with Adam" if state16 is False else '') + '.')
+               "momentum) in bf16 between steps: 4 bytes/param less with Adam (`state_dtype='8bit'`, torchao's "
+               "block-wise 8-bit codes: 6 less)" if state16 is False else '') + '.')
 
 def plot_precision_check(
     df, # what `learn.precision_check()` returned

@@ -13,6 +13,7 @@ every mode of `DDP_MODES` in turn under fastai's `distrib_ctx` and writes what i
 (the test hides CUDA from the ranks unless each has a GPU of its own)."""
 from __future__ import annotations
 import json, sys
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from fastai.layers import BatchNorm
 
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.weights.optstate import opt_state
+from fp16cb.weights import state8
 from conftest import make_learner, quiet_fit, seed_all
 
 # ---- what combines: fp16cb.compat, the one declaration
@@ -262,14 +264,24 @@ def finish(learn, init:dict, error) -> Run:
                cs.get('n', 0), cs.get('losses', []), learn.precision_callbacks(), scales[0] if scales else None,
                sorted(vars(cancel).get('changed', ())) if cancel is not None else [], sdt)
 
+@contextmanager
+def every_state_8bit(mode:str|None):
+    """Within: a mode with 8-bit state (`state_dtype='8bit'`) quantizes every moving average, however small (the tiny
+    model's are far under `state8.MIN_NUMEL`, which would leave them FP32 and the cell nothing of 8 bits to show)."""
+    old = state8.MIN_NUMEL
+    if mode is not None and MODES[mode].kwargs.get('state_dtype') == '8bit': state8.MIN_NUMEL = 1
+    try: yield
+    finally: state8.MIN_NUMEL = old
+
 def run(mode:str|None, opt:str, ctx:str, epochs:int=EPOCHS, **kwargs) -> Run:
     "Fit `epochs` in `mode` (None: plain FP32) with optimizer `opt` in context `ctx`; what it did to the params."
-    learn, error = build(mode, opt, ctx, **kwargs)
-    init = snapshot(learn)
-    if error is None:
-        try: quiet_fit(learn, epochs)
-        except (ValueError, TypeError) as e: error = e
-    return finish(learn, init, error)
+    with every_state_8bit(mode):
+        learn, error = build(mode, opt, ctx, **kwargs)
+        init = snapshot(learn)
+        if error is None:
+            try: quiet_fit(learn, epochs)
+            except (ValueError, TypeError) as e: error = e
+        return finish(learn, init, error)
 
 # ---- comparing runs
 

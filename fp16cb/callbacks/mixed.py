@@ -52,7 +52,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         stochastic_rounding:bool=True, # round what is stored in 16-bit (`half_storage`'s weights, `state_dtype`'s state) stochastically (False: to nearest)
         on_collapse:str='raise', # when the loss scale cannot go lower: 'raise' (naming the module where the overflow starts and the remedy) or 'keep_fp32' (keep it FP32 and go on)
         step_in_backward:bool=False, # step each param in the backward as soon as its grad is ready, and drop the grad (bf16, scale 1, fastai optimizer: less memory)
-        state_dtype=None, # `torch.bfloat16` (or 'bf16'): the optimizer's state (Adam's moments, momentum) stored in bf16 between steps, updated in FP32 (less memory); None: FP32
+        state_dtype=None, # the optimizer's state between steps: torch.bfloat16, '8bit' (torchao's codes), None: FP32
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
         self.half_storage = check_bool('half_storage', half_storage)

@@ -6,6 +6,7 @@ step's gradients get there. One concern per module, arrows pointing down this li
 - `half`: 16-bit storage without masters (`HalfStorage`), and the rounding back to 16-bit;
 - `lift`: how the 16-bit grads reach FP32 inside the step, a bounded chunk at a time (runs, chunk plans, coalescing);
 - `state16`: the optimizer's state stored in bfloat16 between steps (`HalfState`), lifted to FP32 with its param;
+- `state8`: or in 8 bits, torchao's block-wise codes with their scales (`State8`), which `HalfState` widens and narrows;
 - `optstate`: the optimizer's per-param state moved between the model's params and what the optimizer steps;
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
 - `writes`: other code's in-place writes to the model's params reaching the FP32 masters (`WriteWatch`);

@@ -11,6 +11,8 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 from ..compat import known_elementwise
 from .route import own_class
 from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of
+from . import state8
+from .state8 import State8
 
 __all__ = ['move_opt_state', 'copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'rekey', 'fastai_update',
            'steps_param_by_param', 'elementwise', 'sliced_update', 'sliced_torch_step']
@@ -160,10 +162,28 @@ def elementwise(core) -> bool:
 
 def _sliced(p, state:dict) -> dict:
     """`{key: 1-d view in memory order}` of `p`'s state tensors of its shape (what a slice of `p` takes a slice of), each
-    laid out as `p` first if it was not (elementwise: the layout changes nothing of the step)."""
+    laid out as `p` first if it was not (elementwise: the layout changes nothing of the step; 8-bit state, whose blocks
+    run in memory order, is quantized again in `p`'s layout)."""
     for k, v in state.items():
-        if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride(): state[k] = with_layout_of(v, p)
-    return {k: memory_order(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape}
+        if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride():
+            state[k] = (state8.quantize_(state8.empty8(p.detach(), v.signed), with_layout_of(v.dequantize(), p))
+                        if isinstance(v, State8) else with_layout_of(v, p))
+    return {k: state8.flat8(v) if isinstance(v, State8) else memory_order(v) for k, v in state.items()
+            if isinstance(v, Tensor) and v.shape == p.shape}
+
+def _part(v:Tensor, s:slice) -> Tensor:
+    "Slice `s` of the 1-d state tensor `v` (8-bit: its codes with their blocks' scales; `s` starts at a block)."
+    return state8.part8(v, s) if isinstance(v, State8) else v[s]
+
+def _put(dst:Tensor, src:Tensor):
+    "`src` into `dst`; into 8-bit state: codes and scales, or an FP32 `src` quantized (a torch optimizer's first step)."
+    if not isinstance(dst, State8): dst.copy_(src)
+    elif isinstance(src, State8): state8.copy8_(dst, src)
+    else: state8.quantize_(dst, src)
+
+def _block_aligned(n:int, state16) -> int:
+    "The slice size: `n` elements, or for 8-bit state whole blocks (each slice then starts at a block's start)."
+    return state8.aligned(n) if state16 is not None and state16.dtype == '8bit' else n
 
 def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
     """After a slice's step: its state `st` written into `p`'s whole `state` (`full`: its views) where the step replaced
@@ -173,7 +193,7 @@ def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
         if k not in full:
             if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n): rest[k] = v; continue
             state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])  # made by this (first) step
-        if v.data_ptr() != full[k][s].data_ptr(): full[k][s].copy_(v)  # replaced, not updated in place
+        if v.data_ptr() != full[k][s].data_ptr(): _put(_part(full[k], s), v)  # replaced, not updated in place
     return rest
 
 def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
@@ -182,7 +202,7 @@ def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
     counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
     group = next(g for g in opt.param_groups if any(q is p for q in g['params']))
     i = next(i for i, q in enumerate(group['params']) if q is p)
-    state = opt.state[p]
+    state, n = opt.state[p], _block_aligned(n, state16)
     full, out, rest, fresh = _sliced(p, state), None, {}, not state  # fresh: each slice makes its own (the first step)
     scalars = {k: v for k, v in state.items() if k not in full}
     q, done = None, False
@@ -212,7 +232,7 @@ def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
 def _slice_state(full:dict, s:slice, q, state16) -> tuple:
     """`{key: slice s}` of `p`'s state (`full`: its 1-d views), as the step of slice `q` takes it, and what `state16`
     widened of it: 16-bit state in FP32 for this slice only (a scratch of the slice's size, not the param's)."""
-    sl = {k: v[s] for k, v in full.items()}
+    sl = {k: _part(v, s) for k, v in full.items()}
     w = state16.widen([q], {q: sl}) if state16 is not None else None
     return sl, w
 
@@ -228,14 +248,14 @@ def _narrow_slice(sl:dict, st:dict, q, state16, w):
 
 def _narrow_new(p, state:dict, full:dict, st:dict, q, state16):
     """The first step: the moving averages it made for slice `q` in FP32 rounded to 16-bit at once, into whole 16-bit
-    tensors made for `p` (its whole FP32 state never exists)."""
-    new = {k: v for k, v in st.items() if k not in full and state16 is not None and state16.stores(k, v, q)}
+    tensors made for `p` (its whole FP32 state never exists; 8-bit: whatever the slice's size, `p`'s decides)."""
+    new = {k: v for k, v in st.items() if k not in full and state16 is not None and state16.stores(k, v, q, p.numel())}
     if not new: return
     tmp = {q: dict(new)}
-    state16.narrow([q], tmp)
+    state16.narrow([q], tmp, numel=p.numel())
     for k in new:
-        state[k] = torch.zeros_like(p.detach(), dtype=state16.dtype)
-        full[k], st[k] = memory_order(state[k]), tmp[q][k]
+        state[k] = state16.zeros_like(p, k)
+        full[k], st[k] = _sliced(p, {k: state[k]})[k], tmp[q][k]
 
 def sliced_update(core, p, hyper:dict, n:int, lift, land, state16=None):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
@@ -244,7 +264,7 @@ def sliced_update(core, p, hyper:dict, n:int, lift, land, state16=None):
     values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
     slice's step count is the param's (each slice counts the same step). `state16`: 16-bit state widened a slice at a
     time (one slice's FP32 copy at the step's peak, not the param's); what the first step makes is narrowed after."""
-    state = core.state[p]
+    state, n = core.state[p], _block_aligned(n, state16)
     full, rest = _sliced(p, state), {}
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))

@@ -10,7 +10,10 @@ other state stays FP32, whatever its shape: a weight copy (timm MADGRAD's `x0` a
 a running sum, a previous grad, a name not declared there; so do step counts, flags and scalars, and the state of a
 0-dim param (its moments cannot be told from a 0-dim step count), unless flat masters merged it into its group's flat
 master, whose moments are 16-bit. Between fits, in a checkpoint and in the store's FP32 view the state is FP32
-(`widen_all`)."""
+(`widen_all`).
+
+`dtype='8bit'`: the same moving averages, those of at least `state8.MIN_NUMEL` elements, stored as 8-bit codes with
+block scales (`state8.State8`), dequantized into the scratch by `widen` and quantized back, to nearest, by `narrow`."""
 from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 import torch
@@ -18,21 +21,27 @@ from torch import Tensor
 
 from ..compat import MOVING_AVERAGES
 from .layout import flat_views
+from . import state8
+from .state8 import State8
 
-__all__ = ['HalfState', 'STATE_DTYPES', 'resolve_state_dtype', 'round_bf16_stochastic_', 'random16']
+__all__ = ['HalfState', 'STATE_DTYPES', 'EIGHT_BIT', 'resolve_state_dtype', 'round_bf16_stochastic_', 'random16']
 
-STATE_DTYPES = (torch.bfloat16,)  # what the state may be stored in (fp16 is refused by `fp16cb.compat`: its range)
+EIGHT_BIT = '8bit'  # `state_dtype` of 8-bit state (block-wise codes and scales, `state8`)
+# what the state may be stored in (fp16 is refused by `fp16cb.compat`: its range)
+STATE_DTYPES = (torch.bfloat16, EIGHT_BIT)
 _ALIASES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
-            'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32}
+            'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32, '8bit': EIGHT_BIT}
 _NULL = nullcontext()
 
-def resolve_state_dtype(v) -> torch.dtype|None:
-    """`state_dtype` as None (FP32 state: None, `torch.float32`, 'fp32') or a 16-bit dtype ('bf16', 'fp16' accepted:
-    `fp16cb.compat` refuses fp16 with its reason); a `ValueError` naming the argument for anything else."""
-    d = _ALIASES.get(v.lower(), v) if isinstance(v, str) else v
+def resolve_state_dtype(v) -> torch.dtype|str|None:
+    """`state_dtype` as None (FP32 state: None, `torch.float32`, 'fp32'), a 16-bit dtype ('bf16', 'fp16' accepted:
+    `fp16cb.compat` refuses fp16 with its reason) or '8bit' (`torch.uint8` too: the codes' dtype); a `ValueError` naming
+    the argument for anything else."""
+    d = _ALIASES.get(v.lower(), v) if isinstance(v, str) else EIGHT_BIT if v == torch.uint8 else v
     if d is None or d == torch.float32: return None
-    if d not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"`state_dtype` must be torch.bfloat16 (or 'bf16'), or None for FP32 optimizer state, got {v!r}")
+    if d not in (torch.bfloat16, torch.float16, EIGHT_BIT):
+        raise ValueError(f"`state_dtype` must be torch.bfloat16 (or 'bf16'), '8bit' (or torch.uint8), or None for FP32 "
+                         f"optimizer state, got {v!r}")
     return d
 
 def _dither_(x:Tensor, generator=None) -> Tensor:
@@ -56,8 +65,9 @@ def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
 
 def _is(k, v, p, dtype) -> bool:
     """Whether the state entry `k: v` of param `p` is one `HalfState` stores: a moving average (`MOVING_AVERAGES`), in
-    `dtype`, with at least one dim and `p`'s element count."""
-    return (k in MOVING_AVERAGES and isinstance(v, Tensor) and v.dtype == dtype and v.dim() > 0 and isinstance(p, Tensor)
+    `dtype` ('8bit': a `State8`), with at least one dim and `p`'s element count."""
+    kind = isinstance(v, State8) if dtype == EIGHT_BIT else isinstance(v, Tensor) and v.dtype == dtype
+    return (k in MOVING_AVERAGES and isinstance(v, Tensor) and kind and v.dim() > 0 and isinstance(p, Tensor)
             and v.numel() == p.numel())
 
 class _Widened:
@@ -69,8 +79,8 @@ class HalfState:
     the step and rounded back (`stochastic`, with `generator`; else to nearest). The state dicts are the optimizer's
     own (`{param: {key: value}}`); entries are replaced in place, so whoever holds a dict sees the current entries."""
     def __init__(self,
-        dtype:torch.dtype=None, # the storage dtype (`torch.bfloat16`), or None: FP32 state, every method does nothing
-        stochastic:bool=True, # round the updated state stochastically (False: to nearest even)
+        dtype:torch.dtype|str=None, # `torch.bfloat16`, '8bit', or None: FP32 state, every method does nothing
+        stochastic:bool=True, # round updated 16-bit state stochastically (False: to nearest even; 8-bit: to nearest)
         generator=None, # a `torch.Generator` for the stochastic rounding (on the params' device)
     ):
         self.dtype, self.stochastic, self.generator = dtype, stochastic, generator
@@ -96,22 +106,36 @@ class HalfState:
             lows = [v for _, _, v in mine]
             scratch = torch.empty(sum(t.numel() for t in lows), dtype=torch.float32, device=dev)
             views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
-            torch._foreach_copy_(views, lows)
+            if self.dtype == EIGHT_BIT:
+                for view, low in zip(views, lows): state8.dequantize_into(view, low)
+            else: torch._foreach_copy_(views, lows)
             for (d, k, _), v in zip(mine, views): d[k] = v
             res[dev] = _Widened(mine, scratch, views)
         return res
 
-    def stores(self, k, v, p) -> bool:
-        "Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit between steps."
-        return self.dtype is not None and _is(k, v, p, torch.float32)
+    def stores(self, k, v, p, numel:int|None=None) -> bool:
+        """Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit or 8-bit between steps (8-bit: when
+        the param, of `numel` elements if `p` is a slice of it, has at least `state8.MIN_NUMEL`)."""
+        return self.dtype is not None and _is(k, v, p, torch.float32) and self._big(numel or p.numel())
 
-    def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None):
+    def _big(self, numel:int) -> bool: return self.dtype != EIGHT_BIT or numel >= state8.MIN_NUMEL
+
+    def zeros_like(self, p, k:str) -> Tensor:
+        "A stored state tensor for the moving average `k` of `p`, all zeros (16-bit, or 8-bit codes and scales)."
+        if self.dtype == EIGHT_BIT: return state8.empty8(p.detach(), state8.signed_for(k), zero=True)
+        return torch.zeros_like(p.detach(), dtype=self.dtype)
+
+    def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None, numel:int|None=None):
         """Every FP32 entry of `params`' states written back in 16-bit (into the tensor `widened` took it from, when
-        there is one: views of it stay valid), rounded stochastically unless `stochastic=False` (default: `self`'s)."""
+        there is one: views of it stay valid), rounded stochastically unless `stochastic=False` (default: `self`'s).
+        8-bit: quantized to nearest, an entry `widened` took from 8-bit codes into them, another one only if its param
+        (of `numel` elements, when `params` are slices of it) has at least `state8.MIN_NUMEL`."""
         if self.dtype is None: return
         widened = widened or {}
         old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
-        pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)]
+        pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)
+                 and ((id(d), k) in old or self._big(numel or p.numel()))]
+        if self.dtype == EIGHT_BIT: return self._quantize_back(pairs, old)
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
             self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev),
                              self.stochastic if stochastic is None else stochastic)
@@ -134,6 +158,13 @@ class HalfState:
         torch._foreach_copy_(dsts, flat_views(flat, srcs))
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
+    def _quantize_back(self, pairs:list, old:dict):
+        "Each of `pairs`' FP32 values quantized into the 8-bit tensor it was widened from (else into a new one)."
+        for d, k, v in pairs:
+            t = old.get((id(d), k))
+            if t is None or t.shape != v.shape or t.stride() != v.stride(): t = state8.empty8(v, state8.signed_for(k))
+            d[k] = state8.quantize_(t, v)
+
     def narrow_all(self, state:dict):
         """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so a
         fit resumed from a checkpoint draws what the uninterrupted one does, and state widened from 16-bit is exact."""
@@ -144,4 +175,4 @@ class HalfState:
         if self.dtype is None: return
         for p, d in state.items():
             for k, v in list(d.items()):
-                if _is(k, v, p, self.dtype): d[k] = v.float()
+                if _is(k, v, p, self.dtype): d[k] = v.dequantize() if isinstance(v, State8) else v.float()

@@ -1,0 +1,197 @@
+"""8-bit optimizer state (`state_dtype='8bit'`), the other storage `HalfState` knows: each moving average of at least
+`MIN_NUMEL` elements stored between steps as 8-bit codes with one FP32 scale per block of `BLOCK` consecutive elements
+(block-wise dynamic quantization: Dettmers et al. 2021, "8-bit Optimizers via Block-wise Quantization"), quantized by
+torchao's code (`torchao.optim.quant_utils`: its dynamic maps, `quantize_8bit_with_qmap`, `dequant_with_qmap`), the
+second moments (`compat.NONNEGATIVE`) on its unsigned map and the others on its signed map, as torchao's `AdamW8bit`
+does. Adam's two moments then cost 2 bytes/param (and 4 bytes per 256 of scales), not 8.
+
+Where the codes live: in the optimizer's state dict, under the moment's own key, a `State8`: a uint8 tensor of the
+param's shape and layout (the codes), its block scales beside it (`.scale`). Blocks run over the param's memory order,
+so a slice of it that starts at a block boundary (a sliced step's: slices are multiples of `BLOCK`) has whole blocks.
+
+One departure from torchao, for exact round trips: a block's scale carries the sign of its largest-magnitude element
+(torchao's is its absolute value; for a second moment, never negative, the two are the same). That element is then
+coded as the map's +1.0 exactly, whatever its sign (the signed map holds +1.0, not -1.0), so quantizing the dequantized
+state gives back the same codes and scales: a checkpoint holds the FP32 state, and a run resumed from it goes on bit for
+bit. And one guard, on the unsigned map: a positive second moment is never coded as 0 (torchao rounds a value under
+half the map's smallest positive one, 3.25e-7 of its block's largest, to 0), but as that smallest value. A second
+moment read as 0 under a first moment that is not divides the update by `eps` alone: the "zero-point problem" of Li et
+al. 2023 ("Memory Efficient Optimizers with 4-bit States"); torchao's `AdamW8bit` itself (eps 1e-8) sends the weights
+of a small MLP to 50 times their FP32 norm in 8 steps that way.
+
+The quantizer and the dequantizer are `torch.compile`d at their first use, as torchao's optimizers compile their step
+(one fused pass instead of torchao's 8 gathers over int64 codes: on a CPU the quantizer 8x faster, an MLP's step 4x);
+eager where compiling fails, with a warning."""
+from __future__ import annotations
+import logging, warnings
+from contextlib import contextmanager
+import torch
+from torch import Tensor
+
+from ..compat import NONNEGATIVE
+from .layout import memory_order, dense_strides
+
+__all__ = ['State8', 'BLOCK', 'MIN_NUMEL', 'COMPILE', 'quantize_', 'dequantize_into', 'empty8', 'flat8', 'part8',
+           'copy8_', 'signed_for', 'aligned']
+
+BLOCK = 256  # elements per scale (torchao's block size)
+MIN_NUMEL = 4096  # a smaller state tensor stays FP32 (as bitsandbytes and torchao do: its scales would cost more)
+COMPILE = True  # `torch.compile` torchao's quantizer at its first use (False: eager; a step about 4x slower on a CPU)
+_LIB = {}  # torchao's `quant_utils`, its maps per (signed, device), the two functions as run (compiled or not)
+
+@contextmanager
+def _quiet():
+    """Within: torch's warnings of no concern here unlogged: torchao's import registers an Enum that torch says needs no
+    registering, and compiling on a machine without CUDA says it found no CUDA runtime."""
+    logs = [logging.getLogger(n) for n in ('torch.utils._pytree', 'torch.utils.cpp_extension')]
+    levels = [g.level for g in logs]
+    for g in logs: g.setLevel(logging.ERROR)
+    try: yield
+    finally:
+        for g, v in zip(logs, levels): g.setLevel(v)
+
+def _qu():
+    "torchao's `quant_utils`, imported at the first use of 8-bit state (torchao's import takes seconds)."
+    if 'qu' not in _LIB:
+        with _quiet(): from torchao.optim import quant_utils
+        _LIB['qu'] = quant_utils
+    return _LIB['qu']
+
+def _qmap(signed:bool, device) -> Tensor:
+    "torchao's dynamic map (256 FP32 values, sorted), signed or unsigned, on `device` (made once)."
+    key = (signed, torch.device(device))
+    if key not in _LIB:
+        _LIB[key] = torch.tensor(_qu().create_dynamic_map(signed=signed), dtype=torch.float32, device=device)
+    return _LIB[key]
+
+def _quantize_rows(x:Tensor, qmap:Tensor) -> tuple:
+    """`(codes, scales)` of `x` (FP32, one block a row): each row divided by its scale (its largest-magnitude element,
+    with that element's sign, at least 1e-12 in magnitude as torchao's), then coded to the nearest value of `qmap`;
+    on the unsigned map (`qmap[0] == 0`) a positive value is never coded 0, but at least as its least positive one."""
+    hi, lo = x.amax(-1), x.amin(-1)
+    s = torch.where(hi >= -lo, hi.clamp(min=1e-12), lo.clamp(max=-1e-12))
+    codes = _qu().quantize_8bit_with_qmap(x / s.view(-1, 1), qmap)
+    return torch.where((codes == 0) & (x > 0) & (qmap[0] == 0), 1, codes), s
+
+def _dequantize_rows(codes:Tensor, qmap:Tensor, scale:Tensor) -> Tensor:
+    "FP32 values of `codes` (uint8, one block a row) with their rows' `scale`: torchao's `dequant_with_qmap`."
+    return _qu().dequant_with_qmap(codes, qmap, scale)
+
+def _fn(name:str, eager):
+    "`eager`, `torch.compile`d (dynamic shapes) while `COMPILE` is on (at the first call; eager if compiling fails)."
+    def run(*args):
+        global COMPILE
+        if not COMPILE: return eager(*args)
+        f = _LIB.get(name)
+        if f is None: f = _LIB[name] = torch.compile(eager, dynamic=True)
+        if f is eager: return eager(*args)
+        try:
+            with _quiet(): return f(*args)
+        except Exception as e:  # no C++ compiler, no triton: torchao's code eagerly (the same values, slower)
+            COMPILE = False
+            warnings.warn(f"8-bit optimizer state: torch.compile of torchao's quantizer failed ({type(e).__name__}: "
+                          f"{str(e)[:200]}); quantizing eagerly (slower). `fp16cb.weights.state8.COMPILE = False` "
+                          "skips the attempt.")
+            return eager(*args)
+    return run
+
+_quantize, _dequantize = _fn('quantize', _quantize_rows), _fn('dequantize', _dequantize_rows)
+
+def _piece(device) -> int:
+    """Elements quantized in one call: bounded, so that the eager quantizer's temporaries (int64 codes: about 25 bytes
+    per element) stay small; the compiled one makes none, and long calls cost fewer launches."""
+    return 2**16 if torch.device(device).type == 'cpu' and not COMPILE else 2**22
+
+class State8(Tensor):
+    """One moving average in 8 bits: this tensor holds the codes (uint8, its param's shape and layout), `scale` one FP32
+    scale per `BLOCK` elements in memory order, `signed` which of torchao's maps codes it. Torch's functions see the
+    codes (a plain uint8 tensor comes out of any of them); `dequantize()` gives the FP32 values."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def make(codes:Tensor, scale:Tensor, signed:bool) -> State8:
+        "The `State8` over `codes` (its storage shared: writing one writes the other) with `scale`."
+        t = Tensor._make_subclass(State8, codes)
+        t.scale, t.signed = scale, signed
+        return t
+
+    def dequantize(self) -> Tensor:
+        "The FP32 values, in a tensor of their own laid out as the codes."
+        out = torch.empty_strided(self.shape, dense_strides(self), dtype=torch.float32, device=self.device)
+        return dequantize_into(out, self)
+
+    def __deepcopy__(self, memo):
+        codes = torch.empty_strided(self.shape, dense_strides(self), dtype=torch.uint8, device=self.device)
+        return State8.make(codes.copy_(self), self.scale.clone(), self.signed)
+
+    def __reduce_ex__(self, proto):
+        codes = memory_order(self).clone().as_strided(self.shape, dense_strides(self))
+        return State8.make, (codes, self.scale, self.signed)
+
+    def __repr__(self, **kw):
+        return (f"State8(shape={tuple(self.shape)}, blocks={self.scale.numel()} of {BLOCK}, "
+                f"{'signed' if self.signed else 'unsigned'}, device={self.device})")
+
+def signed_for(key:str) -> bool:
+    "Whether the moving average named `key` takes torchao's signed map (all but the second moments, `NONNEGATIVE`)."
+    return key not in NONNEGATIVE
+
+def aligned(n:int) -> int:
+    "A slice size of `n` elements or fewer, in whole blocks (at least one)."
+    return max(BLOCK, n - n % BLOCK)
+
+def empty8(like:Tensor, signed:bool, zero:bool=False) -> State8:
+    "An 8-bit state tensor of `like`'s shape and layout (`zero`: every element the map's code of 0, every scale 1)."
+    codes = torch.empty_strided(like.shape, dense_strides(like), dtype=torch.uint8, device=like.device)
+    scale = torch.empty(-(-like.numel() // BLOCK), dtype=torch.float32, device=like.device)
+    if zero:
+        codes.fill_(int(torch.searchsorted(_qmap(signed, like.device), 0.)))
+        scale.fill_(1.)
+    return State8.make(codes, scale, signed)
+
+def flat8(v:State8) -> State8:
+    "`v` as a 1-d `State8` in memory order (the same codes and scales)."
+    return State8.make(memory_order(v), v.scale, v.signed)
+
+def part8(v:State8, s:slice) -> State8:
+    "Elements `s` of the 1-d `v` (`s.start` at a block boundary) with their blocks' scales: views of `v`'s."
+    assert s.start % BLOCK == 0, f"8-bit state sliced at {s.start}, inside a block of {BLOCK}"
+    return State8.make(v[s], v.scale[s.start // BLOCK:-(-s.stop // BLOCK)], v.signed)
+
+def copy8_(dst:State8, src:State8) -> State8:
+    "`src`'s codes and scales into `dst` (the same shape, a whole number of blocks or the same tail)."
+    Tensor.copy_(dst, src)
+    dst.scale.copy_(src.scale)
+    return dst
+
+def quantize_(dst:State8, src:Tensor) -> State8:
+    "FP32 `src` (dense, `dst`'s layout) quantized into `dst`'s codes and scales, block by block in memory order."
+    c, x, scale = memory_order(dst), memory_order(src), dst.scale
+    qmap, n, step = _qmap(dst.signed, src.device), src.numel(), _piece(src.device)
+    full = n - n % BLOCK
+    for o in range(0, full, step):
+        e = min(o + step, full)
+        codes, s = _quantize(x[o:e].view(-1, BLOCK), qmap)
+        c[o:e].copy_(codes.view(-1))
+        scale[o // BLOCK:e // BLOCK].copy_(s)
+    if full < n:  # a last, shorter block: padded with zeros, which change no scale
+        pad = x.new_zeros(1, BLOCK)
+        pad[0, :n - full] = x[full:]
+        codes, s = _quantize(pad, qmap)
+        c[full:].copy_(codes.view(-1)[:n - full])
+        scale[-1:].copy_(s)
+    return dst
+
+def dequantize_into(dst:Tensor, src:State8) -> Tensor:
+    "`src`'s FP32 values written into `dst` (dense FP32, `src`'s layout), block by block in memory order."
+    c, x, scale = memory_order(src), memory_order(dst), src.scale
+    qmap, n, step = _qmap(src.signed, src.device), src.numel(), _piece(src.device)
+    full = n - n % BLOCK
+    for o in range(0, full, step):
+        e = min(o + step, full)
+        x[o:e].copy_(_dequantize(c[o:e].view(-1, BLOCK), qmap, scale[o // BLOCK:e // BLOCK]).view(-1))
+    if full < n:
+        pad = c.new_zeros(1, BLOCK)
+        pad[0, :n - full] = c[full:]
+        x[full:].copy_(_dequantize(pad, qmap, scale[-1:]).view(-1)[:n - full])
+    return dst
