@@ -7,7 +7,11 @@ bytes, not an allocator's blocks. Each mode with fastai's `Adam` and with `Optim
 is an MLP of about 9.5M parameters (`--width` scales it). The targets (at most 16 bytes/param with FP32 masters, 12
 with `half_storage`; with the optimizer's state in bf16, `state_dtype`, 4 less; in 8 bits, `state_dtype='8bit'`, 6 less,
 its block scales, 4 bytes per 256 elements and moment, within the slack) are printed as met or not, never asserted
-here (tests/test_bench.py checks the accounting; tests/test_state8.py the 8-bit figures on a smaller MLP)."""
+here (tests/test_bench.py checks the accounting; tests/test_state8.py the 8-bit figures on a smaller MLP).
+
+Then the true peak (`bench.peak_memory`): per mode, the memory between steps beside its peak over the step, the
+backward, a mid-fit save and the fit's end, on a model with one large param and on a small GPT-2, and which moments
+exceed FP32's own peak (`--no-peaks`: the first table only)."""
 from __future__ import annotations
 import argparse, gc, json, platform, time, warnings
 from functools import partial
@@ -18,6 +22,7 @@ from fastai.basics import Learner, DataLoaders, Adam, OptimWrapper, MSELossFlat,
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.dtypes import cpu_has_native
 from bench.measure import cpu_flags
+from bench.peak_memory import measure_peaks, format_peaks
 
 __all__ = ["live_storages", "StateBytes", "state_learner", "MODES", "OPTIMIZERS", "TARGETS", "SLACK", "supported", "measure", "main"]
 
@@ -138,13 +143,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--width', type=int, default=2048, help="the MLP's width (2048: about 9.5M parameters)")
     p.add_argument('--json', help="also write the results here")
+    p.add_argument('--no-peaks', action='store_true', help="skip the true peaks (step, backward, save, fit's end)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings('ignore')  # fastai's AMP on a CPU, fp16 on a CPU: known, and not what is measured
     res, scratch = measure(args.width, with_scratch=True)
     n = sum(q.numel() for q in _mlp(args.width).parameters())
-    print(f"Training state at the step peak, bytes/param; MLP of {n/1e6:.1f}M params; CPU: {cpu_capability()}; "
-          f"torch {torch.__version__}")
+    print(f"CPU: {cpu_capability()} ({cpu_flags()}); torch {torch.__version__}; 1 thread")
+    print(f"Training state at the step peak, bytes/param; MLP of {n/1e6:.1f}M params")
     opts = list(res)
     print(f"{'mode':<50}" + ''.join(f"{o:>14}" for o in opts) + "   target")
     for mode in MODES:
@@ -153,9 +159,13 @@ def main(argv=None):
         print(f"{mode:<50}" + ''.join(f"{v:>14.2f}" if v is not None else f"{'-':>14}" for v in vals) + met)
     most = max(v for r in scratch.values() for v in r.values())
     print(f"plus the lift's scratch, one chunk of FP32 grads kept between steps: at most {most/2**20:.1f} MiB")
+    peaks = None if args.no_peaks else measure_peaks()
+    if peaks is not None:
+        print("\nThe true peak over a fit (1 epoch of 3 batches, a `learn.save` at its end):\n" + format_peaks(peaks))
     if args.json:
         date = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
-        with open(args.json, 'w') as f: json.dump({'date': date, 'width': args.width, 'n_params': n, 'bytes_per_param': res, 'scratch_bytes': scratch,
-                                                   'cpu': cpu_capability(), 'cpu_flags': cpu_flags(), 'torch': torch.__version__}, f, indent=1)
+        out = {'date': date, 'width': args.width, 'n_params': n, 'bytes_per_param': res, 'scratch_bytes': scratch,
+               'cpu': cpu_capability(), 'cpu_flags': cpu_flags(), 'torch': torch.__version__, 'peaks': peaks}
+        with open(args.json, 'w') as f: json.dump(out, f, indent=1)
 
 if __name__ == '__main__': main()

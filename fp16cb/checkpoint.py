@@ -8,6 +8,7 @@ a symlink stays a symlink (the file it points to is replaced), and a device or a
 from __future__ import annotations
 import os, stat, uuid, warnings
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 import cloudpickle
 from fastai.learner import Learner, load_model
@@ -20,7 +21,7 @@ import torch
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .session import session_of, is_ours, _KEY
-from .weights import with_layout_of
+from .weights import shared, dense_strides, Stream
 from .monitor import PrecisionValue
 
 __all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'fp32_model_state', 'save_atomic',
@@ -100,26 +101,36 @@ def fp32_view(learn):
 def _active(learn, cls):
     return next((cb for cb in session_of(learn).active if isinstance(cb, cls)), None)
 
-def fp32_model_state(learn) -> dict:
-    "The model's `state_dict` with the exact FP32 values (the masters, mid-fit), read without touching the model."
+def fp32_model_state(learn, stream:Stream=None) -> dict:
+    """The model's `state_dict` with the exact FP32 values, read without touching the model and without a copy of them
+    all: mid-fit, a master is there over its own memory (`shared`), and a 16-bit value without one (`half_storage`) is
+    widened by `stream` as the file is written, one at a time (None: widened now)."""
     model = get_model(learn.model)
-    sd = model.state_dict()
     mth = _active(learn, ModelToHalf)
-    if mth is None or not mth.converted: return sd
-    vals = mth.fp32_tensors()
+    if mth is None or not mth.converted: return model.state_dict()
+    mth._streaming = True  # the model's own state-dict hook (`MixedPrecision`) leaves the FP32 values to this function
+    try: sd = model.state_dict()
+    finally: mth._streaming = False
+    vals = mth.fp32_tensors(None if stream is None else partial(_widened, stream))
     for prefix, mod in model.named_modules(remove_duplicate=False):
         for name, cur in list(mod._parameters.items()) + list(mod._buffers.items()):
             key, v = f'{prefix}.{name}' if prefix else name, vals.get((id(mod), name))
-            if v is not None and key in sd: sd[key] = with_layout_of(v.detach(), cur)  # owned: the file holds it alone
+            if v is None or key not in sd: continue
+            sd[key] = shared(v.detach(), cur) if isinstance(v, torch.Tensor) else v  # the file holds it alone
     return sd
 
+def _widened(stream:Stream, cur:torch.Tensor, dtype) -> torch.Tensor:
+    "`cur` in `dtype`, laid out as it is, made by `stream` as the file is written."
+    return stream.tensor(cur.shape, dense_strides(cur), cur.device, lambda out: out.copy_(cur), dtype, key=id(cur))
+
 @contextmanager
-def _fp32_opt(learn):
-    "Within: the optimizer on the model's own params with their FP32 state (mid-fit too); the model is untouched."
+def _fp32_opt_state(learn, stream:Stream):
+    """Within: a function giving the optimizer's state dict keyed as for the model's own params, its state FP32
+    (mid-fit, the model untouched; 16-bit state widened by `stream` as the file is written, one tensor at a time)."""
     mp = _active(learn, MixedPrecision)
-    if mp is None or mp.store is None: yield learn.opt
+    if mp is None or mp.store is None: yield learn.opt.state_dict
     else:
-        with mp.store.opt_view() as opt: yield opt
+        with mp.store.opt_view() as opt: yield partial(mp.store.fp32_state_dict, opt, stream)
 
 class _OptLoader:
     "Stands in for the optimizer in fastai's `load_model`: takes our key out of the state dict before loading it."
@@ -139,13 +150,15 @@ def save(self:Learner,
     "Save the FP32 model (the masters mid-fit, the 16-bit model left as it is) and, if `with_opt`, the optimizer and loss-scaler state"
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if rank_distrib(): return file  # don't save if child proc
-    state = fp32_model_state(self)
-    opt = getattr(self, 'opt', None)
-    with _fp32_opt(self):
-        if with_opt and opt is not None:
-            osd, ps = opt.state_dict(), precision_state(self)
-            state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
-        save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+    # mid-fit, nothing FP32 is made for the file but one tensor at a time, as torch.save writes it (its legacy format,
+    # which writes a storage without asking its size first, gets them made before it starts)
+    with Stream(eager=torch_save_kwargs.get('_use_new_zipfile_serialization', True) is False) as stream:
+        state = fp32_model_state(self, stream)
+        with _fp32_opt_state(self, stream) as opt_state_dict:
+            if with_opt and getattr(self, 'opt', None) is not None:
+                osd, ps = opt_state_dict(), precision_state(self)
+                state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
+            save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return file
 
 def save_atomic(obj, file, **kwargs):

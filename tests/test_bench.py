@@ -4,7 +4,7 @@ from functools import partial
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
-from fastai.basics import Learner, DataLoaders, Callback, SGD, Adam, CrossEntropyLossFlat, CancelStepException
+from fastai.basics import Learner, DataLoaders, Callback, SGD, Adam, CrossEntropyLossFlat, MSELossFlat, CancelStepException
 from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
@@ -353,6 +353,26 @@ def test_training_state_bytes_per_param():
     assert 13.7 < r['to_bf16 step_in_backward'] < 14.3 and 9.7 < r['to_bf16 half_storage step_in_backward'] < 10.3, r
     assert 9.7 < r['to_bf16 step_in_backward state_dtype'] < 10.3, r
     assert 5.7 < r['to_bf16 half_storage step_in_backward state_dtype'] < 6.3, r
+@pytest.mark.skipif(DEVICE.type != 'cpu', reason="exact bytes: counted on the CPU")
+def test_true_peak_accounting(monkeypatch):
+    """The true peak (bench/peak_memory.py), from the profiler's every allocation and free: FP32 Adam holds 16 bytes/param
+    between steps and more in its step; `to_bf16(state_dtype=bf16)` 12 between steps and the lift's scratch (a chunk:
+    one param here, 1 byte/param), nothing more at a mid-fit save but one tensor made as it is written, and at the fit's
+    end the state's widening (4) and one param's FP32 at most."""
+    from bench.peak_memory import run_one, format_peaks, PHASES
+    from fp16cb.weights import WeightStore
+    monkeypatch.setattr(WeightStore, 'lift_chunk', 256 * 256)
+    def data(g, n):
+        return list(zip(torch.randn(8 * n, 256, generator=g), torch.randn(8 * n, 256, generator=g))), MSELossFlat()
+    four = (lambda: nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)]), data)  # one param: 1 byte/param
+    res = {'four': {m: run_one(four, m) for m in ('fp32', 'to_bf16 state_dtype')}}
+    fp32, bf16 = res['four']['fp32'], res['four']['to_bf16 state_dtype']
+    assert fp32['n'] == 4 * 256 * 256 and 15.9 < fp32['between'] < 16.3 and fp32['step'] > fp32['between'] + 1, fp32
+    assert 12.9 < bf16['between'] < 13.3 and bf16['save'] <= bf16['between'] + 1.1, bf16
+    assert bf16['end'] <= bf16['between'] + 4 + 1.1 and bf16['backward'] < fp32['backward'], bf16
+    table = format_peaks(res)
+    assert "| to_bf16 state_dtype | " in table and "above FP32's peak" in table and len(PHASES) == 5
+
 def test_compile_backend_choice(monkeypatch):
     "auto: inductor where it compiles, else aot_eager with the reason; inductor asked where it does not compile: an error."
     assert pick_compile_backend('aot_eager', 'cpu') == ('aot_eager', 'asked for')

@@ -354,6 +354,7 @@ def _fp32_copy(model, mth, memo):
 
 def _fp32_state(mth, module, state_dict, prefix, local_metadata):
     "`model.state_dict()` mid-fit: the exact FP32 values in place of the 16-bit ones."
+    if getattr(mth, '_streaming', False): return  # `learn.save`: `fp32_model_state` makes them, as the file is written
     for (pre, n, cur), v in _fp32_values(module, mth).items():
         key = prefix + (f'{pre}.{n}' if pre else n)
         if key in state_dict and cur is not None and v.shape == cur.shape: state_dict[key] = v.detach()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
-from ..weights import with_layout_of
+from ..weights import shared
 from ..compat import Facts, check, float64_layers, FIT, STEP
 from ..scaling import is_ddp
 from ..session import SessionCallback
@@ -16,6 +16,8 @@ from ..distributed import rewrap
 from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, EntryCasts, RangeWatch
 
 __all__ = ['ModelToHalf']
+
+def _widen(t:torch.Tensor, dtype) -> torch.Tensor: return t.to(dtype)
 
 def _float64_layer(m:nn.Module) -> bool:
     "A torch layer (`torch.nn`: Linear, Conv, LSTM ...) holding float64 params: it cannot take a 16-bit input."
@@ -150,30 +152,34 @@ class ModelToHalf(SessionCallback):
             if rec is not None and not rec.original.is_meta:
                 self.originals[id(p)] = rec._replace(original=rec.original.to('meta'))
 
-    def fp32_value(self, cur:torch.Tensor, rec) -> torch.Tensor:
-        "The exact FP32 value of the converted tensor `cur` now: its master, its original if unchanged, else widened."
+    def fp32_value(self, cur:torch.Tensor, rec, widen=None) -> torch.Tensor:
+        """The exact FP32 value of the converted tensor `cur` now: its master, its original if unchanged, else widened
+        (`widen(cur, dtype)`: how, default `cur.to(dtype)`; a checkpoint's makes it as the file is written)."""
         master = self.masters.get(id(cur)) if rec.is_param else None
         if master is not None: return master
-        if rec.original.is_meta: return cur.to(rec.original.dtype)  # trained in 16-bit, original forgotten
+        widen = widen or _widen
+        if rec.original.is_meta: return widen(cur, rec.original.dtype)  # trained in 16-bit, original forgotten
         if rec.is_param and not self._trained: return rec.original  # no training batch since the set-up (inference)
         if cur.dtype != rec.original.dtype and torch.equal(cur, rec.original.to(cur.dtype)): return rec.original
-        return cur.to(rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
+        return widen(cur, rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
 
-    def fp32_tensors(self) -> dict:
-        "`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is."
+    def fp32_tensors(self, widen=None) -> dict:
+        """`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is
+        (`widen`: see `fp32_value`)."""
         res = {}
         for rec in (self.originals or {}).values():
             cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
-            if cur is not None: res[(id(rec.module), rec.name)] = self.fp32_value(cur, rec)
+            if cur is not None: res[(id(rec.module), rec.name)] = self.fp32_value(cur, rec, widen)
         return res
 
     def _restore_model(self):
-        "Give the model back its exact FP32 values: the masters for trained params, the originals for the rest."
+        """Give the model back its exact FP32 values: the masters for trained params (their memory, not a copy: each
+        param a tensor of its own over its master's part of the masters' buffer), the originals for the rest."""
         if not self.converted: return
         for rec in self.originals.values():
             cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
             if cur is None: continue
-            new = with_layout_of(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), owned
+            new = shared(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), its own
             if rec.is_param:
                 if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
                 cur.data = new

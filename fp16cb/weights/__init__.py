@@ -10,8 +10,10 @@ step's gradients get there. One concern per module, arrows pointing down this li
 - `optstate`: the optimizer's per-param state moved between the model's params and what the optimizer steps;
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
 - `writes`: other code's in-place writes to the model's params reaching the FP32 masters (`WriteWatch`);
-- `layout`: flat buffers and their views, each keeping its tensor's strides."""
-from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of
+- `layout`: flat buffers and their views, each keeping its tensor's strides;
+- `lazy`: FP32 tensors that a checkpoint writes one at a time (`Stream`), made as `torch.save` reaches them."""
+from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of, shared
+from .lazy import Stream
 from .functional import MASTERED, get_master, to_master_grads, to_model_params, copy_clone, check_unique_params
 from .optstate import move_opt_state
 from .store import Stage, WeightStore
@@ -22,4 +24,4 @@ from .state16 import HalfState, resolve_state_dtype
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
            'round_stochastic', 'round_to', 'HalfState', 'resolve_state_dtype', 'dense_strides', 'flat_views', 'flatten_like',
-           'with_layout_of', 'owns_storage']
+           'with_layout_of', 'owns_storage', 'shared', 'Stream']

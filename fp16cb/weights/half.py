@@ -228,6 +228,10 @@ class HalfStorage(WeightStore):
             for p, g in grads.items(): p.grad = g
         return out
 
+    def _let_go(self):
+        super()._let_go()
+        self._views = {}  # views of the scratch
+
     def zero_model_grads(self):
         "As the optimizer's `zero_grad` would: zeroed (fastai), or None (a torch optimizer: unreached params not stepped)."
         if self.none_after_step:

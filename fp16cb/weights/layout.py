@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'laid_out_as',
-           'split_like']
+__all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'shared',
+           'laid_out_as', 'split_like']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -52,6 +52,20 @@ def with_layout_of(t:Tensor, like:Tensor) -> Tensor:
     strides = dense_strides(like)
     if owns_storage(t) and tuple(t.stride()) == strides: return t
     return torch.empty_strided(like.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+def shared(t:Tensor, like:Tensor=None) -> Tensor:
+    """`t`'s memory as a tensor of its own, laid out as `like` (default: `t`): `t` itself when it owns its storage;
+    when it is a dense part of a larger buffer with those strides (a master in the masters' buffer), a tensor over a
+    storage of exactly its elements, no copy (`torch.save` writes those alone; the buffer lives as long as any such
+    part does); else `with_layout_of`'s copy."""
+    like = t if like is None else like
+    strides = dense_strides(like)
+    if owns_storage(t) or not t.numel() or tuple(t.stride()) != strides or dense_strides(t) != strides:
+        return with_layout_of(t, like)
+    t, n = t.detach(), t.element_size()
+    o = t.storage_offset()
+    part = t.untyped_storage()[o * n:(o + t.numel()) * n]  # a storage over the buffer's memory
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(part, 0, t.shape, strides)
 
 def laid_out_as(t:Tensor, like:Tensor) -> Tensor:
     """`t` when its elements are in `like`'s memory order (the same strides), else a copy laid out as `like`: what a

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .layout import flat_views, split_like, memory_order
+from .layout import flat_views, split_like, memory_order, shared
 
 __all__ = ['BufferRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK',
            'chunk_limit']
@@ -116,13 +116,14 @@ class BufferRun:
             if p.grad is not None and g is not None: p.grad = g
 
     def release(self):
-        "Give the params that still view our buffers ordinary tensors of their own (after the fit)."
+        """Give the params that still view our buffers tensors of their own over their parts of them (after the fit; no
+        copy: the FP32 values replace them next, and the buffers go with the last of them)."""
         if self.watched and not self.per_step: self.settle()  # a fit that ended before any step
         self._unhook()
         for p in self.params:
-            if self._owns(p.data, self.buf): p.data = p.data.clone()
+            if self._owns(p.data, self.buf): p.data = shared(p.data)
             if self._owns(p.grad, self.grad):  # cleared since `before_step`; a 16-bit grad can't go on an FP32 param
-                p.grad = p.grad.clone() if p.grad.dtype == p.dtype else None
+                p.grad = shared(p.grad) if p.grad.dtype == p.dtype else None
 
 def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=False, key=None) -> list:
     """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves

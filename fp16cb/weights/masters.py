@@ -65,7 +65,7 @@ class FP32Masters(WeightStore):
         self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing, self._trusted = [], False
-        self.writes = WriteWatch(self.models, self.masters)  # other code's writes to the model reach the masters
+        self.writes = WriteWatch(self.models, self.masters, self.chunk_limit)  # other code's writes reach the masters
         if in_backward: self.arm_in_backward()
 
     @staticmethod
@@ -290,18 +290,18 @@ class FP32Masters(WeightStore):
         super().backward()
         if self.in_backward: self.writes.follow()  # the backward steps the params: from what other code wrote
 
-    def _point_opt(self, to_model:bool):
+    def _point_opt(self, to_model:bool, stash:dict=None):
         "Move the optimizer (params, state, Lookahead's slow weights) between the masters and the model's params."
-        if to_model: move_opt_state(self.opt, self.master_pgs, self.model_pgs, 'split' if self.flat else None, self.old_param_lists)
-        else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+        split, merge = ('split', 'merge') if self.flat else (None, None)
+        if to_model: move_opt_state(self.opt, self.master_pgs, self.model_pgs, split, self.old_param_lists, stash)
+        else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, merge, self.opt_pgs, stash)
 
     def restore(self):
         self.writes.settle()  # the last step's writes: the FP32 weights the fit ends with
         for r in self.runs: r.release()
-        for c in self.chunks: c.plan = c.lifted = None
-        self.scratch.release()
-        super().restore()
+        super().restore()  # the scratch let go there
         self._point_opt(to_model=True)
+        self.runs, self.chunks, self._bufs, self._grads = [], [], [], []  # 16-bit buffers: gone with the model's views
 
     # -- helpers
     def master_to_model(self):

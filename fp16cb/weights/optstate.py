@@ -10,7 +10,7 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
 from ..compat import known_elementwise
 from .route import own_class
-from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of
+from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of, shared
 from . import state8
 from .state8 import State8
 
@@ -83,12 +83,13 @@ def _merge_states(states:list, params:list) -> dict:
     return out
 
 def _split_state(state:dict, params:list) -> list:
-    "Per-param states from a flat one (flat tensors are cut and cloned; other entries copied to each)."
+    """Per-param states from a flat one: flat tensors are cut into tensors of their own that share its memory (no copy:
+    `shared`), other entries copied to each."""
     n = sum(p.numel() for p in params)
     res = [{} for _ in params]
     for k, v in state.items():
         if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n:
-            for r, view in zip(res, flat_views(v, params)): r[k] = view.clone()
+            for r, view in zip(res, flat_views(v, params)): r[k] = shared(view)
         else:
             for r in res: r[k] = v.clone() if isinstance(v, Tensor) else v
     return res
@@ -97,42 +98,55 @@ def _set_param_lists(opt, pgs):
     "Point `opt` (the innermost optimizer) at `pgs`: `L`s for a fastai `Optimizer`, lists for an `OptimWrapper`'s torch optimizer."
     opt.param_lists = [list(pg) for pg in pgs] if isinstance(opt, OptimWrapper) else L(L(pg) for pg in pgs)
 
-def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None):
+def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None, stash:dict=None):
     """Move the per-param state from `from_pgs` to `to_pgs` (no copy when already FP32) and point `opt` at `param_lists`
     (default `to_pgs`). `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse. The state
     moves in every state dict of the optimizer (`opt_states`: a torch wrapper's and its inner optimizer's). fastai's
-    `Lookahead` keeps slow weights per param: they follow the same way (flat ones are split, per-param ones merged)."""
+    `Lookahead` keeps slow weights per param: they follow the same way (flat ones are split, per-param ones merged).
+    `stash`: a view, for reading (a checkpoint): nothing converted, and the flat state and slow weights that a split
+    leaves in `stash` are put back as they were by the merge given the same `stash` (no copy either way)."""
     core = innermost(opt)
     slow, states = _slow_weights(opt, core), opt_states(core)
     _set_param_lists(core, param_lists if param_lists is not None else to_pgs)
     for src, dst in zip(from_pgs, to_pgs):
-        for state in states: _move_state(state, src, dst, flat, make=state is states[-1])
-        if slow is not None: _move_slow(slow, src, dst, flat)
+        for state in states: _move_state(state, src, dst, flat, make=state is states[-1], stash=stash)
+        if slow is not None: _move_slow(slow, src, dst, flat, stash)
     if slow is not None: opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
                                               for pg in core.param_lists)
 
-def _move_state(state:dict, src:list, dst:list, flat:str|None, make:bool):
+def _move_state(state:dict, src:list, dst:list, flat:str|None, make:bool, stash:dict=None):
     """`src`'s entries of `state` moved to `dst` (merged into flat masters, split from them, or one to one); `make`: an
     entry for every param (the optimizer's own state), else only for those that have one (a wrapper's)."""
     if flat == 'merge':
         for part, m in zip(split_like(src, dst), dst):
-            if make or any(p in state for p in part): state[m] = _merge_states([state.pop(p, {}) for p in part], part)
+            kept = stash.pop((id(state), id(m)), None) if stash is not None else None
+            if kept is not None:
+                for p in part: state.pop(p, None)
+                state[m] = kept
+            elif make or any(p in state for p in part): state[m] = _merge_states([state.pop(p, {}) for p in part], part)
     elif flat == 'split':
         for part, m in zip(split_like(dst, src), src):
             if make or m in state:
-                for p, s in zip(part, _split_state(state.pop(m, {}), part)): state[p] = s
+                whole = state.pop(m, {})
+                if stash is not None: stash[(id(state), id(m))] = whole
+                for p, s in zip(part, _split_state(whole, part)): state[p] = s
     else:
         for p, m in zip(src, dst):
-            if p is not m and (make or p in state): state[m] = _fp32_state(state.pop(p, {}))
+            if p is not m and (make or p in state):
+                state[m] = state.pop(p, {}) if stash is not None else _fp32_state(state.pop(p, {}))
 
-def _move_slow(slow:dict, src:list, dst:list, flat:str|None):
+def _move_slow(slow:dict, src:list, dst:list, flat:str|None, stash:dict=None):
     "fastai `Lookahead`'s slow weights (`{id(param): tensor}`) moved from `src` to `dst`, as `_move_state` moves state."
     if flat == 'merge':
         for part, m in zip(split_like(src, dst), dst):
-            slow[id(m)] = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
+            kept = stash.pop(('slow', id(m)), None) if stash is not None else None
+            if kept is None: kept = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
+            slow[id(m)] = kept
     elif flat == 'split':
         for part, m in zip(split_like(dst, src), src):
-            if id(m) in slow: slow.update({id(p): v.clone() for p, v in zip(part, flat_views(slow[id(m)], part))})
+            if id(m) not in slow: continue
+            if stash is not None: stash[('slow', id(m))] = slow[id(m)]
+            slow.update({id(p): shared(v) for p, v in zip(part, flat_views(slow[id(m)], part))})
     else:
         for p, m in zip(src, dst):
             if id(p) in slow: slow[id(m)] = slow[id(p)]

@@ -174,5 +174,5 @@ class HalfState:
         "The whole state in FP32, in tensors of its own (the end of a fit; the FP32 view: checkpoints, `opt_view`)."
         if self.dtype is None: return
         for p, d in state.items():
-            for k, v in list(d.items()):
-                if _is(k, v, p, self.dtype): d[k] = v.dequantize() if isinstance(v, State8) else v.float()
+            for k in list(d):  # each 16-bit tensor let go as soon as its FP32 one is made (not a param's at once)
+                if _is(k, d[k], p, self.dtype): d[k] = d[k].dequantize() if isinstance(d[k], State8) else d[k].float()

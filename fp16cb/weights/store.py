@@ -13,6 +13,7 @@ from ..distributed import broadcast_
 from .functional import check_unique_params, trainable
 from .optstate import innermost, opt_state
 from .state16 import HalfState
+from .lazy import lazy_state
 from .lift import chunk_limit
 from .route import Route
 
@@ -212,23 +213,35 @@ class WeightStore:
 
     @contextmanager
     def opt_view(self):
-        """Within: the optimizer on the model's own params, with their state in FP32, as between fits; the model is
-        untouched. On exit, 16-bit state goes back to 16-bit exactly (it was widened from it), drawing nothing."""
-        self.state16.widen_all(opt_state(self.core))
-        self._point_opt(to_model=True)
+        """Within: the optimizer on the model's own params, as between fits, the model untouched; nothing copied or
+        widened: the state as the fit stores it (16-bit state in 16-bit: `fp32_state_dict` widens it as it is written;
+        flat masters' state split into views of the flat state, which comes back as it was on exit). For reading."""
+        stash = {}
+        self._point_opt(to_model=True, stash=stash)
         try: yield self.opt
-        finally:
-            self._point_opt(to_model=False)
-            self.state16.narrow_all(opt_state(self.core))
+        finally: self._point_opt(to_model=False, stash=stash)
 
-    def _point_opt(self, to_model:bool):
-        "Move the optimizer (params, state) between what it steps during the fit and the model's params (here: the same)."
+    def fp32_state_dict(self, opt, stream) -> dict:
+        """Within `opt_view`: `opt.state_dict()` with its 16-bit state in FP32, each entry made by `stream` (a
+        `Stream`) as `torch.save` writes it (one at a time, never the whole FP32 state at once)."""
+        return lazy_state(opt.state_dict(), opt_state(self.core), self.state16, stream)
+
+    def _point_opt(self, to_model:bool, stash:dict=None):
+        """Move the optimizer (params, state) between what it steps during the fit and the model's params (here: the
+        same); `stash`: a view, undone by the move back with the same dict (`opt_view`)."""
 
     def restore(self):
         "Give the optimizer its own `step`, params and state (FP32) back (the end of the fit)."
         self.state16.widen_all(opt_state(self.core))
         for h in getattr(self, '_grad_hooks', []): h.remove()
         self.route.remove()
+        self._let_go()
+
+    def _let_go(self):
+        """The fit's end: what the store holds for its steps is let go now (the store itself goes when the garbage
+        collector finds it: its methods, kept as attributes, hold it in a cycle)."""
+        self.checked = ()
+        if getattr(self, 'scratch', None) is not None: self.scratch.release()
 
     # -- opt-in: the step in the backward
     def arm_in_backward(self):

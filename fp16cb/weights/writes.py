@@ -12,12 +12,22 @@ from __future__ import annotations
 import warnings
 import torch
 
+from .layout import memory_order, dense_strides
+from .lift import chunk_limit
+
 __all__ = ['WriteWatch']
+
+def _parts(p, m, limit) -> list:
+    """`[(part of p, the same part of m)]` in memory order when they are laid out alike, each of a quarter chunk
+    (`limit(device)`): a comparison's temporaries (12 bytes an element) then stay under one chunk of FP32."""
+    if p.stride() != m.stride() or tuple(p.stride()) != dense_strides(p): return [(p, m)]
+    a, b, n = memory_order(p), memory_order(m), max(1, limit(p.device) // 4)
+    return [(a[o:o + n], b[o:o + n]) for o in range(0, a.numel(), n)]
 
 class WriteWatch:
     "Follows in-place writes to the model's params (`params`) into their FP32 masters (`masters`, shaped alike)."
-    def __init__(self, params:list, masters:list):
-        self.pairs = list(zip(params, masters))
+    def __init__(self, params:list, masters:list, limit=chunk_limit):
+        self.pairs, self.limit = list(zip(params, masters)), limit  # `limit(device)`: the chunk size there
         self.note()
 
     def note(self):
@@ -32,10 +42,11 @@ class WriteWatch:
         counts = []
         for i, ((p, m), v) in enumerate(zip(self.pairs, self.versions)):
             if not everything and p._version == v: continue
-            changed = torch.ne(p, m.to(p.dtype)).logical_and_(p == p)  # a NaN master rounds to NaN: not a write
-            m.copy_(torch.where(changed, p.to(m.dtype), m))
+            for a, b in _parts(p, m, self.limit):  # a part at a time: the comparison's temporaries stay small
+                changed = torch.ne(a, b.to(a.dtype)).logical_and_(a == a)  # a NaN master rounds to NaN: not a write
+                b.copy_(torch.where(changed, a.to(b.dtype), b))
+                if count: counts.append(changed.sum())
             self.versions[i] = p._version
-            if count: counts.append(changed.sum())
         return int(sum(counts)) if counts else 0  # the host read: at the fit's end only
 
     def settle(self):
