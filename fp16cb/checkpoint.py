@@ -128,7 +128,7 @@ def _fp32_opt_state(learn, stream:Stream):
     """Within: a function giving the optimizer's state dict keyed as for the model's own params, its state FP32
     (mid-fit, the model untouched; 16-bit state widened by `stream` as the file is written, one tensor at a time)."""
     mp = _active(learn, MixedPrecision)
-    if mp is None or mp.store is None: yield learn.opt.state_dict
+    if mp is None or mp.store is None: yield lambda: learn.opt.state_dict()  # (no optimizer yet: not called)
     else:
         with mp.store.opt_view() as opt: yield partial(mp.store.fp32_state_dict, opt, stream)
 

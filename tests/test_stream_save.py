@@ -231,6 +231,13 @@ def test_fit_end_peak(mode, widened, tmp_path, monkeypatch):
     assert peak <= max(between, marks['end:start'][0]) + widened * n + BIG + SLACK, ((peak - between) / n, mode)
     assert all(p.dtype == torch.float32 for p in learn.model.parameters())
 
+def test_save_before_any_fit(tmp_path):
+    "A learner that never fitted has no optimizer yet: `learn.save` writes its model alone, as fastai's does."
+    learn = _learner('state', tmp_path)
+    assert learn.opt is None
+    learn.save('none')
+    assert _loaded(tmp_path/'models'/'none.pth').keys() == learn.model.state_dict().keys()
+
 def test_between_fits_file_after_a_fit(tmp_path):
     "After the fit the model's params share the masters' memory, yet `learn.save` writes each alone, as FP32's file."
     learn = _learner('state', tmp_path)
