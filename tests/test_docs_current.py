@@ -358,6 +358,34 @@ def test_memory_figures_are_the_benchmarks():
     assert res['cpu'].split(',')[0].replace('(R)', '').replace(' Processor', '') in flat.replace('(R)', '')
     assert f"{res['n_params'] / 1e6:.1f}M" in flat
 
+PEAK_JSON = REPO/'bench'/'results_peak_memory.json'
+PEAK_ROWS = {'FP32': 'fp32', '`to_bf16()`': 'to_bf16', '`to_bf16(state_dtype=torch.bfloat16)`': 'to_bf16 state_dtype',
+             '`to_bf16(half_storage=True)`': 'to_bf16 half_storage',
+             '`to_bf16(half_storage=True, state_dtype=torch.bfloat16)`': 'to_bf16 half_storage state_dtype',
+             '`to_bf16(step_in_backward=True)`': 'to_bf16 step_in_backward',
+             '`to_bf16(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16)`':
+                 'to_bf16 half_storage step_in_backward state_dtype'}
+
+def test_peak_figures_are_the_benchmarks():
+    """The README's true-peak table: each mode's memory between steps and its peak over a fit, with the moment of the
+    peak, as `bench/results_peak_memory.json` holds them for both models; the caption names that run."""
+    from bench.peak_memory import PHASES
+    res = json.loads(PEAK_JSON.read_text())
+    text = section(README, 'Which mode')
+    table = next(t for t in md_tables(text) if any('true peak' in k for k in t[0]))
+    assert [r['mode'] for r in table] == list(PEAK_ROWS)
+    names = {'between': 'between steps', 'step': 'step', 'backward': 'backward', 'save': 'mid-fit save',
+             'end': "fit's end"}
+    for row in table:
+        cells = [v for k, v in row.items() if k != 'mode']
+        for model, (between, peak) in zip(res['peaks'], zip(cells[::2], cells[1::2])):
+            r = res['peaks'][model][PEAK_ROWS[row['mode']]]
+            top = f"{max(r[p] for p in PHASES):.1f}"
+            where = ', '.join(names[p] for p in PHASES if f"{r[p]:.1f}" == top)
+            assert (between, peak) == (f"{r['between']:.1f}", f"{top} ({where})"), (row['mode'], model)
+    flat = ' '.join(text.split())
+    assert res['date'] in flat and 'bench/results_peak_memory.json' in flat
+
 def test_memory_caption_gives_the_lifts_scratch():
     """The scratch one chunk of FP32 grads is lifted into (kept between steps, not in the table): the run's own figure,
     at most one chunk (the CPU's chunk limit, `LIFT_CHUNK`) in every mode, flat masters included (Adam is elementwise: a
