@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 DIR="${1:-.whl}"
 PY_VERSION="${PY_VERSION:-3.12}"
 PKGS=(
-  fastai==2.8.12 fastcore==2.2.39 fasttransform==0.0.5 fastdownload==0.0.8 fastprogress==1.0.3
+  fastai==2.8.12 fastcore==2.2.39 fasttransform==0.0.5 fastdownload==0.0.8 fastprogress==1.0.3 torchao==0.18.0
   plum-dispatch==2.9.0 beartype==0.23.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.20.0
   typing-extensions==4.16.0 cloudpickle==3.1.2 packaging==26.2 pyyaml==6.0.3
   requests==2.34.2 charset-normalizer==3.4.7 idna==3.20 urllib3==2.7.0 certifi==2026.5.20
