@@ -214,3 +214,12 @@ def test_a_state_dict_taken_mid_fit_holds_the_exact_fp32_weights(mode):
     learn.to_fp32()
     for k, v in learn.model.state_dict().items():
         assert kb.best[k].dtype == v.dtype and torch.equal(kb.best[k], v), k
+
+def test_grads_unscaled_for_a_later_callback_keep_the_steps_loss_scale():
+    "The loss-scale record still holds the step's scale (not 1: the dynamic scale would read as stuck at its floor)."
+    learn, probe = learner('fp16'), GradNorms()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)  # no "sits at its floor" warning
+        quiet_fit(learn, 2, cbs=probe)
+    scales = learn.mixed_precision.scales
+    assert scales[0] == 1. and all(s > 1. for s in scales[1:]), scales  # calibrated at the first step, then scaled

@@ -177,8 +177,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         "Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought in again."
         if getattr(self, '_was_checked', False):
             divided = getattr(self, '_divided', None)
-            self.store.prepare_grads(self.scaler.scale if divided is None else 1.)
-            self.store._rescale = divided  # a cancel after the pause multiplies them back
+            self.store.prepare_grads(self.scaler.scale)
+            if divided is not None: self.store.divided(divided)  # a cancel after the pause multiplies them back
         self._was_checked, self._divided = False, None
 
     def rng(self, model) -> torch.Generator:

@@ -206,7 +206,7 @@ class FP32Masters(WeightStore):
         coefs = list({id(c): c for c in self.coefs.values()}.values())
         if len(coefs) > 1 or (coefs and len(self.coefs) < len(self.opt_pgs)): return None
         dev = self._masters[0].device
-        scale = torch.full((), self.scale, dtype=torch.float32, device=dev)
+        scale = torch.full((), self.scale if self.grad_factor != 1. else 1., dtype=torch.float32, device=dev)  # divided already?
         return (scale / coefs[0] if coefs else scale), torch.zeros((), dtype=torch.float32, device=dev)
 
     def _lift(self, chunk:list, own:dict=None, unscale:bool=True) -> list:

@@ -150,7 +150,11 @@ class WeightStore:
         if self.grad_factor == 1. or not self.checked: return
         with torch.no_grad():
             for gs in _by_device(self.checked).values(): torch._foreach_mul_(gs, self.grad_factor)
-        self._rescale, self.scale, self.grad_factor = self.scale, 1., 1.
+        self.divided(self.scale)
+
+    def divided(self, scale:float):
+        "The checked grads are divided by `scale` already (`scale` stays the step's loss scale): the step divides nothing."
+        self._rescale, self.grad_factor = scale, 1.
 
     def cancel(self):
         """Another callback cancelled the step: as in FP32 its grads stay until the optimizer's `zero_grad` (held back,
