@@ -4,7 +4,8 @@ so the file also loads into a plain FP32 learner; with the optimizer state it ke
 (loss scaler, GradScaler). Mid-fit, `learn.save` reads the FP32 view of the weight store and leaves the 16-bit model
 and its storages as they are. `learn.load` restores all of it, before, during or after a fit. `learn.save` (hence
 `SaveModelCallback`) writes atomically: a write that fails part-way keeps the previous file (`export`: see `export`);
-a symlink stays a symlink (the file it points to is replaced), and a device or a FIFO is written through, not replaced."""
+a symlink stays a symlink (the file it points to is replaced), and a device or a FIFO is written through, not
+replaced."""
 from __future__ import annotations
 import os, stat, uuid, warnings
 from contextlib import contextmanager
@@ -41,18 +42,20 @@ def _fsync_dir(folder:Path):
 def _target(path:Path) -> Path:
     "The file a write to `path` must replace: `path`, or the end of its chain of symlinks (which need not exist yet)."
     res = Path(os.path.realpath(path))
-    if res.is_symlink(): raise OSError(f"atomic_write: cannot write {str(path)!r}: its symlinks form a loop ({str(res)!r}); "
-                                       "point the link at a file, or remove it")
+    if res.is_symlink():
+        raise OSError(f"atomic_write: cannot write {str(path)!r}: its symlinks form a loop ({str(res)!r}); "
+                      "point the link at a file, or remove it")
     return res
 
 def _written_through(path:Path) -> bool:
-    "Whether `path` exists and is not a regular file (a device such as /dev/null, a FIFO): it is written to, never replaced."
+    """Whether `path` exists and is not a regular file (a device such as /dev/null, a FIFO): it is written to, never
+    replaced."""
     try: return not stat.S_ISREG(os.stat(path).st_mode)
     except FileNotFoundError: return False
 
 @contextmanager
 def atomic_write(
-    path, # the file to (over)write: it changes only once the whole new content is on disk (a symlink: the file it points to)
+    path, # the file to (over)write: changed only once all the new content is on disk (a symlink: the file it points to)
 ):
     """Yield a binary file opened on a temporary file next to `path`; on success it is flushed, fsynced and renamed over
     `path`. A symlink stays: the file it points to is replaced. What is not a regular file (a device, a FIFO) is opened
@@ -147,7 +150,8 @@ def save(self:Learner,
     pickle_protocol:int=2,
     **torch_save_kwargs
 ):
-    "Save the FP32 model (the masters mid-fit, the 16-bit model left as it is) and, if `with_opt`, the optimizer and loss-scaler state"
+    """Save the FP32 model (the masters mid-fit, the 16-bit model left as it is) and, if `with_opt`, the optimizer and
+    loss-scaler state"""
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if rank_distrib(): return file  # don't save if child proc
     # mid-fit, nothing FP32 is made for the file but one tensor at a time, as torch.save writes it (its legacy format,
@@ -162,7 +166,8 @@ def save(self:Learner,
     return file
 
 def save_atomic(obj, file, **kwargs):
-    "`torch.save(obj, file)`, atomically when `file` is a regular file or a new path (a file object, a device or a FIFO: written through)."
+    """`torch.save(obj, file)`, atomically when `file` is a regular file or a new path (a file object, a device or a
+    FIFO: written through)."""
     if not isinstance(file, (str, Path)): return torch.save(obj, file, **kwargs)
     with atomic_write(file) as f: torch.save(obj, f, **kwargs)
 

@@ -21,7 +21,8 @@ __all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'STATE8', 'MOV
            'learner_facts', 'optimizer_kind', 'float64_layers', 'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH',
            'known_elementwise']
 
-SEMANTICS = (  # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
+# what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
+SEMANTICS = (
     "A param whose grad is None is not stepped (a fastai optimizer skips params that never had a grad; a torch "
     "optimizer, whose `zero_grad` sets grads to None, those without a grad this step).",
     "A cancelled step changes nothing: no weight, no optimizer state, no loss-scale statistics.",
@@ -107,7 +108,8 @@ CONTEXTS = {  # name: what it is
     'unfreeze': "other code: a param made trainable mid-fit with `requires_grad_(True)` (a hand-written unfreeze)",
     'userclip': "other code: a user's own `clip_grad_norm_(learn.model.parameters(), ...)` in `before_step`",
     'skipbatch': "other code: a batch dropped after its backward (`learn.opt.zero_grad()`, `CancelBatchException`)",
-    'cancelaccum': "other code: accumulation by cancelled steps (`CancelStepException`, the optimizer's `zero_grad` held back)",
+    'cancelaccum': "other code: accumulation by cancelled steps (`CancelStepException`, the optimizer's `zero_grad` "
+                   "held back)",
 }
 
 # ---- the facts a verdict reads
@@ -146,9 +148,11 @@ class Facts:
         "The facts of a combination of `MODES`, `OPTIMIZERS` and `CONTEXTS` (what the matrix and the table read)."
         m = MODES[mode]
         kw, native, bf16 = m.kwargs, m.call.startswith('to_native'), m.call.endswith('bf16')
-        unit = bf16 and not native and not kw.get('dynamic', False) and kw.get('scaler') in (None, 'static') and kw.get('loss_scale', 1.) == 1.
-        return cls(native=native, dtype=torch.bfloat16 if bf16 else torch.float16, half_storage=kw.get('half_storage', False),
-                   flat_master=kw.get('flat_master', False), step_in_backward=kw.get('step_in_backward', False),
+        unit = (bf16 and not native and not kw.get('dynamic', False) and kw.get('scaler') in (None, 'static')
+                and kw.get('loss_scale', 1.) == 1.)
+        return cls(native=native, dtype=torch.bfloat16 if bf16 else torch.float16,
+                   half_storage=kw.get('half_storage', False), flat_master=kw.get('flat_master', False),
+                   step_in_backward=kw.get('step_in_backward', False),
                    clip=kw.get('clip') is not None, unit_scale=unit, optimizer=OPTIMIZERS[opt][0],
                    accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
                    compiled=ctx == 'compile', cancels_steps=ctx in ('cancel', 'cancelaccum', 'skipbatch'),
@@ -172,7 +176,8 @@ class Rule:
         return self.sentence(f) if callable(self.sentence) else self.sentence.format(**vars(f))
 
     def said_in(self, text:str, f:Facts) -> bool:
-        "Whether `text` says this rule's sentence for `f` (a field known only when it happens, a param's name, may differ)."
+        """Whether `text` says this rule's sentence for `f` (a field known only when it happens, a param's name, may
+        differ)."""
         if callable(self.sentence): return self.message(f) in text
         parts = re.split(r'\{\w+\}', self.sentence)
         return re.search('.*'.join(map(re.escape, parts)), text, re.S) is not None
@@ -187,24 +192,28 @@ RULES = (
     Rule('sib-scale', OPTIONS, lambda f: f.step_in_backward and not f.unit_scale,
          _SIB + "a loss scale must be known (and an overflow seen) before any param is stepped, and this mode scales "
          "the loss." + _SIB_USE,
-         reason='step_in_backward steps each param inside the backward: it needs a loss scale of 1, known before the first param steps.'),
+         reason='step_in_backward steps each param inside the backward: it needs a loss scale of 1, known before the '
+                'first param steps.'),
     Rule('sib-clip', OPTIONS, lambda f: f.step_in_backward and f.clip,
          _SIB + "clipping needs every grad's norm before any param is stepped." + _SIB_USE,
-         reason="clipping needs every grad's norm before any param is stepped, and step_in_backward steps them during the backward."),
+         reason="clipping needs every grad's norm before any param is stepped, and step_in_backward steps them during "
+                "the backward."),
     Rule('sib-flat', OPTIONS, lambda f: f.step_in_backward and f.flat_master,
          _SIB + "flat masters step a whole param group at once (use flat_master=False)." + _SIB_USE,
          reason='flat masters step a whole param group at once; step_in_backward steps each param on its own.'),
     Rule('native-bf16-scaler', OPTIONS, lambda f: f.native and f.dtype == torch.bfloat16 and bool(f.scaler_args),
          lambda f: f"`to_native_bf16` runs no GradScaler (bfloat16 has FP32's range: nothing is loss-scaled), so "
-                   f"{', '.join(map(repr, f.scaler_args))} would do nothing: drop {'it' if len(f.scaler_args) == 1 else 'them'}, "
-                   f"or use `learn.to_native_fp16(...)` for fp16 with GradScaler.",
+                   f"{', '.join(map(repr, f.scaler_args))} would do nothing: "
+                   f"drop {'it' if len(f.scaler_args) == 1 else 'them'}, or use `learn.to_native_fp16(...)` for fp16 "
+                   f"with GradScaler.",
          reason='native bf16 runs no GradScaler: its arguments would do nothing.'),
     Rule('state-fp16', OPTIONS, lambda f: f.state_dtype == torch.float16,
          "state_dtype=torch.float16 cannot hold the optimizer's state: Adam's second moment is an average of squared "
          "gradients, which underflow fp16's range (a gradient of 1e-4 squares to 1e-8, under half of fp16's smallest "
-         "subnormal, 6e-8: it rounds to 0), so the moment reads 0 where FP32's does not and the update lr*m/(sqrt(v)+eps) "
-         "is divided by eps alone. Use state_dtype=torch.bfloat16, which has FP32's range.",
-         reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has FP32's."),
+         "subnormal, 6e-8: it rounds to 0), so the moment reads 0 where FP32's does not and the update "
+         "lr*m/(sqrt(v)+eps) is divided by eps alone. Use state_dtype=torch.bfloat16, which has FP32's range.",
+         reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has "
+                "FP32's."),
     Rule('state8-flat', OPTIONS, lambda f: f.flat_master and f.state_dtype == '8bit',
          "state_dtype='8bit' cannot be used with flat_master=True: 8-bit state keeps one scale per block of 256 "
          "elements, and a flat master's blocks straddle its params, so the state of a param that has no gradient at "
@@ -214,8 +223,8 @@ RULES = (
          reason="8-bit state's blocks would straddle a flat master's params: use one master per param."),
     Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers) and f.float64_model,
          lambda f: f"the model is float64 (its layers {', '.join(f.float64_layers[:5])}"
-                   f"{' ...' if len(f.float64_layers) > 5 else ''}): a {str(f.dtype).replace('torch.', '')} model would "
-                   f"feed them 16-bit inputs, which they cannot take. Convert the model to FP32 first "
+                   f"{' ...' if len(f.float64_layers) > 5 else ''}): a {str(f.dtype).replace('torch.', '')} model "
+                   f"would feed them 16-bit inputs, which they cannot take. Convert the model to FP32 first "
                    f"(`learn.model.float()`, or `model.float()` before making the Learner).",
          reason="a float64 model cannot take a 16-bit model's inputs: convert it to FP32 first."),
     Rule('float64-input', STEP, lambda f: _MASTERS(f) and f.float64_input is not None,
@@ -223,21 +232,24 @@ RULES = (
                    f"reached it (in the forward of the first batch that took that path, before its step): a float64 "
                    f"layer cannot take it. Give it float64 inputs (`self.{f.float64_input.split('.')[-1]}(x.double())` "
                    f"in the forward), or convert it to FP32 (`.float()`) before `learn.to_fp16()`/`to_bf16()`.",
-         reason="a float64 layer that a 16-bit input reaches (seen at the first batch): give it float64 inputs or convert it."),
+         reason="a float64 layer that a 16-bit input reaches (seen at the first batch): give it float64 inputs or "
+                "convert it."),
     Rule('sib-optimizer', FIT, lambda f: f.step_in_backward and f.optimizer not in (None, 'fastai'),
          _SIB + "it steps each param with fastai's `Optimizer` loop, and this learner's optimizer is {optimizer} (a "
          "torch optimizer in `OptimWrapper`, `Lookahead`, or an `Optimizer` with its own `step`): use a plain fastai "
          "optimizer (`Adam`, `SGD`, ...) or train without step_in_backward.",
-         reason="step_in_backward runs fastai's `Optimizer` loop itself, one param at a time: a plain fastai optimizer only."),
+         reason="step_in_backward runs fastai's `Optimizer` loop itself, one param at a time: a plain fastai optimizer "
+                "only."),
     Rule('sib-sparse', FIT, lambda f: f.step_in_backward and bool(f.sparse_grads),
          lambda f: _SIB + f"the model's {', '.join(f.sparse_grads[:3])}{' ...' if len(f.sparse_grads) > 3 else ''} "
-                   f"get{'s' if len(f.sparse_grads) == 1 else ''} sparse gradients (`sparse=True`), which cannot be checked "
-                   "for inf/NaN and stepped inside the backward. Make the embedding dense (`sparse=False`, the default) "
-                   "or train without step_in_backward.",
+                   f"get{'s' if len(f.sparse_grads) == 1 else ''} sparse gradients (`sparse=True`), which cannot be "
+                   "checked for inf/NaN and stepped inside the backward. Make the embedding dense (`sparse=False`, the "
+                   "default) or train without step_in_backward.",
          reason="sparse gradients (`nn.Embedding(sparse=True)`) cannot be checked and stepped inside the backward."),
     Rule('sib-accumulate', FIT, lambda f: f.step_in_backward and f.accumulate,
          _SIB + "GradientAccumulation sums several backwards' grads before a step. Train without step_in_backward.",
-         reason="gradient accumulation sums several backwards' grads before one step; step_in_backward steps in each backward."),
+         reason="gradient accumulation sums several backwards' grads before one step; step_in_backward steps in each "
+                "backward."),
     Rule('sib-ddp', FIT, lambda f: f.step_in_backward and f.ddp,
          _SIB + "with several processes (DDP) the ranks' grads are all-reduced after the backward, so each rank would "
          "step with its own grads and the ranks' weights would drift apart. Train without step_in_backward.",
@@ -251,17 +263,20 @@ RULES = (
          _SIB + "a callback cancelled this step (`CancelStepException`) after the backward had stepped the params, "
          "which cannot be undone: the weights moved where FP32 fastai's would not. Train without step_in_backward, or "
          "cancel before the backward (`CancelBackwardException` in `before_backward`).",
-         reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an error when it happens)."),
+         reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an "
+                "error when it happens)."),
     Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
          lambda f: f"flat_master=True cannot step {_bare(f.whole_param)}: use flat_master=False (one FP32 master "
                    "per param, stepped as FP32 steps it), or an optimizer fp16cb knows to update each element on its "
                    "own (`fp16cb.compat.ELEMENTWISE_TORCH`, `ELEMENTWISE_FASTAI`). Flat masters step each param group "
                    "as one flat tensor, and " + (
-             f"{f.whole_param} reads each param whole (its norms, per param in FP32)" if not f.whole_param.startswith('`') else
+             f"{f.whole_param} reads each param whole (its norms, per param in FP32)"
+             if not f.whole_param.startswith('`') else
              f"{f.whole_param} is not known to update each element on its own, so it may read each param whole "
              "(per-tensor norms or trust ratios, factored moments, state shaped like the param)") +
              ": over a flat master that would be the whole group, and the updates not FP32's.",
-         reason="an optimizer not known to update each element on its own (LAMB's norms) would step a whole flat group."),
+         reason="an optimizer not known to update each element on its own (LAMB's norms) would step a whole flat "
+                "group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
                    f"would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the optimizer "
@@ -269,7 +284,8 @@ RULES = (
                    f"clip_global=True)` instead: the same global L2 norm as GradientClip, of the unscaled FP32 master "
                    f"gradients (without `clip_global`, each param group's norm is clipped, as fastai v2's original "
                    f"`MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.",
-         reason="fastai's `GradientClip` would clip the 16-bit, loss-scaled grads: use `to_fp16(clip=..., clip_global=True)`."),
+         reason="fastai's `GradientClip` would clip the 16-bit, loss-scaled grads: use "
+                "`to_fp16(clip=..., clip_global=True)`."),
 )
 _ORDER = {OPTIONS: 0, FIT: 1, BATCH: 2, STEP: 3}
 
@@ -326,10 +342,10 @@ STATE8 = ("`state_dtype='8bit'` (or `torch.uint8`, the codes' dtype) stores the 
           "checkpoints and after `to_fp32()` it is FP32, as with bf16 state, and quantizing that FP32 state gives back "
           "the same codes, so a fit resumed from a checkpoint goes on bit for bit. Not with `flat_master=True`.")
 
-FLAT_PRESENCE = ("`flat_master=True` keeps one step count per flat group: when a param's gradient comes or goes during a "
-                 "fit (a head switched on after warm-up, a layer skipped from some step, a torch optimizer's branch), the "
-                 "fit goes on from that step with one FP32 master per param, each with its own count as FP32 keeps it, "
-                 "and a warning says so; the next fit starts flat again.")
+FLAT_PRESENCE = ("`flat_master=True` keeps one step count per flat group: when a param's gradient comes or goes "
+                 "during a fit (a head switched on after warm-up, a layer skipped from some step, a torch optimizer's "
+                 "branch), the fit goes on from that step with one FP32 master per param, each with its own count as "
+                 "FP32 keeps it, and a warning says so; the next fit starts flat again.")
 
 def table() -> str:
     "The compatibility table (markdown): a row per mode, a column per optimizer kind and context; refusals by rule."
@@ -354,7 +370,8 @@ def optimizer_kind(opt) -> str:
     "`opt`'s kind among `OPTIMIZERS`' ('fastai', 'lookahead', 'torch', 'fused'), or 'fastai-own-step'."
     if isinstance(opt, OptimWrapper): return 'fused' if opt.opt.defaults.get('fused') else 'torch'
     if isinstance(getattr(opt, 'opt', None), _BaseOptimizer): return 'lookahead'
-    return 'fastai' if getattr(type(opt), 'step', None) is Optimizer.step else 'fastai-own-step'  # read at set-up, before the fit's routing
+    # read at set-up, before the fit's routing
+    return 'fastai' if getattr(type(opt), 'step', None) is Optimizer.step else 'fastai-own-step'
 
 # ---- which optimizers update each element from that element alone (the step engine's one source for it)
 # An elementwise optimizer steps a param cut in parts (flat masters cut at the lift's chunk, a slice at a time, a run of
@@ -362,18 +379,22 @@ def optimizer_kind(opt) -> str:
 # to be elementwise, never guessed: a fastai `Optimizer` whose step callbacks are all in `ELEMENTWISE_FASTAI`; an
 # `OptimWrapper` around an optimizer whose class (exactly: a subclass may change the step) is in `ELEMENTWISE_TORCH`.
 # Any other optimizer (timm's Adan or Lamb, torch's Adafactor or LBFGS, your own) is stepped whole: its `step` runs
-# once per training step over all its params, with every FP32 master grad lifted at once (fastai's memory, not a chunk's).
+# once per training step over all its params, with every FP32 master grad lifted at once (fastai's memory, not a
+# chunk's). Not LAMB's, LARC's norms.
 ELEMENTWISE_FASTAI = {fo.sgd_step, fo.weight_decay, fo.l2_reg, fo.average_grad, fo.average_sqr_grad, fo.momentum_step,
-                      fo.step_stat, fo.adam_step, fo.radam_step, fo.qhadam_step, fo.rms_prop_step}  # not LAMB's, LARC's norms
-ELEMENTWISE_TORCH = tuple(getattr(torch.optim, k) for k in ('SGD', 'Adam', 'AdamW', 'RMSprop', 'Adagrad', 'Adamax', 'NAdam',
-                                                            'RAdam', 'Adadelta', 'Rprop', 'ASGD') if hasattr(torch.optim, k))
+                      fo.step_stat, fo.adam_step, fo.radam_step, fo.qhadam_step, fo.rms_prop_step}
+ELEMENTWISE_TORCH = tuple(getattr(torch.optim, k) for k in ('SGD', 'Adam', 'AdamW', 'RMSprop', 'Adagrad', 'Adamax',
+                                                            'NAdam', 'RAdam', 'Adadelta', 'Rprop', 'ASGD')
+                          if hasattr(torch.optim, k))
 
 def known_elementwise(core) -> bool:
-    "Whether the innermost optimizer `core` (a fastai `Optimizer` or an `OptimWrapper`) is known to be elementwise (above)."
+    """Whether the innermost optimizer `core` (a fastai `Optimizer` or an `OptimWrapper`) is known to be elementwise
+    (above)."""
     if isinstance(core, OptimWrapper): return type(getattr(core, 'opt', None)) in ELEMENTWISE_TORCH
     return bool(getattr(core, 'cbs', None)) and all(_elementwise(getattr(cb, 'func', cb)) for cb in core.cbs)
 
-def _elementwise(f) -> bool: return f in ELEMENTWISE_FASTAI or getattr(f, 'elementwise', False) is True  # yours: `f.elementwise = True`
+# yours: `f.elementwise = True`
+def _elementwise(f) -> bool: return f in ELEMENTWISE_FASTAI or getattr(f, 'elementwise', False) is True
 
 _WHOLE_PARAM = {fo.lamb_step: "fastai's LAMB", fo.larc_layer_lr: "fastai's LARC", fo.larc_step: "fastai's LARC"}
 _named = lambda o: f"`{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', type(o).__name__)}`"
@@ -384,7 +405,8 @@ def whole_param_step(opt) -> str|None:
     backquotes, a torch optimizer that `ELEMENTWISE_TORCH` does not list (timm's, a wrapper such as timm's `Lookahead`,
     torch's `Adafactor`, your own), a fastai `Optimizer` class with a `step` of its own, or a step callback that
     `ELEMENTWISE_FASTAI` does not list: any of them may read a param whole."""
-    core = opt.opt if isinstance(getattr(opt, 'opt', None), _BaseOptimizer) and not isinstance(opt, OptimWrapper) else opt
+    core = (opt.opt if isinstance(getattr(opt, 'opt', None), _BaseOptimizer) and not isinstance(opt, OptimWrapper)
+            else opt)
     if isinstance(core, OptimWrapper): return None if known_elementwise(core) else _named(type(core.opt))
     funcs = [getattr(cb, 'func', cb) for cb in getattr(core, 'cbs', ())]
     known = next((_WHOLE_PARAM[f] for f in funcs if f in _WHOLE_PARAM), None)
@@ -396,7 +418,8 @@ def whole_param_step(opt) -> str|None:
 
 def float64_layers(model) -> tuple:
     "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."
-    return tuple(f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if type(m).__module__.startswith('torch.nn.')
+    return tuple(f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules()
+                 if type(m).__module__.startswith('torch.nn.')
                  for pn, p in m.named_parameters(recurse=False) if p.dtype == torch.float64)
 
 def _distributed(learn) -> bool:
@@ -404,11 +427,12 @@ def _distributed(learn) -> bool:
     `fastai.distributed` not imported: no `DistributedTrainer` can be there (importing it would load Accelerate)."""
     trainer = getattr(sys.modules.get('fastai.distributed'), 'DistributedTrainer', None)
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    return isinstance(learn.model, DistributedDataParallel) or (several and trainer is not None and any(isinstance(cb, trainer) for cb in learn.cbs))
+    return isinstance(learn.model, DistributedDataParallel) or (several and trainer is not None
+                                                                and any(isinstance(cb, trainer) for cb in learn.cbs))
 
 def learner_facts(learn, f:Facts) -> Facts:
-    """`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model. (Its float64
-    layers are `ModelToHalf.check_model`'s to read: they matter only to a model converted to 16-bit.)"""
+    """`f` with what `learn` tells at its fit's set-up (or first batch): its optimizer, callbacks and model. (Its
+    float64 layers are `ModelToHalf.check_model`'s to read: they matter only to a model converted to 16-bit.)"""
     model = learn.model
     sparse = tuple(n or 'model' for n, m in model.named_modules() if getattr(m, 'sparse', False) is True
                    and any(p.requires_grad for p in m.parameters(recurse=False)))

@@ -56,7 +56,8 @@ CHANGES = (
 def install():
     "Set every `CHANGES` row (and fastai's `DistributedDL` on gloo, if `fastai.distributed` is loaded already)."
     for c in CHANGES:
-        if getattr(c.value, '__module__', '').startswith('fp16cb'):  # named as a method of its class (`Learner.to_fp16`)
+        # named as a method of its class (`Learner.to_fp16`)
+        if getattr(c.value, '__module__', '').startswith('fp16cb'):
             c.value.__qualname__ = f"{c.cls.__name__}.{c.name}"
         setattr(c.cls, c.name, c.value)
     distributed.patch_fastai()

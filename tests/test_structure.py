@@ -1,5 +1,5 @@
-"""The package's shape: no import cycle among fp16cb's modules (late imports inside functions count too), and no core
-module over ~450 lines (the demos are not core)."""
+"""The package's shape: no import cycle among fp16cb's modules (late imports inside functions count too), no core
+module over ~450 lines (the demos are not core), and no line of any module over 120 characters."""
 import ast
 from pathlib import Path
 
@@ -50,4 +50,10 @@ def test_no_import_cycle():
 def test_no_core_module_over_450_lines():
     long = {str(p.relative_to(PKG.parent)): n for name, p in _modules().items() if not name.startswith('fp16cb.demos')
             for n in [len(p.read_text().splitlines())] if n > 450}
+    assert not long, long
+
+def test_no_line_over_120_characters():
+    "Every line of every module under fp16cb/ (the demos too) is at most 120 characters: `file:line (length)`."
+    long = [f"{p.relative_to(PKG.parent)}:{i} ({len(l)})" for p in sorted(PKG.rglob('*.py'))
+            for i, l in enumerate(p.read_text().splitlines(), 1) if len(l) > 120]
     assert not long, long

@@ -10,8 +10,8 @@ from fastai.callback.core import CancelStepException
 from ..dtypes import resolve_dtype, model_device, bare_copy
 from ..weights import FP32Masters, HalfStorage, Stage, resolve_state_dtype
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
-from ..scaling import (StaticScaler, make_scaler, CALIBRATE, check_positive, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
-                      warn_all_skipped, is_ddp, syncs)
+from ..scaling import (StaticScaler, make_scaler, CALIBRATE, check_positive, read_stats, underflow_flag, StepRecord,
+                      lr_find_stops_on, warn_all_skipped, is_ddp, syncs)
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
 from ..validation import check_bool, check_real, check_int, check_choice, FP32_MAX, refuses_amp_args
@@ -20,8 +20,8 @@ from .model_to_half import ModelToHalf
 
 __all__ = ['MixedPrecision']
 
-@refuses_amp_args("fp16cb's autocast + GradScaler is `NativeMixedPrecision(init_scale=...)` (`learn.to_native_fp16(...)`); "
-                  "fastai's is `fastai.callback.fp16.MixedPrecision`.")
+@refuses_amp_args("fp16cb's autocast + GradScaler is `NativeMixedPrecision(init_scale=...)` "
+                  "(`learn.to_native_fp16(...)`); fastai's is `fastai.callback.fp16.MixedPrecision`.")
 class MixedPrecision(ScaleColumns, SessionCallback):
     """FP32 master weights stepped by the optimizer, loss scaling, overflow skip, clipping of the unscaled FP32 grads.
     The weight store owns the step: `before_step` asks it to check the grads (one fused, read-only pass), reads the one
@@ -35,11 +35,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     order = 10
     checkpoint_key = 'MixedPrecision'
     def __init__(self,
-        loss_scale:float=512, # 'calibrate' (with `dynamic`; fastai's default 512 means the same): the first step runs at scale 1 and its largest |grad| sets the scale; another number: the dynamic scale's start, or the static scale
-        flat_master:bool=False, # flat FP32 masters per param group, cut at the lift's chunk size (the optimizer steps fewer, bigger tensors; not with LAMB/LARC)
-        dynamic:bool=True, # dynamic loss scaling: divided by `div_factor` on overflow (the step skipped), multiplied after `scale_wait` clean steps
+        loss_scale:float=512, # 'calibrate'/512: step 1's max |grad| at scale 1 sets it; a number: dynamic start/static
+        flat_master:bool=False, # flat FP32 masters per group, in lift-chunk parts (fewer, bigger tensors; no LAMB/LARC)
+        dynamic:bool=True, # dynamic scale: divided by `div_factor` on overflow (skip), up after `scale_wait` good steps
         max_loss_scale:float=2.**24, # ceiling of the dynamic scale
-        div_factor:float=2., # the dynamic scale is divided by this on overflow and multiplied after `scale_wait` clean steps
+        div_factor:float=2., # the dynamic scale: divided by this on overflow, multiplied after `scale_wait` clean steps
         scale_wait:int=500, # clean steps in a row before the dynamic scale grows
         clip:float=None, # clip each param group's global norm of unscaled FP32 master grads to this
         *,
@@ -47,25 +47,29 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         scaler=None, # None (fastai's behaviour), 'backoff', 'lognormal', 'static' or a `LossScaler`
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
-        clip_global:bool=False, # clip the norm over all param groups together (as fastai's `GradientClip`), not per group
+        clip_global:bool=False, # clip the norm of all param groups together (as fastai's `GradientClip`), not per group
         half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`HalfStorage`)
-        stochastic_rounding:bool=True, # round what is stored in 16-bit (`half_storage`'s weights, `state_dtype`'s state) stochastically (False: to nearest)
-        on_collapse:str='raise', # when the loss scale cannot go lower: 'raise' (naming the module where the overflow starts and the remedy) or 'keep_fp32' (keep it FP32 and go on)
-        step_in_backward:bool=False, # step each param in the backward as soon as its grad is ready, and drop the grad (bf16, scale 1, fastai optimizer: less memory)
+        stochastic_rounding:bool=True, # round 16-bit weights and optimizer state stochastically (False: to nearest)
+        on_collapse:str='raise', # at the scale's floor: 'raise' (naming where overflow starts, the fix) or 'keep_fp32'
+        step_in_backward:bool=False, # step in backward, drop each grad (bf16, scale 1, fastai optimizer: less memory)
         state_dtype=None, # the optimizer's state between steps: torch.bfloat16, '8bit' (torchao's codes), None: FP32
     ):
         self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
         self.half_storage = check_bool('half_storage', half_storage)
         self.stochastic_rounding = check_bool('stochastic_rounding', stochastic_rounding)
         self.on_collapse = check_choice('on_collapse', on_collapse, ('raise', 'keep_fp32'))
-        self.flat_master, self.clip = check_bool('flat_master', flat_master), check_positive('clip', clip, allow_none=True)
+        self.flat_master, self.clip = (check_bool('flat_master', flat_master),
+                                       check_positive('clip', clip, allow_none=True))
         dynamic = check_bool('dynamic', dynamic)
-        # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a mistake
+        # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a
+        # mistake
         if loss_scale != CALIBRATE:  # the FP32 loss is multiplied by it
             loss_scale = check_real('loss_scale', loss_scale, 0., FP32_MAX, lo_open=True)
         max_loss_scale = check_real('max_loss_scale', max_loss_scale, 0., FP32_MAX, lo_open=True)
-        min_loss_scale = check_real('min_loss_scale', min_loss_scale, 0., max_loss_scale, lo_open=True, hi_name='max_loss_scale')
-        div_factor, scale_wait = check_real('div_factor', div_factor, 1., lo_open=True), check_int('scale_wait', scale_wait, 1)
+        min_loss_scale = check_real('min_loss_scale', min_loss_scale, 0., max_loss_scale, lo_open=True,
+                                    hi_name='max_loss_scale')
+        div_factor, scale_wait = (check_real('div_factor', div_factor, 1., lo_open=True),
+                                  check_int('scale_wait', scale_wait, 1))
         max_skipped = check_int('max_skipped', max_skipped, 1)
         self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
                                   div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
@@ -81,21 +85,28 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     def facts(self) -> Facts:
         "What this callback's options tell the declaration of what combines (`fp16cb.compat`)."
         unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.
-        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master, state_dtype=self.state_dtype,
-                     step_in_backward=self.step_in_backward, clip=self.clip is not None, unit_scale=unit)
+        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master,
+                     state_dtype=self.state_dtype, step_in_backward=self.step_in_backward, clip=self.clip is not None,
+                     unit_scale=unit)
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
     loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")
     n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
-    skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1], doc="Whether the last step was skipped.")
+    skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
+                       doc="Whether the last step was skipped.")
     master = property(lambda self: self.store, doc="The weight store of the current fit (None between fits).")
-    model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs, doc="The params the store steps, per group.")
-    master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs, doc="Their FP32 masters, per group.")
+    model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs,
+                         doc="The params the store steps, per group.")
+    master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs,
+                          doc="Their FP32 masters, per group.")
     skip_label = property(lambda self: type(self).__name__, doc="How the all-steps-skipped warning names this setup.")
-    overflows = property(lambda self: self.record.overflows.read(), doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held inf/NaN).")
-    n_overflows = property(lambda self: self.record.overflows.count, doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
+    overflows = property(lambda self: self.record.overflows.read(),
+                         doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held "
+                             "inf/NaN).")
+    n_overflows = property(lambda self: self.record.overflows.count,
+                           doc="Skipped steps logged in `overflows` so far (the older ones dropped).")
 
     def _model_to_half(self):
         return next((cb for cb in self.learn.cbs if isinstance(cb, ModelToHalf)), None)
@@ -103,7 +114,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     def policy_report(self, leaves:bool=False):
         "The learner's `ModelToHalf.policy_report`: each module's storage and compute dtype, and the casts inserted."
         mth = self._model_to_half()
-        if mth is None: raise ValueError("policy_report: this learner has no ModelToHalf (use `learn.to_fp16()` or `to_bf16()`)")
+        if mth is None:
+            raise ValueError("policy_report: this learner has no ModelToHalf (use `learn.to_fp16()` or `to_bf16()`)")
         return mth.policy_report(leaves=leaves)
 
     # -- the lifecycle (called by the session)
@@ -124,13 +136,15 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending: self.record.new_fit(); self._per_param = False; self._trained = ()  # a new fit
-        kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward, state_dtype=self.state_dtype,
-                  stochastic=self.stochastic_rounding, generator=self.rng(model) if self.half_storage or self.state_dtype else None)
+        kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
+                  state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,
+                  generator=self.rng(model) if self.half_storage or self.state_dtype else None)
         if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
         else: self.store = FP32Masters.make(self.learn.opt, self.flat_master and not self._per_param,
                                          fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
-        self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}  # FP32 originals still kept
+        # FP32 originals still kept
+        self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}
         if self._remembered: self.store.stepped_hook = self._forget_originals
         self.show_scale_columns()
         self._expose_fp32(mth if half else None)
@@ -141,9 +155,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
 
     def _expose_fp32(self, mth):
         """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
-        `copy.deepcopy(learn.model)` (an EMA callback, keep-the-best) is a plain FP32 model with the exact values of now,
-        without fp16cb's hooks; `learn.model.state_dict()` holds the exact FP32 values (the masters: like FP32's, it
-        shares the storage of what trains). Reading the params themselves still gives their 16-bit values."""
+        `copy.deepcopy(learn.model)` (an EMA callback, keep-the-best) is a plain FP32 model with the exact values of
+        now, without fp16cb's hooks; `learn.model.state_dict()` holds the exact FP32 values (the masters: like FP32's,
+        it shares the storage of what trains). Reading the params themselves still gives their 16-bit values."""
         model, self._exposed = self.learn.model, None
         if mth is None: return
         model.__dict__['__deepcopy__'] = partial(_fp32_copy, model, mth)
@@ -156,9 +170,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         exposed[1].remove()
 
     def teardown(self):
-        """The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns off.
-        A fit that ends leaves no loss-scaled grad: a step the optimizer took is finished (its grads cleared), grads
-        made for a step that never came are divided by the scale (BatchNorm's, FP32 islands'; the 16-bit ones go)."""
+        """The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns
+        off. A fit that ends leaves no loss-scaled grad: a step the optimizer took is finished (its grads cleared),
+        grads made for a step that never came are divided by the scale (BatchNorm's, FP32 islands'; the 16-bit ones
+        go)."""
         fit_ends = not self.session.suspending
         self._unexpose()
         if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
@@ -166,15 +181,18 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.drop_scale_columns(fit_ends)
         if self.store is None: return
         self._was_checked = self.store.stage is Stage.CHECKED and not fit_ends  # a paused step keeps its grads
-        self._divided = getattr(self.store, '_rescale', None)  # ... divided by the scale already (`_unscale_for_others`)
+        # ... divided by the scale already (`_unscale_for_others`)
+        self._divided = getattr(self.store, '_rescale', None)
         self._trained = () if fit_ends else {id(p) for pg in self.store.model_pgs + self.store.own_pgs for p in pg}
         self.store.restore()
         if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
-        if fit_ends and not self.session.failing: warn_all_skipped(self.record.this_fit, self.skip_label)  # an error says more
+        # an error says more
+        if fit_ends and not self.session.failing: warn_all_skipped(self.record.this_fit, self.skip_label)
 
     def resume(self):
-        "Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought in again."
+        """Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought
+        in again."""
         if getattr(self, '_was_checked', False):
             divided = getattr(self, '_divided', None)
             self.store.prepare_grads(self.scaler.scale)
@@ -186,12 +204,14 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         dev = model_device(model)
         if self._rng is None or self._rng.device.type != dev.type:
             self._rng = torch.Generator(dev).manual_seed(torch.initial_seed() % 2**63)
-        state, self._rng_state = getattr(self, "_rng_state", None), None  # a checkpoint's, loaded before the device was known
+        # a checkpoint's, loaded before the device was known
+        state, self._rng_state = getattr(self, "_rng_state", None), None
         if state is not None:
             try: self._rng.set_state(state)
-            except RuntimeError: warnings.warn(f"the checkpoint's stochastic-rounding generator was saved on another kind of "
-                                               f"device than {dev.type}: its random stream starts afresh here (the run "
-                                               f"goes on, but not bit for bit as it would have).", RuntimeWarning)
+            except RuntimeError:
+                warnings.warn(f"the checkpoint's stochastic-rounding generator was saved on another kind of "
+                              f"device than {dev.type}: its random stream starts afresh here (the run "
+                              f"goes on, but not bit for bit as it would have).", RuntimeWarning)
         return self._rng
 
     # -- the events of one step
@@ -227,8 +247,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         stats = self.store.prepare_grads(scale, with_max=self.scaler.needs_max_grad or watch)
         if stats is None: return
         if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
-        found, self.max_grad, under = read_stats(stats, self.learn.model)  # the one host sync; DDP: any rank's inf skips all
-        if found and self.store.check.approx:  # the grads' sums said so (a CPU): the exact check decides, on such steps only
+        # the one host sync; DDP: any rank's inf skips all
+        found, self.max_grad, under = read_stats(stats, self.learn.model)
+        # the grads' sums said so (a CPU): the exact check decides, on such steps only
+        if found and self.store.check.approx:
             found, self.max_grad, under = read_stats(self.store.recheck(), self.learn.model)
         if not (found or under):
             if watch: self._warn_flushed(scale)
@@ -248,24 +270,26 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.record.unscaled()
 
     def _unflatten(self, name:str):
-        """Flat masters keep one step count per group: a param whose grad comes or goes (a head switched on after warm-up,
-        a skipped layer) would not keep its own, as FP32 does. From this step on the fit trains with one master per
-        param (each with its own count; the state so far split, the param never stepped with none), and says so."""
-        warnings.warn(f"flat_master=True: the param {name} has a grad on some steps only, and a flat group keeps one step "
-                      f"count for all its params (Adam's bias correction): from this step on, this fit trains with one "
-                      f"FP32 master per param (flat_master=False), each with its own count, as FP32 keeps it.",
+        """Flat masters keep one step count per group: a param whose grad comes or goes (a head switched on after
+        warm-up, a skipped layer) would not keep its own, as FP32 does. From this step on the fit trains with one master
+        per param (each with its own count; the state so far split, the param never stepped with none), and says so."""
+        warnings.warn(f"flat_master=True: the param {name} has a grad on some steps only, and a flat group keeps one "
+                      f"step count for all its params (Adam's bias correction): from this step on, this fit trains "
+                      f"with one FP32 master per param (flat_master=False), each with its own count, as FP32 keeps it.",
                       RuntimeWarning, stacklevel=2)
         self._per_param = True
         with self.session.suspended(): pass  # the store made again, per param; this step's grads brought in again
 
     def _warn_flushed(self, scale:float):
-        "The first step of a static fp16 scale: every 16-bit gradient zero for a nonzero loss means they all underflowed."
+        """The first step of a static fp16 scale: every 16-bit gradient zero for a nonzero loss means they all
+        underflowed."""
         if self.max_grad != 0: return
         loss = float(self.learn.loss.detach())  # a second read, on this rare step only
         if loss == 0 or not math.isfinite(loss): return
         warnings.warn(f"every fp16 gradient of this fit's first step is zero while its loss is {loss:g}: at the static "
-                      f"loss scale {scale:g} they all underflowed (flushed to zero), so nothing trains. Raise `loss_scale`, "
-                      f"or use the dynamic scale (`dynamic=True`, the default), which sets it from the gradients.",
+                      f"loss scale {scale:g} they all underflowed (flushed to zero), so nothing trains. Raise "
+                      f"`loss_scale`, or use the dynamic scale (`dynamic=True`, the default), which sets it from the "
+                      f"gradients.",
                       RuntimeWarning, stacklevel=2)
 
     def _runs_after(self, event:str) -> bool:
@@ -285,14 +309,17 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         return [g for g in self.store.checked if g.dtype == self.dtype]
 
     def after_step(self):
-        "fastai calls this even for a cancelled step. The model already follows the store (it copies right after stepping)."
+        """fastai calls this even for a cancelled step. The model already follows the store (it copies right after
+        stepping)."""
         self._end_step()
 
     def _end_step(self):
         """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that
-        another callback cancelled after our `before_step` changes nothing, as in FP32: the scaler sees nothing of it."""
+        another callback cancelled after our `before_step` changes nothing, as in FP32: the scaler sees nothing of
+        it."""
         stage = self.store.stage
-        if stage is Stage.STEPPED or (stage is Stage.CHECKED and self.store.in_backward):  # in the backward: stepped there
+        # in the backward: stepped there
+        if stage is Stage.STEPPED or (stage is Stage.CHECKED and self.store.in_backward):
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         elif stage is not Stage.SKIPPED:  # cancelled: its grads stay until the optimizer's `zero_grad`, as in FP32
@@ -337,7 +364,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     def load_state_dict(self, sd:dict):
         self.scaler.load_state_dict(sd['scaler'])
         if 'rng' in sd:  # set on the generator of the model's device at the next set-up (`rng`)
-            self._rng_state = sd['rng'].cpu()  # a generator's state is a CPU tensor; `learn.load` maps it to the model's device
+            # a generator's state is a CPU tensor; `learn.load` maps it to the model's device
+            self._rng_state = sd['rng'].cpu()
             if self.store is not None: self.rng(self.learn.model)
 
 def _fp32_values(model, mth) -> dict:

@@ -21,10 +21,12 @@ def _widen(t:torch.Tensor, dtype) -> torch.Tensor: return t.to(dtype)
 
 def _float64_layer(m:nn.Module) -> bool:
     "A torch layer (`torch.nn`: Linear, Conv, LSTM ...) holding float64 params: it cannot take a 16-bit input."
-    return type(m).__module__.startswith('torch.nn.') and any(p.dtype == torch.float64 for p in m.parameters(recurse=False))
+    return (type(m).__module__.startswith('torch.nn.')
+            and any(p.dtype == torch.float64 for p in m.parameters(recurse=False)))
 
 def _float64_input(module, args, kwargs, name:str, dtype):
-    "A forward pre-hook on a float64 layer: a 16-bit input reaching it is refused (the declaration's sentence), at once."
+    """A forward pre-hook on a float64 layer: a 16-bit input reaching it is refused (the declaration's sentence), at
+    once."""
     if any(t.dtype in (torch.float16, torch.bfloat16) for t in _floats((args, kwargs))):
         check(Facts(dtype=dtype, float64_input=name), STEP)
 
@@ -35,14 +37,15 @@ class ModelToHalf(SessionCallback):
     order = -50  # before every other callback: the model is 16-bit when they see it
     def __init__(self,
         dtype=torch.float16, # the 16-bit dtype: `torch.float16` or `torch.bfloat16` (or 'fp16' / 'bf16')
-        keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy`, or spec(s) for one (see `fp16cb.policy`)
+        keep_fp32=None, # what stays FP32 besides BatchNorm: a `PrecisionPolicy` or its spec(s) (see `fp16cb.policy`)
     ):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
         self.originals, self.masters, self._hook, self.islands, self._trained = None, {}, None, None, False
 
     def check_model(self, model:nn.Module):
-        """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the declaration
-        of what combines); in `keep_fp32` a typo raises, a name that matches no module warns, once (not again at each fit)."""
+        """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the
+        declaration of what combines); in `keep_fp32` a typo raises, a name that matches no module warns, once (not
+        again at each fit)."""
         floating = [p for p in model.parameters() if p.is_floating_point()]
         check(Facts(dtype=self.dtype, float64_layers=float64_layers(model),
                     float64_model=bool(floating) and all(p.dtype == torch.float64 for p in floating)), FIT)
@@ -68,10 +71,14 @@ class ModelToHalf(SessionCallback):
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
         self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
         self._range = RangeWatch() if in_dtype == torch.float16 else None  # fp16: eval inputs beyond its range
-        self._trained = False  # a `validate`/`get_preds` changes no param: its teardown gives the originals back as they are
-        self._float64 = [m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype), with_kwargs=True)
-                         for n, m in named_modules(model) if _float64_layer(m)]  # refused if a 16-bit input reaches one
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True, prepend=True)
+        # a `validate`/`get_preds` changes no param: its teardown gives the originals back as they are
+        self._trained = False
+        # refused if a 16-bit input reaches one
+        self._float64 = [m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype),
+                                                     with_kwargs=True)
+                         for n, m in named_modules(model) if _float64_layer(m)]
+        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True,
+                                                                prepend=True)
         self.entries = EntryCasts(self.learn.model, res, self.dtype)  # calls from outside its forward, kept weights
 
     def before_batch(self):
@@ -79,14 +86,16 @@ class ModelToHalf(SessionCallback):
         if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
 
     def after_validate(self):
-        "Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not. Once."
+        """Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not.
+        Once."""
         watch = getattr(self, '_range', None)
         if watch is None or not watch.found() or self.__dict__.get('_range_warned'): return
         self._range_warned = True
         warnings.warn("the validation (or inference) inputs hold values beyond fp16's range (|x| > 65504): cast to "
                       "fp16 as they enter the model, they become inf, and the loss and predictions read nan where FP32 "
                       "gives large finite values. Check the data's normalization (a feature constant in the training "
-                      "split, divided by its std + 1e-7, reaches ~1e7), or train with `learn.to_bf16()` (FP32's range).",
+                      "split, divided by its std + 1e-7, reaches ~1e7), or train with `learn.to_bf16()` (FP32's "
+                      "range).",
                       RuntimeWarning, stacklevel=2)
 
     def teardown(self):
@@ -104,8 +113,8 @@ class ModelToHalf(SessionCallback):
             else:  # a re-wrap is a collective, which the ranks that did not fail would never join: unwrap instead
                 self.learn.model = self.learn.model.module
                 self.session.notes.append("fp16cb: this rank's fit failed, so its model was not wrapped in a new "
-                    "DistributedDataParallel (a collective the other ranks would never join): `learn.model` is the plain "
-                    "FP32 module now; wrap it again before training on.")
+                    "DistributedDataParallel (a collective the other ranks would never join): `learn.model` is the "
+                    "plain FP32 module now; wrap it again before training on.")
         self.rewrapped = False
 
     def _rewrap_ddp(self) -> bool:
@@ -139,14 +148,16 @@ class ModelToHalf(SessionCallback):
     def link_masters(self, fp32_views:dict):
         "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
         self.masters = {id(p): t for p, t in fp32_views.items()}
-        for k, t in self.masters.items():  # an original that a master copied (flat masters) is never used again: free it
+        # an original that a master copied (flat masters) is never used again: free it
+        for k, t in self.masters.items():
             rec = self.originals.get(k) if self.originals else None
             if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
                 self.originals[k] = rec._replace(original=t)
 
     def forget_originals(self, params:list):
         """`params` were trained in 16-bit (16-bit storage, no masters): their FP32 originals are stale and no longer
-        kept (4 bytes/param); their dtype and shape stay (a meta tensor), the model gets their 16-bit values back widened."""
+        kept (4 bytes/param); their dtype and shape stay (a meta tensor), the model gets their 16-bit values back
+        widened."""
         for p in params:
             rec = self.originals.get(id(p)) if self.converted else None
             if rec is not None and not rec.original.is_meta:
@@ -181,7 +192,8 @@ class ModelToHalf(SessionCallback):
             if cur is None: continue
             new = shared(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), its own
             if rec.is_param:
-                if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None  # no 16-bit grad on an FP32 param
+                # no 16-bit grad on an FP32 param
+                if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None
                 cur.data = new
             else: rec.module._buffers[rec.name] = new
         for m in self.learn.model.modules():

@@ -23,5 +23,5 @@ from .state16 import HalfState, resolve_state_dtype
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
-           'round_stochastic', 'round_to', 'HalfState', 'resolve_state_dtype', 'dense_strides', 'flat_views', 'flatten_like',
-           'with_layout_of', 'owns_storage', 'shared', 'Stream']
+           'round_stochastic', 'round_to', 'HalfState', 'resolve_state_dtype', 'dense_strides', 'flat_views',
+           'flatten_like', 'with_layout_of', 'owns_storage', 'shared', 'Stream']

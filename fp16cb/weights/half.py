@@ -32,7 +32,8 @@ def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None,
     """`x` in `dtype`: to nearest (even), or stochastically (bf16 from FP32: the 16-bit dither of the dropped bits, in
     place in `x` when `inplace`; else the general rule above)."""
     if not stochastic or dtype == x.dtype: return x.to(dtype)
-    if dtype == torch.bfloat16 and x.dtype == torch.float32: return round_bf16_stochastic_(x if inplace else x.clone(), generator)
+    if dtype == torch.bfloat16 and x.dtype == torch.float32:
+        return round_bf16_stochastic_(x if inplace else x.clone(), generator)
     return round_stochastic(x, dtype, generator)
 
 class _Batch:
@@ -61,7 +62,7 @@ class HalfStorage(WeightStore):
         names:dict=None, model=None,
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`): `Lookahead`'s slow weights start from these
-        state_dtype:torch.dtype=None, # store the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
+        state_dtype:torch.dtype=None, # the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
         keep=(), # ids of params kept though frozen since (`WeightStore`)
     ):
         super().__init__(opt, names, model, keep)
@@ -73,7 +74,8 @@ class HalfStorage(WeightStore):
         self._fp32_slow_weights(fp32_of)
         self.state16.narrow_all(opt_state(self.core))
         self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)
-        sizes = {}  # the scratch: a slice's weights and grads in FP32 per device (one chunk at most; less for a small model)
+        # the scratch: a slice's weights and grads in FP32 per device (one chunk at most; less for a small model)
+        sizes = {}
         for p in self.params:
             if p.dtype in _HALF: sizes[p.device] = sizes.get(p.device, 0) + p.numel()
         sizes = {d: 2 * min(n, self._slice(d)) for d, n in sizes.items()}
@@ -86,7 +88,8 @@ class HalfStorage(WeightStore):
 
     def _fp32_slow_weights(self, fp32_of):
         """fastai's `Lookahead` keeps a slow copy of each param, which would be 16-bit here and outlive the fit: it is
-        FP32 instead (made from the exact FP32 values; the sync reads the 16-bit weights into FP32 and rounds once back)."""
+        FP32 instead (made from the exact FP32 values; the sync reads the 16-bit weights into FP32 and rounds once
+        back)."""
         if self.opt is self.core or 'slow_weights' not in vars(self.opt): return
         half = lambda p: p.dtype in (torch.float16, torch.bfloat16)
         if self.opt.slow_weights is None:
@@ -114,8 +117,9 @@ class HalfStorage(WeightStore):
     def _grads_by_param(self) -> tuple: return self.params, [p.grad for p in self.params]
 
     def _lift(self, p):
-        """What the optimizer steps for `p`: a 16-bit param's FP32 copy with its grad unscaled in FP32 (the param itself is
-        never touched: DDP's hooks, and autograd's, stay on it); another dtype's param itself, its grad unscaled in place."""
+        """What the optimizer steps for `p`: a 16-bit param's FP32 copy with its grad unscaled in FP32 (the param itself
+        is never touched: DDP's hooks, and autograd's, stay on it); another dtype's param itself, its grad unscaled in
+        place."""
         f = self._factor(self._group_of.get(id(p), 0))
         if p.dtype not in (torch.float16, torch.bfloat16):
             if f is not None: p.grad.mul_(f)
@@ -131,7 +135,8 @@ class HalfStorage(WeightStore):
         self._stepped([p])
 
     def _step_impl(self, *args, **kwargs):
-        return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop, *args, **kwargs)
+        return self._through_core(self._step_torch if isinstance(self.core, OptimWrapper) else self._lifted_loop,
+                                  *args, **kwargs)
 
     def _lifted_loop(self, step, *args, **kwargs):
         """fastai's `Optimizer.step` loop, on lifted params (the state stays keyed by the model's param). An elementwise
@@ -146,7 +151,8 @@ class HalfStorage(WeightStore):
                     if not batch.takes(p, f, n): self._step_batch(batch); batch = _Batch()
                     batch.add(p, f, hyper); continue
                 self._step_batch(batch); batch = _Batch()  # the scratch is the slices' now
-                lift, land = partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), f), partial(self._land_slice, memory_order(p))
+                lift, land = (partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), f),
+                              partial(self._land_slice, memory_order(p)))
                 sliced_update(core, p, hyper, n, lift, land, self.state16)  # 16-bit state widened a slice at a time
                 self._stepped([p])
                 continue
@@ -175,14 +181,18 @@ class HalfStorage(WeightStore):
                 for p, view, gq, hyper in zip(b.ps, qs, gs, b.hypers):
                     q = view.detach(); q.grad = gq
                     fastai_update(self.core, q, hyper, key=p)
-                    if q.data_ptr() != view.data_ptr(): view.copy_(q)  # a step that replaced the tensor instead of updating it
-        finally:  # even when interrupted: the params stepped so far keep their step (the others round back to themselves)
+                    # a step that replaced the tensor instead of updating it
+                    if q.data_ptr() != view.data_ptr(): view.copy_(q)
+        finally:
+            # even when interrupted: the params stepped so far keep their step (the others round back to themselves)
             r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
-            with torch.no_grad(): torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
+            with torch.no_grad():
+                torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
         self._stepped(b.ps)
 
     def _lift_slice(self, w16:Tensor, g16:Tensor, f, s:slice) -> Tensor:
-        "Slice `s` of a 16-bit param (`w16`, in memory order) and of its grad (`g16`) lifted into the scratch, unscaled."
+        """Slice `s` of a 16-bit param (`w16`, in memory order) and of its grad (`g16`) lifted into the scratch,
+        unscaled."""
         k = s.stop - s.start
         buf = self.scratch(w16.device, 2 * k)
         q, g = buf[:k].copy_(w16[s]), buf[k:].copy_(g16[s])
@@ -194,16 +204,18 @@ class HalfStorage(WeightStore):
         w16[s].copy_(round_to(q, w16.dtype, self.stochastic, self.generator, inplace=True))
 
     def _step_torch(self, step, *args, **kwargs):
-        """A torch optimizer (`OptimWrapper`): stepped once per chunk of params (an optimizer not known to be elementwise:
-        once, all of them), those lifted and their state moved to the lifted copies and back; the other params' grads are
-        set aside meanwhile (torch skips params without one)."""
+        """A torch optimizer (`OptimWrapper`): stepped once per chunk of params (an optimizer not known to be
+        elementwise: once, all of them), those lifted and their state moved to the lifted copies and back; the other
+        params' grads are set aside meanwhile (torch skips params without one)."""
         groups, states = self.core.opt.param_groups, opt_states(self.core)  # a wrapper's and its inner optimizer's
         state = states[-1]
-        with_grad = [(p, (gi, i), True) for gi, g in enumerate(groups) for i, p in enumerate(g['params']) if p.grad is not None]
+        with_grad = [(p, (gi, i), True) for gi, g in enumerate(groups) for i, p in enumerate(g['params'])
+                     if p.grad is not None]
         grads, out = {p: p.grad for p, _, _ in with_grad}, None
         for p in grads: p.grad = None
         try:
-            whole = lambda device: float('inf')  # not known to be elementwise (`fp16cb.compat`): one `step` for all params
+            # not known to be elementwise (`fp16cb.compat`): one `step` for all params
+            whole = lambda device: float('inf')
             for chunk in lift_chunks(with_grad, self.chunk_limit if elementwise(self.core) else whole):
                 lifted = []
                 for p, (gi, i), _ in chunk:
@@ -233,7 +245,8 @@ class HalfStorage(WeightStore):
         self._views = {}  # views of the scratch
 
     def zero_model_grads(self):
-        "As the optimizer's `zero_grad` would: zeroed (fastai), or None (a torch optimizer: unreached params not stepped)."
+        """As the optimizer's `zero_grad` would: zeroed (fastai), or None (a torch optimizer: unreached params not
+        stepped)."""
         if self.none_after_step:
             for p in self.params: p.grad = None
             return
@@ -244,6 +257,7 @@ class HalfStorage(WeightStore):
         "The optimizer steps the model's own params: only a change of their dtype (`.float()`) would go unnoticed."
         for p in self.params[:1] + self.params[-1:]:
             if p.dtype != self._dtypes[id(p)]:
-                raise RuntimeError(f"mixed precision (half_storage): the model's parameter {self.names.get(id(p), tuple(p.shape))} "
-                                   f"changed dtype during the fit ({self._dtypes[id(p)]} -> {p.dtype}): something after the setup "
-                                   f"converted the model. Convert it before `learn.to_fp16()`/`to_bf16()`, or after the fit.")
+                raise RuntimeError(f"mixed precision (half_storage): the model's parameter "
+                                   f"{self.names.get(id(p), tuple(p.shape))} changed dtype during the fit "
+                                   f"({self._dtypes[id(p)]} -> {p.dtype}): something after the setup converted the "
+                                   f"model. Convert it before `learn.to_fp16()`/`to_bf16()`, or after the fit.")

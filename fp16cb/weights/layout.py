@@ -36,7 +36,8 @@ def flat_views(flat:Tensor, like:list) -> list:
     return res
 
 def flatten_like(tensors:list, like:list, dtype=None) -> Tensor:
-    "One flat buffer holding `tensors` (in `dtype`), each laid out as its counterpart in `like` is (`flat_views` order)."
+    """One flat buffer holding `tensors` (in `dtype`), each laid out as its counterpart in `like` is (`flat_views`
+    order)."""
     ref = like[0] if like else tensors[0]
     flat = torch.empty(sum(t.numel() for t in like), dtype=dtype or ref.dtype, device=ref.device)
     if like:

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .layout import flat_views, split_like, memory_order, shared
 
-__all__ = ['BufferRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged', 'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK',
-           'chunk_limit']
+__all__ = ['BufferRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged',
+           'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK', 'chunk_limit']
 
 _grad_of = operator.attrgetter('grad')
 
@@ -25,7 +25,8 @@ LIFT_CHUNK = {"cpu": 2**19}
 OTHER_CHUNK = 2**25
 
 def chunk_limit(device, limit:int|None=None) -> int:
-    "The chunk size on `device`: `limit` when given, else `LIFT_CHUNK`'s for its type (`OTHER_CHUNK` where it has none)."
+    """The chunk size on `device`: `limit` when given, else `LIFT_CHUNK`'s for its type (`OTHER_CHUNK` where it has
+    none)."""
     return limit or LIFT_CHUNK.get(torch.device(device).type, OTHER_CHUNK)
 
 def _hook(p, fn):
@@ -47,7 +48,7 @@ class BufferRun:
     one that no backward of the step reached has no grad for it, as in FP32."""
     def __init__(self, params, master:Tensor, keep_none:bool=False,
                  with_grad:bool=True, # False: no grad buffer (each grad is consumed by a step in the backward)
-                 per_step:bool=False, # grads are None after each step unless a backward reaches them (torch's `zero_grad`)
+                 per_step:bool=False, # grads are None after a step unless a backward reaches them (torch's `zero_grad`)
                  bufs:tuple=None): # `(data, grad)`: 1-d parts of larger buffers to use (None: buffers of its own)
         n = sum(p.numel() for p in params)
         p0 = params[0]
@@ -72,7 +73,8 @@ class BufferRun:
 
     def settle(self):
         """After a step's backward(s): a watched param that no backward reached since the last settle has no grad (the
-        view goes, None). Without `per_step`, once only: after the first step a param keeps its grad, as fastai's does."""
+        view goes, None). Without `per_step`, once only: after the first step a param keeps its grad, as fastai's
+        does."""
         if not self.watched: return
         for p in self.watched:
             if id(p) not in self.reached and self._owns(p.grad, self.grad): p.grad = None
@@ -105,7 +107,8 @@ class BufferRun:
         p = self.params[0]
         g = p.grad
         return (p.untyped_storage().data_ptr() == self.buf.untyped_storage().data_ptr()
-                and (g is None or self.grad is None or g.untyped_storage().data_ptr() == self.grad.untyped_storage().data_ptr()))
+                and (g is None or self.grad is None
+                     or g.untyped_storage().data_ptr() == self.grad.untyped_storage().data_ptr()))
 
     def relink(self):
         "Point the params (and grads) that someone replaced (same device and dtype) at fresh views into the buffers."
@@ -129,8 +132,10 @@ def storage_runs(models:list, masters:list, with_grad:bool=True, per_step:bool=F
     """Non-flat masters stay one `nn.Parameter` per param (per-param optimizer state and steps), but their data moves
     into one FP32 buffer per device, ordered by the model's dtype, then by `key(index)` (the masters' param group and
     optimizer flags: what the fastai driver steps as one flat tensor is then consecutive), stably: returns the runs. (No
-    FP32 grad buffer: the grads are lifted to FP32 a bounded chunk at a time as the optimizer steps, see `FP32Masters`.)"""
-    by_dev, order = {}, (lambda i: (str(models[i].dtype), key(i))) if key is not None else (lambda i: str(models[i].dtype))
+    FP32 grad buffer: the grads are lifted to FP32 a bounded chunk at a time as the optimizer steps, see
+    `FP32Masters`.)"""
+    by_dev, order = {}, ((lambda i: (str(models[i].dtype), key(i))) if key is not None
+                         else (lambda i: str(models[i].dtype)))
     for i in sorted(range(len(models)), key=order): by_dev.setdefault(models[i].device, []).append(i)
     runs = []
     for dev, idx in by_dev.items():
@@ -191,8 +196,8 @@ def merged(ts:list) -> list:
 class Scratch:
     """The FP32 memory the lift writes a chunk's grads into: one buffer per device, the size of the largest chunk (at
     most the chunk limit, or the largest master where one is bigger), made with the plans at the fit's set-up, kept for
-    the fit and reused by every chunk of every step: no allocation, no page fault in the step (on a CPU, glibc would hand
-    a freed buffer back to the system and fault it in again each step), and no allocator setting for the user."""
+    the fit and reused by every chunk of every step: no allocation, no page fault in the step (on a CPU, glibc would
+    hand a freed buffer back to the system and fault it in again each step), and no allocator setting for the user."""
     def __init__(self, sizes:dict): self.sizes, self.bufs = sizes, {}  # sizes: {device: elements}
     def __call__(self, device, n:int) -> Tensor:
         "`n` elements of the device's buffer (made at its first use, the size of the device's largest chunk)."
@@ -207,7 +212,8 @@ class LiftPlan:
     grad, and the 16-bit grads copied from (coalesced: one copy per contiguous run). Valid while those are still the
     params' grads. `live`: the chunk's `(master, group)` with a grad, in the chunk's order."""
     def __init__(self, items:list, scratch:Scratch):
-        # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per buffer
+        # the scratch is laid out in the order of the 16-bit grads' memory, so that the copy coalesces into one per
+        # buffer
         items = [it for it in items if it[2] is not None]
         self.live = [(m, gi) for m, gi, _ in items]
         items = sorted(items, key=lambda it: _region(it[2][0][0].grad)[:2])
@@ -224,7 +230,8 @@ class LiftPlan:
             self.groups.setdefault(gi, []).append(v)
         self.srcs = [g for _, g in pairs]  # what each source's grad must still be (`valid`)
         self.dsts, self.copy_srcs = _coalesce(pairs)
-        self.groups = {gi: _coalesce([(v, v) for v in vs])[0] for gi, vs in self.groups.items()}  # a group's scratch, merged
+        # a group's scratch, merged
+        self.groups = {gi: _coalesce([(v, v) for v in vs])[0] for gi, vs in self.groups.items()}
 
     absent = ()  # the sources left out because they had no grad (a partial plan: valid while they still have none)
 
@@ -246,7 +253,8 @@ class LiftPlan:
         return all(map(operator.is_, map(_grad_of, self.objs), self.srcs)) and all(o.grad is None for o in self.absent)
 
     def lift(self) -> dict:
-        "The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: its scratch}`."
+        """The 16-bit grads copied into the scratch (one fused copy), each master's grad its view: `{group: its
+        scratch}`."""
         torch._foreach_copy_(self.dsts, self.copy_srcs)
         for m, v in zip(self.masters, self.views): m.grad = v
         return self.groups
@@ -288,8 +296,8 @@ def _region(t:Tensor) -> tuple:
     return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), tuple(t.stride())
 
 def _coalesce(pairs:list) -> tuple:
-    """`(dsts, srcs)` copying what the `(dst, src)` pairs copy, with neighbours merged: where a pair continues the previous
-    one in both memories (same strides: element order is memory order), the two become one 1-d copy."""
+    """`(dsts, srcs)` copying what the `(dst, src)` pairs copy, with neighbours merged: where a pair continues the
+    previous one in both memories (same strides: element order is memory order), the two become one 1-d copy."""
     merged = []  # [dst, src, dst region, src region, mergeable]
     for d, s in pairs:
         rd, rs = _region(d), _region(s)
@@ -312,7 +320,8 @@ def lift_chunks(items:list, limit) -> list:
     chunks, cur, n = [], [], 0
     for it in items:
         k = it[0].numel() if it[2] is not None else 0
-        if cur and (n + k > limit(cur[0][0].device) or it[0].device != cur[0][0].device): chunks.append(cur); cur, n = [], 0
+        if cur and (n + k > limit(cur[0][0].device) or it[0].device != cur[0][0].device):
+            chunks.append(cur); cur, n = [], 0
         cur.append(it); n += k
     return chunks + ([cur] if cur else [])
 

@@ -8,7 +8,8 @@ from fastai.optimizer import OptimWrapper
 
 from .layout import split_like, memory_order, laid_out_as
 from .functional import get_master, _pairs
-from .optstate import move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update, sliced_torch_step
+from .optstate import (move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update,
+                       sliced_torch_step)
 from .drivers import fused_runs
 from .lift import Scratch, LiftPlan, Chunk, BufferRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
@@ -18,12 +19,12 @@ from .writes import WriteWatch
 __all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters']
 
 class FP32Masters(WeightStore):
-    """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become views
-    into one flat buffer per (device, dtype) run of the masters, so that master->model, the overflow check and zeroing
-    are one vectorised op per buffer. The masters get FP32 grads only while the optimizer steps them, a chunk of at most
-    `chunk_limit` elements at a time (cache-sized on a CPU): copied from the 16-bit grads into one scratch buffer,
-    unscaled and clipped there, stepped, and rounded into the model right after, while in the caches (memory at the
-    step's peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one
+    """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become
+    views into one flat buffer per (device, dtype) run of the masters, so that master->model, the overflow check and
+    zeroing are one vectorised op per buffer. The masters get FP32 grads only while the optimizer steps them, a chunk of
+    at most `chunk_limit` elements at a time (cache-sized on a CPU): copied from the 16-bit grads into one scratch
+    buffer, unscaled and clipped there, stepped, and rounded into the model right after, while in the caches (memory at
+    the step's peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one
     chunk). A master bigger than a chunk is stepped a slice at a time where the optimizer is elementwise.
     Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32 master per param, viewing one
     FP32 buffer per device; the optimizer steps per-param masters).
@@ -35,15 +36,14 @@ class FP32Masters(WeightStore):
         names:dict=None, # `{id(param): name}` for error messages
         model=None, # the model (sparse grads)
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`): no 16-bit grad buffer
-        state_dtype:torch.dtype=None, # store the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
+        state_dtype:torch.dtype=None, # the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
         stochastic:bool=True, # round the 16-bit state stochastically (False: to nearest)
         generator=None, # the `torch.Generator` of that rounding
         keep=(), # ids of params kept though frozen since (`WeightStore`)
     ):
         super().__init__(opt, names, model, keep)
-        self.state16 = HalfState(state_dtype, stochastic, generator)
-        self._with_grads = not in_backward
-        # flat masters cut at the chunk limit, for an optimizer that steps the parts as it would the whole (not LAMB's norms)
+        self.state16 = HalfState(state_dtype, stochastic, generator); self._with_grads = not in_backward
+        # flat masters cut at the chunk limit, for an optimizer stepping the parts as the whole (not LAMB's norms)
         self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of, keep=self.keep,
                                                      limit=self.chunk_limit if elementwise(self.core) else None)
         self.master_params = [m for mg in self.master_pgs for m in mg]
@@ -62,7 +62,8 @@ class FP32Masters(WeightStore):
         self.chunks = self._plan_chunks(in_backward)
         # the driver, picked once: fastai's loop (run here, chunk by chunk), or the torch optimizer's own `step`
         self._driver = self._fastai_loop if steps_param_by_param(self.core) else self._torch_step
-        self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs)) for p, m in zip(pg, mg)}
+        self._master_of = {id(p): (m, gi) for gi, (pg, mg) in enumerate(zip(self.model_pgs, self.master_pgs))
+                           for p, m in zip(pg, mg)}
         self._master_of.update({id(p): (p, gi) for gi, pg in enumerate(self.own_pgs) for p in pg})
         self._missing, self._trusted = [], False
         self.writes = WriteWatch(self.models, self.masters, self.chunk_limit)  # other code's writes reach the masters
@@ -70,29 +71,32 @@ class FP32Masters(WeightStore):
 
     @staticmethod
     def make(opt, flat:bool=False, **kwargs) -> FP32Masters:
-        "FP32 masters for `opt`: one flat master per group (`FlatMasters`) when `flat`, else one per param (`ParamMasters`)."
+        """FP32 masters for `opt`: one flat master per group (`FlatMasters`) when `flat`, else one per param
+        (`ParamMasters`)."""
         return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
 
     def _plan_chunks(self, in_backward:bool) -> list:
         """The `Chunk`s one optimizer step takes, in the masters' buffer order: each chunk of at most `chunk_limit`
         elements (fastai's loop; an elementwise torch optimizer, stepped once per chunk), or one chunk of everything (a
-        torch optimizer not known to be elementwise, an `Optimizer` with a `step` of its own: stepped once, as FP32 steps
-        it); whether each is rounded into the model as soon as it is stepped (`_fold_ok`: not when a wrapper such as
-        Lookahead, or a flat group's put-back, changes the masters after); the lift's scratch and the plans, made now."""
+        torch optimizer not known to be elementwise, an `Optimizer` with a `step` of its own: stepped once, as FP32
+        steps it); whether each is rounded into the model as soon as it is stepped (`_fold_ok`: not when a wrapper such
+        as Lookahead, or a flat group's put-back, changes the masters after); the lift's scratch and the plans, made
+        now."""
         own, sources = {id(p) for p in self.own_params}, self._sources()
         items = self._in_storage_order([(p, gi, None if id(p) in own else sources[id(p)])
                                         for gi, pg in enumerate(self.opt_pgs) for p in pg])
         chunked = steps_param_by_param(self.core) or (isinstance(self.core, OptimWrapper) and self._sliced_ok)
         parts = lift_chunks(items, self.chunk_limit) if chunked else [items] if items else []
         self._fold_ok = chunked and self.opt is self.core
-        chunks = [Chunk(c, self._sliceable(c), [(p, gi) for p, gi, src in c if src is None], to_model_copies(c)) for c in parts]
+        chunks = [Chunk(c, self._sliceable(c), [(p, gi) for p, gi, src in c if src is None], to_model_copies(c))
+                  for c in parts]
         sizes = {}  # the largest chunk of masters per device (a sliced one: a slice): the scratch the lift writes into
         for c in chunks:
             n = self.chunk_limit(c.device) if c.sliced else c.elements()
             if n: sizes[c.device] = max(sizes.get(c.device, 0), n)
         self.scratch = Scratch(sizes)
         for c in chunks:
-            if not (in_backward or c.sliced): c.plan = LiftPlan.make(c.items, self.scratch)  # made now, not in the first step
+            if not (in_backward or c.sliced): c.plan = LiftPlan.make(c.items, self.scratch)  # made now, not in step 1
         return chunks
 
     # -- the interface
@@ -117,8 +121,9 @@ class FP32Masters(WeightStore):
         return None
 
     def _fastai_loop(self, step, *args, **kwargs):
-        """fastai's driver: its `Optimizer.step` loop, run here a chunk at a time on the masters with FP32 grads (each run
-        of consecutive masters with equal state as one flat tensor, the others one at a time); `step` is not called."""
+        """fastai's driver: its `Optimizer.step` loop, run here a chunk at a time on the masters with FP32 grads (each
+        run of consecutive masters with equal state as one flat tensor, the others one at a time); `step` is not
+        called."""
         hypers, state = self.core.hypers, self.core.state
         sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land, self.state16)
         for chunk in self.chunks:
@@ -132,14 +137,14 @@ class FP32Masters(WeightStore):
         """The torch driver: the optimizer's own `step` once per chunk (one chunk of everything unless it is known to be
         elementwise), only that chunk's masters (and own params) with grads: torch skips the others. A fused optimizer
         that takes `grad_scale` unscales in its kernel."""
-        inner = getattr(self.core, 'opt', None)
-        fused = self._fused_scale(inner)
+        inner = getattr(self.core, 'opt', None); fused = self._fused_scale(inner)
         step_once = partial(self._step_with_scale, inner, fused, step, *args, **kwargs)
         own, out, state = {p: p.grad for p in self.own_params}, None, opt_state(self.core)  # torch steps every param
         for p in own: p.grad = None  # with a grad: each own param in one chunk
         try:
             for chunk in self.chunks:
-                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_once, self.state16)
+                sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_once,
+                                                                        self.state16)
                 if self._step_sliced(chunk, sliced, unscale=fused is None): continue
                 live = self._lift(chunk, own, unscale=fused is None)
                 with self.state16.lifted([p for p, _ in live], state): out = step_once()
@@ -172,10 +177,10 @@ class FP32Masters(WeightStore):
         for a torch optimizer), each slice's grad lifted into the scratch, unscaled (unless the fused kernel does it),
         stepped and rounded into the model while in the caches. False: not such a chunk (the caller steps it whole)."""
         if not chunk.sliced: return False
-        (m, gi, sources), = chunk
-        o = sources[0][0]
+        (m, gi, sources), = chunk; o = sources[0][0]
         if o.grad is None: return True  # no backward reached it: not stepped, as in FP32
-        lift = partial(self._lift_slice, memory_order(m), memory_order(laid_out_as(o.grad, m)), self._factor(gi) if unscale else None)
+        lift = partial(self._lift_slice, memory_order(m), memory_order(laid_out_as(o.grad, m)),
+                       self._factor(gi) if unscale else None)
         land = partial(self._land_slice, memory_order(o.buf if isinstance(o, BufferRun) else o))
         update(m, gi, self.chunk_limit(m.device), lift, land)  # 16-bit state widened a slice at a time
         return True
@@ -184,12 +189,12 @@ class FP32Masters(WeightStore):
         """Slice `s` of a master (`master`, in memory order) with its FP32 grad: the 16-bit grad's slice (`g16`) copied
         into the scratch, unscaled."""
         g = self.scratch(g16.device, s.stop - s.start).copy_(g16[s])
-        q = master[s]
-        q.grad = g if f is None else g.mul_(f)
+        q = master[s]; q.grad = g if f is None else g.mul_(f)
         return q
 
     def _land_slice(self, out:Tensor, s:slice, q:Tensor):
-        "A stepped slice of a master rounded into the model's param (`out`, in memory order), unless done after the step."
+        """A stepped slice of a master rounded into the model's param (`out`, in memory order), unless done after the
+        step."""
         if self._fold: out[s].copy_(q)
 
     def _sliceable(self, items:list) -> bool:
@@ -205,17 +210,16 @@ class FP32Masters(WeightStore):
         if inner is None or not getattr(inner, '_step_supports_amp_scaling', False) or not self._masters: return None
         coefs = list({id(c): c for c in self.coefs.values()}.values())
         if len(coefs) > 1 or (coefs and len(self.coefs) < len(self.opt_pgs)): return None
-        dev = self._masters[0].device
-        scale = torch.full((), self.scale if self.grad_factor != 1. else 1., dtype=torch.float32, device=dev)  # divided already?
+        dev = self._masters[0].device  # the scale below: 1 where the grads are divided already
+        scale = torch.full((), self.scale if self.grad_factor != 1. else 1., dtype=torch.float32, device=dev)
         return (scale / coefs[0] if coefs else scale), torch.zeros((), dtype=torch.float32, device=dev)
 
     def _lift(self, chunk:list, own:dict=None, unscale:bool=True) -> list:
         """Give the masters of `chunk` FP32 grads: its part of the scratch, the 16-bit grads copied in (one fused copy),
-        unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads, set
-        aside). Returns `[(param, group)]` of those with a grad."""
+        unscaled and clipped (one fused multiply per group); own params' grads unscaled in place (`own`: their grads,
+        set aside). Returns `[(param, group)]` of those with a grad."""
         plan = chunk.lifted = self._plan(chunk)
-        groups, live = (plan.lift(), list(plan.live)) if plan is not None else ({}, [])
-        extra = {}
+        groups, live = (plan.lift(), list(plan.live)) if plan is not None else ({}, []); extra = {}
         for p, gi in chunk.owns:
             if own is not None: p.grad = own.get(p)
             if p.grad is None: continue
@@ -228,8 +232,7 @@ class FP32Masters(WeightStore):
 
     def _step_one(self, p):
         "In the backward: `p`'s master gets its grad in FP32, fastai's optimizer steps it, `p` follows (rounded once)."
-        m, gi = self._master_of[id(p)]
-        n = self.chunk_limit(m.device)
+        m, gi = self._master_of[id(p)]; n = self.chunk_limit(m.device)
         if m is not p and self._sliced_ok and m.numel() > n:  # a slice at a time: its grad, its state in FP32
             lift = lambda s, mm=memory_order(m), g=memory_order(laid_out_as(p.grad, m)): _with_grad(mm[s], g[s].float())
             land = lambda s, q, out=memory_order(p.data): out[s].copy_(q)  # `.data`: not counted as others' write
@@ -245,14 +248,14 @@ class FP32Masters(WeightStore):
         param has no grad (no backward reached it: an unused head), a plan of the others, kept while the same ones have
         none (None: no master has a grad)."""
         plan = chunk.plan
-        if plan is not None and ((self._trusted and not plan.absent) or plan.valid()): return plan  # the grads as they are now
+        if plan is not None and ((self._trusted and not plan.absent) or plan.valid()): return plan  # grads as they are
         chunk.plan = LiftPlan.make(chunk.items, self.scratch) or LiftPlan.make(chunk.items, self.scratch, partial=True)
         return chunk.plan
 
     def _land(self, chunk:list):
         """The chunk was stepped: its masters' FP32 grads go (the next chunk reuses the scratch) and, unless something
-        changes the masters after the step (`_fold`), the masters are rounded into the model's params while in the caches
-        (one fused copy per contiguous run)."""
+        changes the masters after the step (`_fold`), the masters are rounded into the model's params while in the
+        caches (one fused copy per contiguous run)."""
         plan, chunk.lifted = chunk.lifted, None
         if plan is not None: plan.free()
         if self._fold:
@@ -264,8 +267,7 @@ class FP32Masters(WeightStore):
         if reattach:
             for r in self.runs: r.reattach_grads()
         if self._grads: torch._foreach_zero_(self._grads)
-        self.clear_own_grads()
-        self._trusted = False  # until the next step's `prepare_grads` has looked again
+        self.clear_own_grads(); self._trusted = False  # until the next step's `prepare_grads` has looked again
 
     def check_linked(self):
         "Each run's first param still views the run's buffer (a `.to()` or `.float()` replaces every param's tensor)."
@@ -331,7 +333,8 @@ def _with_grad(q:Tensor, g:Tensor) -> Tensor:
 
 def _counts_steps(state:dict) -> bool:
     "Whether an optimizer state holds a step count (an int or a 0-dim tensor, not a flag)."
-    return any((type(v) is int) or (isinstance(v, Tensor) and v.dim() == 0 and not v.dtype == torch.bool) for v in state.values())
+    return any((type(v) is int) or (isinstance(v, Tensor) and v.dim() == 0 and not v.dtype == torch.bool)
+               for v in state.values())
 
 class FlatMasters(FP32Masters):
     """Flat FP32 masters per param group (per run of params with equal optimizer flags, cut at the chunk limit, so that
@@ -400,8 +403,8 @@ class FlatMasters(FP32Masters):
         ids = frozenset(map(id, missing))
         name = self._changed(ids, state, where)
         if name is not None:
-            raise RuntimeError(f"flat masters: the param {name} had a grad on some steps only and its flat group keeps one "
-                               f"step count: train with flat_master=False (one master per param).")
+            raise RuntimeError(f"flat masters: the param {name} had a grad on some steps only and its flat group keeps "
+                               f"one step count: train with flat_master=False (one master per param).")
         self._absent = ids
 
     def _flat_of(self) -> dict:
@@ -429,8 +432,9 @@ class ParamMasters(FP32Masters):
         "The masters' buffer ordered by dtype, param group and optimizer flags (`do_wd`...): the fastai driver's runs."
         models, state = [p for pg in self.model_pgs for p in pg], opt_state(self.core)
         gis = [gi for gi, pg in enumerate(self.model_pgs) for _ in pg]
-        flags = [tuple(sorted((k, repr(v)) for k, v in state.get(p, {}).items() if not isinstance(v, Tensor))) for p in models]
-        first = {}  # each set of flags ranked by where it first appears (a resumed fit orders its masters as the first did)
+        flags = [tuple(sorted((k, repr(v)) for k, v in state.get(p, {}).items() if not isinstance(v, Tensor)))
+                 for p in models]
+        first = {}  # each set of flags ranked by where it first appears (a resumed fit orders masters as the first did)
         for f in flags: first.setdefault(f, len(first))
         return storage_runs(models, self.master_params, self._with_grads, per_step=self.none_after_step,
                             key=lambda i: (gis[i], first[flags[i]]))

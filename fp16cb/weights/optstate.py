@@ -19,7 +19,8 @@ __all__ = ['move_opt_state', 'copy_clone', 'innermost', 'wrapped', 'opt_state', 
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
-    while not isinstance(opt, OptimWrapper) and own_class(opt) is not Optimizer and isinstance(getattr(opt, 'opt', None), _BaseOptimizer):
+    while (not isinstance(opt, OptimWrapper) and own_class(opt) is not Optimizer
+           and isinstance(getattr(opt, 'opt', None), _BaseOptimizer)):
         opt = opt.opt
     return opt
 
@@ -77,8 +78,8 @@ def _merge_states(states:list, params:list) -> dict:
     for k in keys:
         vals = [s.get(k) for s in states]
         if any(isinstance(v, Tensor) and v.dim() > 0 for v in vals):
-            out[k] = flatten_like([v if v is not None else torch.zeros_like(p, dtype=torch.float32) for v, p in zip(vals, params)],
-                                  params, torch.float32)
+            out[k] = flatten_like([v if v is not None else torch.zeros_like(p, dtype=torch.float32)
+                                   for v, p in zip(vals, params)], params, torch.float32)
         else: out[k] = next(v for v in vals if v is not None)
     return out
 
@@ -95,7 +96,8 @@ def _split_state(state:dict, params:list) -> list:
     return res
 
 def _set_param_lists(opt, pgs):
-    "Point `opt` (the innermost optimizer) at `pgs`: `L`s for a fastai `Optimizer`, lists for an `OptimWrapper`'s torch optimizer."
+    """Point `opt` (the innermost optimizer) at `pgs`: `L`s for a fastai `Optimizer`, lists for an `OptimWrapper`'s
+    torch optimizer."""
     opt.param_lists = [list(pg) for pg in pgs] if isinstance(opt, OptimWrapper) else L(L(pg) for pg in pgs)
 
 def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None, stash:dict=None):
@@ -111,8 +113,9 @@ def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None, 
     for src, dst in zip(from_pgs, to_pgs):
         for state in states: _move_state(state, src, dst, flat, make=state is states[-1], stash=stash)
         if slow is not None: _move_slow(slow, src, dst, flat, stash)
-    if slow is not None: opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
-                                              for pg in core.param_lists)
+    if slow is not None:
+        opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
+                             for pg in core.param_lists)
 
 def _move_state(state:dict, src:list, dst:list, flat:str|None, make:bool, stash:dict=None):
     """`src`'s entries of `state` moved to `dst` (merged into flat masters, split from them, or one to one); `make`: an
@@ -175,9 +178,9 @@ def elementwise(core) -> bool:
     return (isinstance(core, OptimWrapper) or steps_param_by_param(core)) and known_elementwise(core)
 
 def _sliced(p, state:dict) -> dict:
-    """`{key: 1-d view in memory order}` of `p`'s state tensors of its shape (what a slice of `p` takes a slice of), each
-    laid out as `p` first if it was not (elementwise: the layout changes nothing of the step; 8-bit state, whose blocks
-    run in memory order, is quantized again in `p`'s layout)."""
+    """`{key: 1-d view in memory order}` of `p`'s state tensors of its shape (what a slice of `p` takes a slice of),
+    each laid out as `p` first if it was not (elementwise: the layout changes nothing of the step; 8-bit state, whose
+    blocks run in memory order, is quantized again in `p`'s layout)."""
     for k, v in state.items():
         if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride():
             state[k] = (state8.quantize_(state8.empty8(p.detach(), v.signed), with_layout_of(v.dequantize(), p))
@@ -206,14 +209,15 @@ def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
     for k, v in st.items():
         if k not in full:
             if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n): rest[k] = v; continue
-            state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])  # made by this (first) step
+            # made by this (first) step
+            state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])
         if v.data_ptr() != full[k][s].data_ptr(): _put(_part(full[k], s), v)  # replaced, not updated in place
     return rest
 
 def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
-    """torch optimizer `opt` (elementwise) steps `p` `n` elements at a time, as `sliced_update` does fastai's: each slice
-    (`lift`) stands in for `p` in its param group with the slices of `p`'s state (a copy of its step count: every slice
-    counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
+    """torch optimizer `opt` (elementwise) steps `p` `n` elements at a time, as `sliced_update` does fastai's: each
+    slice (`lift`) stands in for `p` in its param group with the slices of `p`'s state (a copy of its step count: every
+    slice counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
     group = next(g for g in opt.param_groups if any(q is p for q in g['params']))
     i = next(i for i, q in enumerate(group['params']) if q is p)
     state, n = opt.state[p], _block_aligned(n, state16)
@@ -225,7 +229,8 @@ def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
             s = slice(o, min(o + n, p.numel()))
             q = group['params'][i] = lift(s)
             sl, w = ({}, None) if fresh else _slice_state(full, s, q, state16)
-            opt.state[q] = {} if fresh else {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}, **sl}
+            opt.state[q] = ({} if fresh else
+                            {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}, **sl})
             out = step()
             _narrow_slice(sl, opt.state[q], q, state16, w)
             _narrow_new(p, state, full, opt.state[q], q, state16)

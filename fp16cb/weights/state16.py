@@ -57,7 +57,8 @@ def random16(n:int, generator=None, device=None) -> Tensor:
     """`n` uniform random 16-bit integers (int16, every bit random), drawn four to one 64-bit number over int64's whole
     range: a quarter of the generator's work of a draw each (on a CPU, torch's generator is the dither's main cost)."""
     k = (n + 3) // 4
-    return torch.empty(k, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1, generator=generator).view(torch.int16)[:n]
+    return (torch.empty(k, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1, generator=generator)
+            .view(torch.int16)[:n])
 
 def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
     "`x` (FP32, overwritten) rounded to bfloat16 stochastically (unbiased: E[round(x)] = x); inf and NaN kept."
@@ -96,8 +97,8 @@ class HalfState:
         finally: self.narrow(params, state, w)
 
     def widen(self, params:list, state:dict) -> dict|None:
-        """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused copy
-        each): returns `{device: _Widened}`, what `narrow` writes back into."""
+        """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused
+        copy each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
         entries = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, self.dtype)]
         res = {}
@@ -141,10 +142,11 @@ class HalfState:
                              self.stochastic if stochastic is None else stochastic)
 
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
-        """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views in
-        order: the usual case), then one fused copy back to 16-bit."""
+        """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views
+        in order: the usual case), then one fused copy back to 16-bit."""
         srcs = [v for _, _, v in pairs]
-        if widened is not None and len(srcs) == len(widened.views) and all(map(lambda a, b: a is b, srcs, widened.views)):
+        if (widened is not None and len(srcs) == len(widened.views)
+                and all(map(lambda a, b: a is b, srcs, widened.views))):
             flat = widened.scratch  # the step updated the views in place (the usual case): round the scratch itself
         else:
             flat = torch.empty(sum(v.numel() for v in srcs), dtype=torch.float32, device=srcs[0].device)
@@ -166,8 +168,9 @@ class HalfState:
             d[k] = state8.quantize_(t, v)
 
     def narrow_all(self, state:dict):
-        """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so a
-        fit resumed from a checkpoint draws what the uninterrupted one does, and state widened from 16-bit is exact."""
+        """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so
+        a fit resumed from a checkpoint draws what the uninterrupted one does, and state widened from 16-bit is
+        exact."""
         self.narrow(list(state), state, stochastic=False)
 
     def widen_all(self, state:dict):

@@ -31,7 +31,8 @@ class Stage(Enum):
 
 def _sparse_params(model) -> set:
     "ids of the params whose grads come sparse (`nn.Embedding(sparse=True)` and the like)."
-    return {id(p) for m in model.modules() if getattr(m, 'sparse', False) is True for p in m.parameters(recurse=False)} if model is not None else set()
+    return ({id(p) for m in model.modules() if getattr(m, 'sparse', False) is True for p in m.parameters(recurse=False)}
+            if model is not None else set())
 
 
 class WeightStore:
@@ -52,16 +53,21 @@ class WeightStore:
     flat = False
     checked = ()  # the grads the last `prepare_grads` checked, as the backward left them (16-bit, loss-scaled)
     master_pgs = None  # FP32 masters per group (None: this store has none)
-    lift_chunk = None  # at most this many elements of grads are in FP32 at once during a step (or one param, if larger); None: by device (`chunk_limit`: 2^19 on a CPU, 2^25 elsewhere)
+    # at most this many elements of grads are in FP32 at once during a step (or one param, if larger); None: by device
+    # (`chunk_limit`: 2^19 on a CPU, 2^25 elsewhere)
+    lift_chunk = None
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
-    grads_final = False  # set by the callback: nothing runs between `prepare_grads` and the step that could replace a grad
-    state16 = HalfState()  # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
-    stepped_hook = None  # called with params as each is stepped (16-bit storage: the callback lets their FP32 originals go)
+    # set by the callback: nothing runs between `prepare_grads` and the step that could replace a grad
+    grads_final = False
+    # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
+    state16 = HalfState()
+    # called with params as each is stepped (16-bit storage: the callback lets their FP32 originals go)
+    stepped_hook = None
     def __init__(self,
         opt, # the learner's optimizer (fastai `Optimizer`, `OptimWrapper`, `Lookahead` around either)
         names:dict=None, # `{id(param): name}`, for error messages
         model=None, # the model (which of its params get sparse grads)
-        keep=(), # ids of params this fit trained so far: still the store's if frozen since (FP32 steps them with their grads)
+        keep=(), # ids of params this fit trained so far: still the store's if frozen since (FP32 steps them with grads)
     ):
         self.opt, self.core, self.names, self.keep = opt, innermost(opt), names or {}, frozenset(keep)
         self.none_after_step = isinstance(self.core, OptimWrapper)  # torch's `zero_grad` sets grads to None
@@ -75,7 +81,8 @@ class WeightStore:
         sparse = _sparse_params(model)
         self.sparse = [p for pg in self.model_pgs + self.own_pgs for p in pg if id(p) in sparse]
         self.stage, self.scale, self.cleared, self.check = Stage.NEW, 1., False, OverflowCheck()
-        self._fresh = False  # the model's grads are zero and no backward ran since (`finish`, then fastai's `zero_grad`)
+        # the model's grads are zero and no backward ran since (`finish`, then fastai's `zero_grad`)
+        self._fresh = False
         self.grad_factor, self.coefs = 1., {}  # 1/loss scale; clip coefficients per group (device tensors)
         self.route = Route(opt, self.core, self)  # `learn.opt.step()` and `zero_grad()` reach the store (`route`)
 
@@ -85,7 +92,8 @@ class WeightStore:
         with_max:bool=False, # also report the largest |unscaled grad|
     ):
         """Check the step's grads for inf/NaN in one fused, read-only pass, as the backward left them: `[found, (max
-        |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes them."""
+        |unscaled grad|)]` on the device, or None (no grads). Unscaling happens in FP32, as the optimizer consumes
+        them."""
         if self.in_backward: return self._found_in_backward()
         for p in self.sparse:
             if p.grad is not None and p.grad.is_sparse: p.grad = p.grad.to_dense()
@@ -95,7 +103,8 @@ class WeightStore:
         self._rescale = None
         stats = self.check(grads, 1., with_max=with_max)
         if len(stats) == 1 or scale == 1.: return stats
-        return torch.cat((stats[:1], stats[1:] / scale))  # by a Python number: a tensor made from a list is a host copy (a sync)
+        # by a Python number: a tensor made from a list is a host copy (a sync)
+        return torch.cat((stats[:1], stats[1:] / scale))
 
     def recheck(self):
         "`[found]` from the exact check of the grads `prepare_grads` checked (its sums overflowed: an inf/NaN, or not)."
@@ -116,7 +125,8 @@ class WeightStore:
             self.coefs.update(dict.fromkeys(gis, coef))
 
     def _step(self, *args, **kwargs):
-        "The optimizer's `step` during a fit: the optimizer steps once (a `Lookahead` counts one step), the model follows."
+        """The optimizer's `step` during a fit: the optimizer steps once (a `Lookahead` counts one step), the model
+        follows."""
         out = None if self.in_backward else self._step_impl(*args, **kwargs)  # in the backward: stepped already
         self.stage = Stage.STEPPED
         return out
@@ -153,7 +163,8 @@ class WeightStore:
         self.divided(self.scale)
 
     def divided(self, scale:float):
-        "The checked grads are divided by `scale` already (`scale` stays the step's loss scale): the step divides nothing."
+        """The checked grads are divided by `scale` already (`scale` stays the step's loss scale): the step divides
+        nothing."""
         self._rescale, self.grad_factor = scale, 1.
 
     def cancel(self):
@@ -179,7 +190,8 @@ class WeightStore:
         return any(getattr(p, 'requires_grad', False) for p in self.frozen)
 
     def presence_changed(self) -> str|None:
-        "A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its name."
+        """A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its
+        name."""
         return None
 
     def follow_writes(self, everything:bool=False):
@@ -191,7 +203,8 @@ class WeightStore:
 
     def broadcast_from(self, src:int=0):
         """Give every rank the weights of rank `src` (what the optimizer steps, and the model after it), and its
-        stochastic rounding's generator: the ranks round alike (their global seeds may differ), so they stay identical."""
+        stochastic rounding's generator: the ranks round alike (their global seeds may differ), so they stay
+        identical."""
         broadcast_(self._shared())
         self._after_broadcast()
         g = self.state16.generator
@@ -250,9 +263,10 @@ class WeightStore:
     # -- opt-in: the step in the backward
     def arm_in_backward(self):
         """Step each param from a hook as soon as the backward has accumulated its grad, and drop the grad there: no
-        param's grad outlives its own step (a fastai `Optimizer`, a loss scale of 1). A grad holding inf/NaN is zeroed on
-        the device before its param is stepped (no host sync: that param's optimizer takes a step with a zero grad, its
-        momentum and moments decaying, its weight decay applied) and flags the step, which `prepare_grads` reports."""
+        param's grad outlives its own step (a fastai `Optimizer`, a loss scale of 1). A grad holding inf/NaN is zeroed
+        on the device before its param is stepped (no host sync: that param's optimizer takes a step with a zero grad,
+        its momentum and moments decaying, its weight decay applied) and flags the step, which `prepare_grads`
+        reports."""
         self.in_backward, self._found, self._bad, self._bad_last = True, {}, {}, {}
         hooked = self._hooked_params()
         self._had_grad = {id(p): p for p in hooked if p.grad is not None}  # fastai steps them at every step from now on
@@ -286,11 +300,13 @@ class WeightStore:
             p.grad = None
 
     def _flags_in_backward(self, params:list):
-        "Whether each of `params`' grads held inf/NaN in the last backward (its hook's flag; none: False), on the device."
+        """Whether each of `params`' grads held inf/NaN in the last backward (its hook's flag; none: False), on the
+        device."""
         bads = [self._bad_last.get(id(p)) for p in params]
         first = next((b for b in bads if b is not None), None)
         if first is None: return None
-        return torch.stack([b.to(first.device) if b is not None else torch.zeros((), dtype=torch.bool, device=first.device) for b in bads])
+        return torch.stack([b.to(first.device) if b is not None
+                            else torch.zeros((), dtype=torch.bool, device=first.device) for b in bads])
 
     def _found_in_backward(self):
         "`[found]`: whether any grad of this backward held inf/NaN (None: the backward reached no param)."
@@ -322,7 +338,8 @@ class WeightStore:
         if getattr(self, '_order', None) is None or len(self._order[0]) != len(params):
             rank = {k: i for i, k in enumerate(self.names)}
             order = sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(rank)))
-            self._order = order, [self.names.get(id(params[i]), f"<param of shape {tuple(params[i].shape)}>") for i in order]
+            self._order = order, [self.names.get(id(params[i]), f"<param of shape {tuple(params[i].shape)}>")
+                                  for i in order]
         return self._order
 
     # -- what each kind does its own way
@@ -346,8 +363,8 @@ def check_same_kind(p, buf, what:str, name:str):
     if p.device != buf.device or p.dtype != buf.dtype:
         raise RuntimeError(
             f"mixed precision: the model's parameter {name} was replaced during the fit by a tensor on {p.device} in "
-            f"{p.dtype} (it was on {buf.device} in {buf.dtype}): something after the setup moved or converted the model "
-            f"(a callback calling `learn.model.to(...)`/`.float()`, a wrapper). Training on would never change the "
-            f"weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
+            f"{p.dtype} (it was on {buf.device} in {buf.dtype}): something after the setup moved or converted the "
+            f"model (a callback calling `learn.model.to(...)`/`.float()`, a wrapper). Training on would never change "
+            f"the weights the optimizer steps ({what}). Move or convert the model before `learn.to_fp16()`/`to_bf16()` "
             f"(or before the fit), or order that callback before fp16cb's (order < -50).")
 

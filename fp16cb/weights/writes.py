@@ -50,11 +50,12 @@ class WriteWatch:
         return int(sum(counts)) if counts else 0  # the host read: at the fit's end only
 
     def settle(self):
-        "The fit's end: writes seen by their counts taken; any that torch did not count (through `.data`) taken, and said."
+        """The fit's end: writes seen by their counts taken; any that torch did not count (through `.data`) taken, and
+        said."""
         self.follow()
         n = self.follow(everything=True, count=True)
         if n: warnings.warn(
             f"{n} weights of the model were changed in place during the fit in a way torch does not count (through "
-            f"`.data`, as in `p.data.clamp_(...)`): fp16cb took them into the FP32 weights at the end of the fit, but the "
-            f"steps before did not start from them as FP32 would. Write the weights under `with torch.no_grad():` "
+            f"`.data`, as in `p.data.clamp_(...)`): fp16cb took them into the FP32 weights at the end of the fit, but "
+            f"the steps before did not start from them as FP32 would. Write the weights under `with torch.no_grad():` "
             f"(`p.clamp_(...)`), which every step sees.", RuntimeWarning, stacklevel=3)
