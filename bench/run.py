@@ -34,7 +34,7 @@ import fastai.callback.fp16 as ffp16
 
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
-from fp16cb.native import NativeMixedPrecision
+from fp16cb.callbacks import NativeMixedPrecision
 from fp16cb.dtypes import resolve_device
 
 from .workloads import WORKLOADS, WORKLOAD_SETS, CPU_SCALE, make_data, n_params

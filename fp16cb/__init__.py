@@ -11,9 +11,7 @@ from .dtypes import convert_network, resolve_dtype
 from .weights import get_master, to_master_grads, to_model_params, copy_clone, FP32Masters
 from .scaling import (test_overflow, grad_overflow, LossScaler, StaticScaler, BackoffScaler, LogNormalScaler,
                       LossScaleError, BNStatsGuard)
-from .callbacks import ModelToHalf, MixedPrecision, cast_floats
-from .native import NativeMixedPrecision
-from . import checkpoint as _checkpoint  # Learner.save / load / export: FP32 masters, loss-scaler state, atomic writes
+from .callbacks import ModelToHalf, MixedPrecision, NativeMixedPrecision, cast_floats
 from . import patches as _patches  # every change to fastai's and torch's classes, listed there
 _patches.install()
 
@@ -22,7 +20,7 @@ __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision',
            'NativeMixedPrecision', 'BNStatsGuard']
 
-from .diagnostics import plot_loss_scale, gradient_report, plot_gradient_range, GradientReport
-from .precision_check import precision_check, plot_precision_check
+from .diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, GradientReport, precision_check,
+                          plot_precision_check)
 __all__ += ['plot_loss_scale', 'gradient_report', 'plot_gradient_range', 'GradientReport', 'precision_check',
             'plot_precision_check']

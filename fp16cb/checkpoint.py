@@ -14,7 +14,6 @@ from pathlib import Path
 import cloudpickle
 from fastai.learner import Learner, load_model
 from fastai.torch_core import rank_distrib, get_model, distrib_barrier
-from fastcore.basics import patch
 from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastcore.xtras import join_path_file
@@ -143,7 +142,6 @@ class _OptLoader:
         self.precision = sd.pop(PRECISION_KEY, None)
         self.opt.load_state_dict(sd)
 
-@patch
 def save(self:Learner,
     file, # name in `self.path/self.model_dir` (`.pth` added)
     with_opt:bool=True, # also save the optimizer state and the precision callbacks' state
@@ -171,7 +169,6 @@ def save_atomic(obj, file, **kwargs):
     if not isinstance(file, (str, Path)): return torch.save(obj, file, **kwargs)
     with atomic_write(file) as f: torch.save(obj, f, **kwargs)
 
-@patch
 @delegates(load_model, but=['model', 'opt', 'file'])
 def load(self:Learner, file, device=None, **kwargs):
     "Load the model and, if `with_opt`, the optimizer and loss-scaler state from `self.path/self.model_dir/file`"
@@ -203,7 +200,6 @@ def without_precision(learn):
         learn.cbs, learn.metrics = cbs, mets
         learn.__dict__.update(attrs)
 
-@patch
 def export(self:Learner,
     fname='export.pkl', # file name in `self.path`
     pickle_module=cloudpickle,

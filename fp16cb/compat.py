@@ -15,6 +15,8 @@ import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
+from .options import options_of, bf16_defaults
+
 __all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'STATE8', 'MOVING_AVERAGES', 'NONNEGATIVE',
            'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
            'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table',
@@ -144,21 +146,25 @@ class Facts:
     sparse_grads: tuple = ()  # names of the modules whose params get sparse grads (`nn.Embedding(sparse=True)`)
 
     @classmethod
+    def of_options(cls, dtype:torch.dtype, scaling, storage, clipping, **kw) -> Facts:
+        "The facts `MixedPrecision`'s options tell (`fp16cb.options`: `ScalingOptions`, `StoreOptions`, `ClipOptions`)."
+        return cls(dtype=dtype, half_storage=storage.half_storage, flat_master=storage.flat_master,
+                   step_in_backward=storage.step_in_backward, state_dtype=storage.state_dtype,
+                   clip=clipping.clip is not None, unit_scale=scaling.unit, **kw)
+
+    @classmethod
     def of_cell(cls, mode:str, opt:str='adam', ctx:str='plain') -> Facts:
         "The facts of a combination of `MODES`, `OPTIMIZERS` and `CONTEXTS` (what the matrix and the table read)."
-        m = MODES[mode]
+        m, kind = MODES[mode], OPTIMIZERS[opt][0]
         kw, native, bf16 = m.kwargs, m.call.startswith('to_native'), m.call.endswith('bf16')
-        unit = (bf16 and not native and not kw.get('dynamic', False) and kw.get('scaler') in (None, 'static')
-                and kw.get('loss_scale', 1.) == 1.)
-        return cls(native=native, dtype=torch.bfloat16 if bf16 else torch.float16,
-                   half_storage=kw.get('half_storage', False), flat_master=kw.get('flat_master', False),
-                   step_in_backward=kw.get('step_in_backward', False),
-                   clip=kw.get('clip') is not None, unit_scale=unit, optimizer=OPTIMIZERS[opt][0],
-                   accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
-                   compiled=ctx == 'compile', cancels_steps=ctx in ('cancel', 'cancelaccum', 'skipbatch'),
-                   grads_read=ctx in ('cancel', 'gradclip', 'userclip', 'cancelaccum'),
-                   intermittent='<a branch>' if ctx == 'branch' and OPTIMIZERS[opt][0] in ('torch', 'fused') else None,
-                   counts_steps=opt != 'sgd', state_dtype=kw.get('state_dtype'))
+        dtype = torch.bfloat16 if bf16 else torch.float16
+        known = dict(optimizer=kind, counts_steps=opt != 'sgd',
+                     accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
+                     compiled=ctx == 'compile', cancels_steps=ctx in ('cancel', 'cancelaccum', 'skipbatch'),
+                     grads_read=ctx in ('cancel', 'gradclip', 'userclip', 'cancelaccum'),
+                     intermittent='<a branch>' if ctx == 'branch' and kind in ('torch', 'fused') else None)
+        if native: return cls(native=True, dtype=dtype, **known)
+        return cls.of_options(dtype, *options_of(**(bf16_defaults(kw) if bf16 else kw)), **known)
 
     def knowing(self, **kw) -> Facts: return replace(self, **kw)
 
@@ -309,7 +315,8 @@ def verdict(mode:str, opt:str, ctx:str) -> str|None:
 # noise; other state does not: a weight copy (timm MADGRAD's `x0` anchor, Lookahead's slow weights, torch ASGD's `ax`),
 # a running sum (Adagrad's `sum`, MADGRAD's `s` and `grad_sum_sq`), a previous grad (Adan's `neg_pre_grad`, Rprop's
 # `prev`) or a per-element step size would keep it, or grow it, for the rest of the fit. Only the names below are
-# rounded; any other state stays FP32. A new optimizer's moving averages are added here (`weights.state16` reads it).
+# rounded; any other state stays FP32. A new optimizer's moving averages are added here (`weights.state_storage` reads
+# it).
 MOVING_AVERAGES = frozenset({
     'grad_avg', 'sqr_avg',  # fastai: `average_grad` (and momentum), `average_sqr_grad`
     'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'momentum_buffer', 'square_avg', 'exp_inf', 'acc_delta',  # torch.optim

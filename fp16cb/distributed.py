@@ -1,8 +1,10 @@
 """Multi-process training (torch's `DistributedDataParallel`, launched by `torchrun` or `accelerate launch`, wrapped by
 hand or by fastai's `to_distributed`/`distrib_ctx`): what the precision callbacks need so that every rank agrees.
 
-- The overflow flag and the lognormal scaler's largest |grad| are all-reduced (MAX) in the step's one host sync, so an
-  inf on one rank skips the step on every rank and the loss scale is the same everywhere.
+- Whether a model's steps must agree between processes (`syncs`: several processes and a DDP model), and the step's
+  stats taking every rank's worst (`all_max_`): the overflow flag and the lognormal scaler's largest |grad| are
+  all-reduced (MAX) before the step's one host sync reads them (`step_reducer`, chosen once at a fit's first batch), so
+  an inf on one rank skips the step on every rank and the loss scale is the same everywhere.
 - At the start of a fit the FP32 masters are broadcast from rank 0 (DDP broadcasts the model's params when it wraps
   it, but the masters are made from each rank's own FP32 values): the masters start, and stay, bit-identical.
 - DDP binds its gradient hooks to the params' dtype when it wraps them: a model converted after wrapping would stop
@@ -16,12 +18,38 @@ from __future__ import annotations
 import functools, inspect, sys
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .scaling import world_size, is_multiprocess, is_ddp, syncs, reduce_max_
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'all_max_', 'reduce_max_', 'step_reducer', 'broadcast_',
+           'rewrap', 'patch_fastai', 'recording_init']
 
-__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'reduce_max_', 'broadcast_', 'rewrap',
-           'patch_fastai', 'recording_init']
+def world_size() -> int:
+    "The number of processes training together (1 when torch.distributed is not initialized)."
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def is_multiprocess() -> bool: return world_size() > 1
+
+def is_ddp(model) -> bool: return isinstance(model, DDP)
+
+def syncs(model) -> bool:
+    """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP (a learner that
+    trains a plain model on one rank only, in a multi-process job, stays local: no collective it would hang on)."""
+    return is_ddp(model) and is_multiprocess()
+
+def all_max_(t:Tensor) -> Tensor:
+    "`t` all-reduced in place with MAX across ranks (every rank's worst); no host sync of its own."
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+def reduce_max_(t:Tensor, model=None) -> Tensor:
+    "`t` all-reduced in place with MAX across ranks when `syncs(model)` (else as it is); no host sync of its own."
+    return all_max_(t) if syncs(model) else t
+
+def step_reducer(model):
+    """What a step's stats go through before they are read, for `model` as the learner calls it: `all_max_` when the
+    ranks must agree about its steps (`syncs`), else None (one process: nothing to call, every step)."""
+    return all_max_ if syncs(model) else None
 
 def broadcast_(tensors:list, src:int=0):
     "Every tensor of `tensors` set in place to its value on rank `src` (no-op in a single process)."

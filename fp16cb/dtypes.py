@@ -6,7 +6,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ['Converted', 'HALF_DTYPES', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype',
+__all__ = ['Converted', 'HALF_DTYPES', 'EIGHT_BIT', 'STATE_DTYPES', 'resolve_state_dtype', 'FP16_MAX',
+           'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype',
            'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cpu_has_native', 'has_fast_half_math',
            'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device', 'bare_copy']
 
@@ -24,6 +25,24 @@ def resolve_dtype(dtype, allowed=HALF_DTYPES) -> torch.dtype:
         names = ', '.join(str(o).replace('torch.', '') for o in allowed)
         raise ValueError(f"unsupported dtype {dtype!r}: expected one of {names} (or 'fp16'/'bf16')")
     return res
+
+# ---- the optimizer's state between steps (`state_dtype`)
+EIGHT_BIT = '8bit'  # `state_dtype` of 8-bit state (block-wise codes and scales, `state8`)
+# what the state may be stored in (fp16 is refused by `fp16cb.compat`: its range)
+STATE_DTYPES = (torch.bfloat16, EIGHT_BIT)
+_STATE_ALIASES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
+            'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32, '8bit': EIGHT_BIT}
+
+def resolve_state_dtype(v) -> torch.dtype|str|None:
+    """`state_dtype` as None (FP32 state: None, `torch.float32`, 'fp32'), a 16-bit dtype ('bf16', 'fp16' accepted:
+    `fp16cb.compat` refuses fp16 with its reason) or '8bit' (`torch.uint8` too: the codes' dtype); a `ValueError` naming
+    the argument for anything else."""
+    d = _STATE_ALIASES.get(v.lower(), v) if isinstance(v, str) else EIGHT_BIT if v == torch.uint8 else v
+    if d is None or d == torch.float32: return None
+    if d not in (torch.bfloat16, torch.float16, EIGHT_BIT):
+        raise ValueError(f"`state_dtype` must be torch.bfloat16 (or 'bf16'), '8bit' (or torch.uint8), or None for FP32 "
+                         f"optimizer state, got {v!r}")
+    return d
 
 def keeps_fp32(module:nn.Module) -> bool:
     "BatchNorm layers (torch's and fastai's `BatchNorm`, which builds them) keep FP32 parameters and statistics."

@@ -8,8 +8,8 @@ from fastai.learner import Learner
 import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
 from fastcore.meta import delegates
 
-from .callbacks import ModelToHalf, MixedPrecision
-from .native import NativeMixedPrecision
+from .options import bf16_defaults
+from .callbacks import ModelToHalf, MixedPrecision, NativeMixedPrecision
 
 from .session import session_of, FIT_CHECKS
 
@@ -106,9 +106,7 @@ def to_bf16(self:Learner, **kwargs):
     "Train in mixed precision with bfloat16: FP32 master weights; no loss scaling unless asked (bf16 has FP32's range)."
     _no_dtype('to_bf16', 'to_fp16', kwargs)
     check_kwargs('to_bf16', kwargs, MixedPrecision, _FP16_FOREIGN, also=_HALF_ARGS)
-    kwargs = {'dynamic': False, **kwargs}
-    if not kwargs['dynamic']: kwargs.setdefault('loss_scale', 1.)  # dynamic: calibrated from the first step, as fp16
-    return self.to_fp16(dtype=torch.bfloat16, **kwargs)
+    return self.to_fp16(dtype=torch.bfloat16, **bf16_defaults(kwargs))
 
 def to_fp32(self:Learner):
     "Back to plain FP32 training: removes the precision callbacks; the model holds the exact FP32 master weights."

@@ -1,19 +1,17 @@
 """Every change `import fp16cb` makes to fastai's and torch's classes, in one place: what is set on which class, and
-what it replaces. The functions live with what they serve (`learner`, `session`, `checkpoint`, `precision_check`,
+what it replaces. The functions live with what they serve (`learner`, `session`, `checkpoint`, `diagnostics`,
 `distributed`); this module only installs them, once, when `fp16cb` is imported (a reload installs them again, never
 wrapped twice). Two changes come later, each where its cause is: fastai's `DistributedDL` broadcasts its indices on the
 CPU too (`distributed.patch_fastai`, when `fastai.distributed` is loaded), and a fit's optimizer is of a routed
-subclass of its own class for the fit (`weights.route`: `learn.opt` keeps its identity; the class is given back after).
-fp16cb's own callbacks get the collapse diagnosis here (`collapse`), so that the step's code never imports the
-diagnostics."""
+subclass of its own class for the fit (`weights.route`: `learn.opt` keeps its identity; the class is given back
+after)."""
 from __future__ import annotations
 from typing import NamedTuple
 from fastai.learner import Learner
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import learner, session, precision_check, distributed, collapse
-from .callbacks import MixedPrecision
-from .native import NativeMixedPrecision
+from . import learner, session, distributed, checkpoint
+from .diagnostics import precision_check
 
 __all__ = ['Change', 'CHANGES', 'install']
 
@@ -38,7 +36,7 @@ CHANGES = (
     Change(Learner, 'to_channelslast', learner.to_channelslast, "fastai's: keeps fp16cb's precision (no AMP on top)"),
     Change(Learner, 'precision_callbacks', learner.precision_callbacks, "new: the learner's precision callbacks"),
     Change(Learner, '_set_precision', learner._set_precision, "new: replace the precision callbacks, FP32 first"),
-    Change(Learner, 'precision_check', precision_check.precision_check, "new: `learn.precision_check()`"),
+    Change(Learner, 'precision_check', precision_check, "new: `learn.precision_check()`"),
     # the lifecycle of a fit (`session`): set up once, torn down once, paused for what must see the FP32 learner
     Change(Learner, 'fit', session.fit_in_session, "fastai's `fit`, run inside the learner's `PrecisionSession`"),
     Change(Learner, 'remove_cb', session.remove_cb_restoring, "fastai's: a precision callback goes with its setup"),
@@ -46,11 +44,13 @@ CHANGES = (
     Change(Learner, '__deepcopy__', session.deepcopy_fp32,
            "new: `copy.deepcopy(learn)` mid-fit copies the FP32 learner"),
     Change(Learner, 'restore_precision', session.restore_precision, "new: back to the between-fits state"),
+    # checkpoints (`checkpoint`): the FP32 file of plain fastai, written atomically; mid-fit as between fits
+    Change(Learner, 'save', checkpoint.save,
+           "fastai's `save`: the FP32 masters' values, the precision callbacks' state, written atomically"),
+    Change(Learner, 'load', checkpoint.load, "fastai's `load`: also the loss scaler's state, into 16-bit or FP32"),
+    Change(Learner, 'export', checkpoint.export, "fastai's `export`: the FP32 learner without fp16cb's callbacks"),
     # torch's DDP: a re-wrap after the model's conversion takes the user's arguments
     Change(DDP, '__init__', distributed.recording_init(DDP.__init__), "torch's, which also keeps its arguments"),
-    # fp16cb's own callbacks: the diagnosis of a collapsing loss scale (the failing step only)
-    Change(MixedPrecision, '_collapse', collapse.masters_collapse, "the plain error (`MixedPrecision._collapse`)"),
-    Change(NativeMixedPrecision, '_collapse', collapse.native_collapse, "the plain error"),
 )
 
 def install():

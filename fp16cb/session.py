@@ -17,11 +17,13 @@ from fastcore.foundation import L
 import fastai.callback.fp16 as _fastai_fp16
 
 __all__ = ['PrecisionSession', 'session_of', 'SessionCallback', 'REGISTRY', 'FOREIGN', 'is_ours', 'family_of',
-           'check_precision_cbs', 'restore_precision', 'FIT_CHECKS',
+           'check_precision_cbs', 'restore_precision', 'FIT_CHECKS', 'COLLAPSE',
            'fit_in_session', 'remove_cb_restoring', 'freeze_to_fp32', 'deepcopy_fp32']
 
 _KEY = '_fp16cb_session'
 REGISTRY = {}  # our precision callback classes: name -> class (each has `family` and `checkpoint_key`)
+# `{callback class: f(cb, err)}`: the diagnosis of a loss scale that cannot go lower (`fp16cb.diagnostics.collapse`)
+COLLAPSE = {}
 FOREIGN = tuple(getattr(_fastai_fp16, n) for n in ('MixedPrecision', 'NonNativeMixedPrecision', 'ModelToHalf')
                 if hasattr(_fastai_fp16, n))  # fastai's own precision callbacks
 
@@ -156,6 +158,12 @@ class SessionCallback(Callback):
     def setup(self): pass
     def teardown(self): pass
     def resume(self): "After a `suspended()` pause: the setup is back, with the model's grads as they were."
+    def _collapse(self, err:Exception):
+        """The loss scale cannot go lower (the failing step only): the error to raise, or None when the cause was
+        removed. The diagnosis registered for this class in `COLLAPSE` (where the overflow starts, the remedy,
+        `on_collapse`), else `err` itself."""
+        f = next((COLLAPSE[k] for k in type(self).__mro__ if k in COLLAPSE), None)
+        return err if f is None else f(self, err)
     def restore(self):
         "Tear this callback's setup down now (the learner is FP32 again as far as this callback is concerned)."
         learn = self.__dict__.get('learn')

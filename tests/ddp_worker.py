@@ -14,7 +14,7 @@ from fastai.callback.progress import ProgressCallback
 
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.native import NativeMixedPrecision
+from fp16cb.callbacks import NativeMixedPrecision
 from fp16cb.demos.ddp import init, demo_learner, DDPWrap, ByteCounter, fingerprint
 
 torch.set_num_threads(1)

@@ -51,7 +51,7 @@ class _GrabGrads(Callback):
     def _spy(self, p, **kwargs): self._seen[p] = p.grad.detach().clone()  # a master and its FP32 grad, as stepped
     _spy.elementwise = True  # it reads each element on its own: flat masters may carry it
     def after_step(self):
-        mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).master
+        mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).store
         self.grads = [self._grad_of(mw.fp32_views()[p]) for p in self.learn.model.parameters()]
     def _grad_of(self, view):
         "The grad of the master holding `view` (a param's FP32 value), cut as `view` is (None: not stepped)."
@@ -104,7 +104,7 @@ def test_flat_fp16_dynamic_scaling_matches_non_flat():
 class _Spy(Callback):
     order = 20
     def after_step(self):
-        mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).master
+        mw = next(cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)).store
         self.n_runs = len(mw.runs)
         bufs = {r.buf.untyped_storage().data_ptr() for r in mw.runs}
         self.all_views = all(p.untyped_storage().data_ptr() in bufs for p in self.learn.model.parameters())

@@ -37,8 +37,8 @@ class SaveAt(Callback):
         if self.epoch_idx() != self.epoch: return
         if self.load: self.learn.load(self.load); return
         mp = self.learn.mixed_precision
-        self.expected = {n: mp.master.fp32_views()[p].clone() for n, p in self.learn.model.named_parameters()
-                         if p in mp.master.fp32_views()}
+        self.expected = {n: mp.store.fp32_views()[p].clone() for n, p in self.learn.model.named_parameters()
+                         if p in mp.store.fp32_views()}
         self.dtypes = {n: p.dtype for n, p in self.learn.model.named_parameters()}
         self.learn.save(self.fname)
     def epoch_idx(self): return self.learn.epoch

@@ -164,7 +164,7 @@ from fp16cb import MixedPrecision, NativeMixedPrecision, LossScaleError
 from fp16cb.scaling import OverflowLog
 from fp16cb.policy import PrecisionPolicy
 from fp16cb.dtypes import has_fast_half_math
-from fp16cb.overflow import Precision, diagnose_collapse
+from fp16cb.diagnostics.overflow import Precision, diagnose_collapse
 from conftest import count_host_reads
 
 class Amplify(nn.Module):

@@ -50,9 +50,9 @@ class MasterSpy(Callback):
     def __init__(self): self.last, self.n_masters = None, []
     def after_step(self):
         mp = getattr(self.learn, 'mixed_precision', None)
-        if mp is not None and mp.master is not None:
-            self.last = {id(p): m.clone() for p, m in mp.master.fp32_views().items()}
-            self.n_masters.append(len(mp.master.master_params))
+        if mp is not None and mp.store is not None:
+            self.last = {id(p): m.clone() for p, m in mp.store.fp32_views().items()}
+            self.n_masters.append(len(mp.store.master_params))
         else: self.last = {id(p): p.detach().clone() for p in self.learn.model.parameters()}
 
 @pytest.mark.parametrize('exc,event', [(RuntimeError, 'after_backward'), (KeyboardInterrupt, 'after_pred'),
@@ -151,7 +151,7 @@ def test_stale_state_is_restored_at_the_next_before_fit():
     for cb in learn.precision_callbacks(): cb.before_fit()
     for cb in learn.precision_callbacks(): cb.before_fit()  # no after_fit in between: the stale state is restored first
     # converted; no weight store yet: outside a fit it comes with the first training batch (a validate needs none)
-    assert learn.model.head.weight.dtype == torch.float16 and learn.mixed_precision.master is None
+    assert learn.model.head.weight.dtype == torch.float16 and learn.mixed_precision.store is None
     for cb in learn.precision_callbacks(): cb.after_fit()
     assert_same_state(start, clone_state(learn.model))
     assert_fp32_between_fits(learn)
@@ -177,7 +177,7 @@ class StepSpy(Callback):
     def __init__(self): self.before, self.after = {}, {}
     def _weights(self):
         mp = getattr(self.learn, 'mixed_precision', None)
-        ws = [m for m in mp.master.masters] if mp is not None and mp.master is not None else list(self.learn.model.parameters())
+        ws = [m for m in mp.store.masters] if mp is not None and mp.store is not None else list(self.learn.model.parameters())
         return [w.detach().clone() for w in ws]
     def _snap(self): return self._weights(), bn_buffers(self.learn), opt_state(self.learn)
     def before_batch(self):

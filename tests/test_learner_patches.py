@@ -15,6 +15,15 @@ def test_patches_are_ours():
     for name in ('to_fp16', 'to_bf16', 'to_fp32', 'to_native_fp16', 'to_native_fp32'):
         assert getattr(Learner, name).__module__ == 'fp16cb.learner', name
 
+def test_every_change_to_learner_is_listed():
+    "Each `Learner` attribute fp16cb set is a row of `fp16cb.patches.CHANGES` (none set elsewhere, e.g. by `@patch`)."
+    from fp16cb.patches import CHANGES
+    def from_us(v): return (getattr(v, '__module__', None) or '').startswith('fp16cb') or getattr(v, '_fp16cb', False)
+    ours = {n for n in dir(Learner) if from_us(getattr(Learner, n))}
+    listed = {c.name for c in CHANGES if c.cls is Learner}
+    assert ours == listed, (ours - listed, listed - ours)
+    assert all(getattr(Learner, c.name) is c.value for c in CHANGES if c.cls is Learner)
+
 def test_to_fp16_adds_one_of_each_and_returns_learner():
     learn = make_learner()
     assert learn.to_fp16() is learn
@@ -92,7 +101,7 @@ def test_to_fp32_after_interrupted_fit_restores_fp32():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)
     def boom(l):
         if l.iter == 1: raise KeyboardInterrupt('stop')
-    masters = Record(after_step=lambda l: {id(p): t.clone() for p, t in l.mixed_precision.master.fp32_views().items()})
+    masters = Record(after_step=lambda l: {id(p): t.clone() for p, t in l.mixed_precision.store.fp32_views().items()})
     with pytest.raises(KeyboardInterrupt): quiet_fit(learn, 1, lr=1e-2, cbs=[masters, Record(after_step=boom)])
     # (fastai skips after_fit here: the model may still be 16-bit, unless fp16cb restored it on the way out)
     learn.to_fp32()

@@ -148,7 +148,7 @@ def test_model_holds_masters_exactly_after_fit(flat):
     learn.to_fp16(flat_master=flat, **NO_OVERFLOW)
     def masters_by_param(l):
         mp = l.mixed_precision
-        views = mp.master.fp32_views()
+        views = mp.store.fp32_views()
         return {id(p): (p.dtype, views[p].detach().clone()) for p in flat_pgs(mp.model_pgs)}
     rec = Record(train_only=False, after_train=masters_by_param)
     quiet_fit(learn, 2, lr=1e-2, cbs=rec)

@@ -13,7 +13,7 @@ from fastai.optimizer import Optimizer, OptimWrapper
 from fastai.torch_core import trainable_params
 
 from fp16cb.compat import MOVING_AVERAGES
-from fp16cb.weights import HalfState
+from fp16cb.weights import StateStorage
 from fp16cb.weights.optstate import opt_state, opt_states
 from conftest import make_learner, quiet_fit, weights
 
@@ -133,7 +133,7 @@ def test_half_state_rounds_only_the_declared_moving_averages():
     p = torch.zeros(6)
     state = {p: {'exp_avg': torch.full((6,), 1. + 2.**-12), 'x0': torch.full((6,), 1. + 2.**-12),
                  'lookahead_slow_buff': torch.ones(6), 'step': torch.tensor(3.)}}
-    HalfState(BF16, stochastic=False).narrow_all(state)
+    StateStorage(BF16, stochastic=False).narrow_all(state)
     assert state[p]['exp_avg'].dtype == BF16 and {'exp_avg', 'exp_avg_sq', 'grad_avg', 'sqr_avg', 'momentum_buffer'} <= MOVING_AVERAGES
     assert state[p]['x0'].dtype == torch.float32 and state[p]['x0'][0].item() == 1. + 2.**-12  # exact
     assert state[p]['lookahead_slow_buff'].dtype == torch.float32 and state[p]['step'].dtype == torch.float32

@@ -45,12 +45,12 @@ def test_nested_validate_keeps_the_setup_and_the_fit_tears_down():
         order, busy = 50, False
         def after_epoch(self):
             if self.busy: return  # validate() fires after_epoch itself
-            self.busy, m = True, self.learn.mixed_precision.master
+            self.busy, m = True, self.learn.mixed_precision.store
             with self.learn.no_bar(): self.learn.validate()
             self.busy = False
-            seen.append(self.learn.mixed_precision.master is m and m is not None)
+            seen.append(self.learn.mixed_precision.store is m and m is not None)
     quiet_fit(learn, 2, cbs=Val())
-    assert seen == [True, True] and session_of(learn).active == [] and learn.mixed_precision.master is None
+    assert seen == [True, True] and session_of(learn).active == [] and learn.mixed_precision.store is None
     learn.validate()
     assert session_of(learn).active == [] and all(p.dtype == torch.float32 for p in learn.model.parameters())
 

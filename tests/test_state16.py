@@ -9,8 +9,9 @@ from fastai.basics import Adam, SGD, OptimWrapper, Callback
 
 from fp16cb import compat
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import HalfState, resolve_state_dtype
-from fp16cb.weights.state16 import round_bf16_stochastic_
+from fp16cb.weights import StateStorage
+from fp16cb.dtypes import resolve_state_dtype
+from fp16cb.weights.state_storage import round_bf16_stochastic_
 from fp16cb.weights.optstate import opt_state
 from fp16cb.demos.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, Record
@@ -37,7 +38,7 @@ def test_stochastic_rounding_keeps_the_second_moment_decaying_where_nearest_stal
     to nearest it never moves; rounded stochastically it decays as in FP32, on average."""
     p = torch.zeros(20000)
     for stochastic, expect in ((False, 1.), (True, 0.999**200)):
-        st = HalfState(BF16, stochastic, torch.Generator().manual_seed(0))
+        st = StateStorage(BF16, stochastic, torch.Generator().manual_seed(0))
         state = {p: {'exp_avg_sq': torch.ones(20000, dtype=BF16), 'step': torch.tensor(3.)}}
         for _ in range(200):
             with st.lifted([p], state):
@@ -51,7 +52,7 @@ def test_narrow_writes_back_into_the_same_tensor_in_its_layout():
     "Views of the stored state stay valid across a step (flat masters hold slices of it); channels_last stays."
     p = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
     low = torch.ones_like(p, dtype=BF16)
-    state, st = {p: {'sqr_avg': low}}, HalfState(BF16, True, torch.Generator().manual_seed(0))
+    state, st = {p: {'sqr_avg': low}}, StateStorage(BF16, True, torch.Generator().manual_seed(0))
     view = low.view(-1)[:7] if low.is_contiguous() else low.permute(0, 2, 3, 1).reshape(-1)[:7]
     with st.lifted([p], state): state[p]['sqr_avg'].mul_(2.)
     assert state[p]['sqr_avg'] is low and low.stride() == p.stride() and (view == 2).all()

@@ -13,7 +13,8 @@ from fastai.basics import Adam, SGD, OptimWrapper, Callback
 
 from fp16cb import compat
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import WeightStore, resolve_state_dtype, state8
+from fp16cb.weights import WeightStore, state8
+from fp16cb.dtypes import resolve_state_dtype
 from fp16cb.weights.state8 import State8, empty8, quantize_, dequantize_into, BLOCK
 from fp16cb.weights.optstate import opt_state
 from fp16cb.demos.experiments import make_learner as digits_learner, train

@@ -57,3 +57,50 @@ def test_no_line_over_120_characters():
     long = [f"{p.relative_to(PKG.parent)}:{i} ({len(l)})" for p in sorted(PKG.rglob('*.py'))
             for i, l in enumerate(p.read_text().splitlines(), 1) if len(l) > 120]
     assert not long, long
+
+def _room(name:str) -> str: return '.'.join(name.split('.')[:2])
+
+def test_rooms_import_one_way():
+    """Between rooms (a subpackage, or a top-level module) the arrows flow one way: no room imports, even late, a room
+    that imports it back (the callbacks never import the diagnostics; the diagnostics read the callbacks)."""
+    mods = _modules()
+    arrows = {(_room(n), _room(m)) for n, p in mods.items() if n != 'fp16cb' and not n.startswith('fp16cb.demos')
+              for m in _imports(n, p, set(mods)) if m != 'fp16cb' and _room(n) != _room(m)}
+    both = sorted((a, b) for a, b in arrows if (b, a) in arrows and a < b)
+    assert not both, both
+    rooms, order = {r for a in arrows for r in a}, []
+    while rooms:  # every arrow points to a room that comes earlier: a cycle of three or more is caught too
+        free = {r for r in rooms if not any(a == r and b in rooms for a, b in arrows)}
+        assert free, f"a cycle among {sorted(rooms)}"
+        order += sorted(free); rooms -= free
+
+def test_only_patches_changes_other_modules_classes():
+    """No module but `patches` sets an attribute on a class it imports (`Imported.name = ...`, `setattr(...)` at module
+    level, fastcore's `@patch`): every change to fastai's, torch's or our other modules' classes is listed there."""
+    found = []
+    for name, p in _modules().items():
+        if name == 'fp16cb.patches': continue
+        tree = ast.parse(p.read_text())
+        imported = {a.asname or a.name.split('.')[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for a in n.names}
+        for n in tree.body:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+            found += [f"{name}:{n.lineno}" for t in targets
+                      if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in imported]
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and getattr(n.value.func, 'id', '') == 'setattr':
+                found.append(f"{name}:{n.lineno}")
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+                found += [f"{name}:{n.lineno}" for d in n.decorator_list if getattr(d, 'id', '') == 'patch']
+    assert not found, found
+
+def test_the_weights_docstring_lists_its_modules_in_import_order():
+    "`fp16cb/weights/__init__.py` lists every module of the package, each importing only modules listed below it."
+    import re
+    mods = _modules()
+    listed = re.findall(r"^- `(\w+)`", (PKG/'weights'/'__init__.py').read_text(), re.M)
+    here = sorted(n.rsplit('.', 1)[1] for n in mods if n.startswith('fp16cb.weights.'))
+    assert sorted(listed) == here, (sorted(listed), here)
+    for i, m in enumerate(listed):
+        up = {n.rsplit('.', 1)[1] for n in _imports(f'fp16cb.weights.{m}', mods[f'fp16cb.weights.{m}'], set(mods))
+              if n.startswith('fp16cb.weights.')} & set(listed[:i])
+        assert not up, f"{m} imports {up}, listed above it"

@@ -216,7 +216,7 @@ def test_precision_check_figure_is_readable():
     the advice was cut at 120 characters and overlapped the titles, the log axis crowded its labels."""
     import matplotlib.pyplot as plt
     import pandas as pd
-    from fp16cb.precision_check import plot_precision_check
+    from fp16cb.diagnostics import plot_precision_check
     df = pd.DataFrame({'overflow': [0, 8, 0, 0], 'underflow': [0., 0., 0., 0.], 'underflow_act': [0., 0., 0., 0.],
                        'swallowed': [.21, 0., .45, .21], 'rel_diff': [3.1e-4, 2.2e-3, 2.1e-3, 2.0e-3]},
                       index=['stem', 'block.amp', 'block.norm', 'head'])

@@ -237,7 +237,7 @@ class GradSpy(StepSpy):
     def before_step(self):
         super().before_step()
         mp = getattr(self.learn, 'mixed_precision', None)
-        pairs = mp.master.fp32_views().items() if mp is not None and mp.master is not None else ((p, p) for p in self.learn.model.parameters())
+        pairs = mp.store.fp32_views().items() if mp is not None and mp.store is not None else ((p, p) for p in self.learn.model.parameters())
         rank = {id(p): i for i, p in enumerate(self.learn.model.parameters())}
         self._rank = {t.data_ptr(): rank[id(p)] for p, t in pairs}
     def _spy(self, p, **kwargs):

@@ -8,17 +8,21 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy
-from ..weights import FP32Masters, HalfStorage, Stage, resolve_state_dtype
+from ..weights import FP32Masters, HalfStorage, Stage
+from ..options import ScalingOptions, StoreOptions, ClipOptions
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
-from ..scaling import (StaticScaler, make_scaler, CALIBRATE, check_positive, read_stats, underflow_flag, StepRecord,
-                      lr_find_stops_on, warn_all_skipped, is_ddp, syncs)
+from ..scaling import StaticScaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on, warn_all_skipped
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
-from ..validation import check_bool, check_real, check_int, check_choice, FP32_MAX, refuses_amp_args
-from ..distributed import patch_fastai
+from ..validation import refuses_amp_args
+from ..distributed import patch_fastai, is_ddp, syncs, step_reducer
 from .model_to_half import ModelToHalf
 
 __all__ = ['MixedPrecision']
+
+def _option(group:str, name:str) -> property:
+    "An option read as the callback's attribute `name` (`self.clip` is `self.clipping.clip`)."
+    return property(lambda self: getattr(getattr(self, group), name), doc=f"`{group}.{name}` (`fp16cb.options`)")
 
 @refuses_amp_args("fp16cb's autocast + GradScaler is `NativeMixedPrecision(init_scale=...)` "
                   "(`learn.to_native_fp16(...)`); fastai's is `fastai.callback.fp16.MixedPrecision`.")
@@ -34,6 +38,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     start."""
     order = 10
     checkpoint_key = 'MixedPrecision'
+    _reduce = None  # the step's stats across ranks (`distributed.step_reducer`), chosen at a fit's first batch
     def __init__(self,
         loss_scale:float=512, # 'calibrate'/512: step 1's max |grad| at scale 1 sets it; a number: dynamic start/static
         flat_master:bool=False, # flat FP32 masters per group, in lift-chunk parts (fewer, bigger tensors; no LAMB/LARC)
@@ -54,28 +59,12 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         step_in_backward:bool=False, # step in backward, drop each grad (bf16, scale 1, fastai optimizer: less memory)
         state_dtype=None, # the optimizer's state between steps: torch.bfloat16, '8bit' (torchao's codes), None: FP32
     ):
-        self.dtype, self.clip_global = resolve_dtype(dtype), check_bool('clip_global', clip_global)
-        self.half_storage = check_bool('half_storage', half_storage)
-        self.stochastic_rounding = check_bool('stochastic_rounding', stochastic_rounding)
-        self.on_collapse = check_choice('on_collapse', on_collapse, ('raise', 'keep_fp32'))
-        self.flat_master, self.clip = (check_bool('flat_master', flat_master),
-                                       check_positive('clip', clip, allow_none=True))
-        dynamic = check_bool('dynamic', dynamic)
-        # every argument is checked whatever the mode (bf16, `dynamic=False`, a `scaler`): one unused now is still a
-        # mistake
-        if loss_scale != CALIBRATE:  # the FP32 loss is multiplied by it
-            loss_scale = check_real('loss_scale', loss_scale, 0., FP32_MAX, lo_open=True)
-        max_loss_scale = check_real('max_loss_scale', max_loss_scale, 0., FP32_MAX, lo_open=True)
-        min_loss_scale = check_real('min_loss_scale', min_loss_scale, 0., max_loss_scale, lo_open=True,
-                                    hi_name='max_loss_scale')
-        div_factor, scale_wait = (check_real('div_factor', div_factor, 1., lo_open=True),
-                                  check_int('scale_wait', scale_wait, 1))
-        max_skipped = check_int('max_skipped', max_skipped, 1)
-        self.scaler = make_scaler(scaler, loss_scale=loss_scale, dynamic=dynamic, max_loss_scale=max_loss_scale,
-                                  div_factor=div_factor, scale_wait=scale_wait, min_loss_scale=min_loss_scale,
-                                  max_skipped=max_skipped, dtype=self.dtype)
-        self.step_in_backward = check_bool('step_in_backward', step_in_backward)
-        self.state_dtype = resolve_state_dtype(state_dtype)
+        self.dtype = resolve_dtype(dtype)
+        self.scaling = ScalingOptions(loss_scale, dynamic, max_loss_scale, min_loss_scale, div_factor, scale_wait,
+                                      max_skipped, scaler, on_collapse)
+        self.storage = StoreOptions(flat_master, half_storage, stochastic_rounding, step_in_backward, state_dtype)
+        self.clipping = ClipOptions(clip, clip_global)
+        self.scaler = self.scaling.make(self.dtype)
         check(self.facts, OPTIONS)
         self.store, self.record, self.max_grad, self._rng, self._rng_state = None, StepRecord(), None, None, None
         self._per_param = False  # this fit went on with one master per param (`_unflatten`)
@@ -84,10 +73,14 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     @property
     def facts(self) -> Facts:
         "What this callback's options tell the declaration of what combines (`fp16cb.compat`)."
-        unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.
-        return Facts(dtype=self.dtype, half_storage=self.half_storage, flat_master=self.flat_master,
-                     state_dtype=self.state_dtype, step_in_backward=self.step_in_backward, clip=self.clip is not None,
-                     unit_scale=unit)
+        return Facts.of_options(self.dtype, self.scaling, self.storage, self.clipping)
+
+    # the options by their argument's name (read-only: the options are frozen; `learn.to_fp16(...)` makes new ones)
+    flat_master, half_storage, stochastic_rounding, step_in_backward, state_dtype = (
+        _option('storage', k) for k in ('flat_master', 'half_storage', 'stochastic_rounding', 'step_in_backward',
+                                        'state_dtype'))
+    clip, clip_global, on_collapse = _option('clipping', 'clip'), _option('clipping', 'clip_global'), _option(
+        'scaling', 'on_collapse')
 
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
     loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")
@@ -96,7 +89,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
                        doc="Whether the last step was skipped.")
-    master = property(lambda self: self.store, doc="The weight store of the current fit (None between fits).")
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs,
                          doc="The params the store steps, per group.")
     master_pgs = property(lambda self: None if self.store is None else self.store.master_pgs,
@@ -248,10 +240,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if stats is None: return
         if calibrating: stats = underflow_flag(stats, self._half_grads(), self.learn.loss_grad, self.scaler.min_normal)
         # the one host sync; DDP: any rank's inf skips all
-        found, self.max_grad, under = read_stats(stats, self.learn.model)
+        found, self.max_grad, under = read_stats(stats, self._reduce)
         # the grads' sums said so (a CPU): the exact check decides, on such steps only
         if found and self.store.check.approx:
-            found, self.max_grad, under = read_stats(self.store.recheck(), self.learn.model)
+            found, self.max_grad, under = read_stats(self.store.recheck(), self._reduce)
         if not (found or under):
             if watch: self._warn_flushed(scale)
             if (name := self.store.presence_changed()) is not None: self._unflatten(name)
@@ -341,16 +333,12 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         for p in gone: del self._remembered[id(p)]
         if not self._remembered: self.store.stepped_hook = None
 
-    def _collapse(self, err:Exception):
-        """The scale cannot go lower (the failing step only): the error to raise, or None when the cause was removed.
-        `fp16cb.collapse` replaces this with the diagnosis (where the overflow starts, the remedy, `on_collapse`)."""
-        return err
-
     def _sync_ranks(self):
         """The first batch: the model as the learner calls it is known (DDP wraps it after our `before_fit`). Several
         processes: every rank starts from rank 0's weights."""
         check(self._fit_facts.knowing(ddp=self._fit_facts.ddp or is_ddp(self.learn.model)), BATCH)
         self.store.stage = Stage.READY
+        self._reduce = step_reducer(self.learn.model)
         if syncs(self.learn.model): self.store.broadcast_from(0)
 
     def after_epoch(self): scale_health(self)

@@ -9,10 +9,9 @@ from torch import nn
 from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
 from ..weights import shared
 from ..compat import Facts, check, float64_layers, FIT, STEP
-from ..scaling import is_ddp
 from ..session import SessionCallback
 from ..policy import PrecisionPolicy, policy_report, named_modules
-from ..distributed import rewrap
+from ..distributed import rewrap, is_ddp
 from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, EntryCasts, RangeWatch
 
 __all__ = ['ModelToHalf']

@@ -9,7 +9,7 @@ from torch import Tensor
 from .scalers import FP16_MIN_NORMAL
 
 __all__ = ['test_overflow', 'grad_overflow', 'OverflowCheck', 'check_and_unscale_', 'fused_supported',
-           'nonfinite_flags', 'underflow_flag']
+           'nonfinite_flags', 'underflow_flag', 'read_stats']
 
 # ---- the fused check
 def test_overflow(x:Tensor) -> bool:
@@ -171,3 +171,10 @@ def nonfinite_flags(grads:list) -> Tensor|None:
               for g in grads]
     return torch.stack(finite).logical_not_()
 
+
+def read_stats(stats:Tensor, reduce=None) -> tuple:
+    """The step's one host sync, after `reduce` (DDP: every rank's worst, `distributed.step_reducer`; None: one
+    process): `(found_inf, max |grad| or None, underflow)`; `underflow` (any rank's) is read where `underflow_flag`
+    added it, the calibrating step; else False."""
+    s = (stats if reduce is None else reduce(stats)).tolist()
+    return s[0] > 0, (s[1] if len(s) > 1 else None), len(s) > 2 and s[2] > 0

@@ -11,7 +11,7 @@ from .optstate import fastai_update, opt_state, opt_states, rekey, elementwise, 
 from .lift import lift_chunks, Scratch
 from .layout import memory_order, flat_views, laid_out_as
 from .store import WeightStore
-from .state16 import HalfState, round_bf16_stochastic_
+from .state_storage import StateStorage, round_bf16_stochastic_
 
 __all__ = ['HalfStorage', 'round_stochastic', 'round_to']
 
@@ -62,17 +62,18 @@ class HalfStorage(WeightStore):
         names:dict=None, model=None,
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`)
         fp32_of=None, # `param -> exact FP32 value` (from `ModelToHalf`): `Lookahead`'s slow weights start from these
-        state_dtype:torch.dtype=None, # the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
+        state_dtype:torch.dtype=None, # the optimizer's state in this dtype between steps (`StateStorage`; None: FP32)
         keep=(), # ids of params kept though frozen since (`WeightStore`)
     ):
         super().__init__(opt, names, model, keep)
         self.stochastic, self.generator = stochastic, generator
-        self.state16 = HalfState(state_dtype, stochastic, generator)  # the same generator: one stream, one checkpoint
+        # the same generator: one stream, one checkpoint
+        self.state_storage = StateStorage(state_dtype, stochastic, generator)
         self.params = [p for pg in self.model_pgs + self.own_pgs for p in pg]
         self._group_of = {id(p): gi for gi, (a, b) in enumerate(zip(self.model_pgs, self.own_pgs)) for p in a + b}
         self._dtypes = {id(p): p.dtype for p in self.params}
         self._fp32_slow_weights(fp32_of)
-        self.state16.narrow_all(opt_state(self.core))
+        self.state_storage.narrow_all(opt_state(self.core))
         self._sliced_ok = elementwise(self.core) and steps_param_by_param(self.core)
         # the scratch: a slice's weights and grads in FP32 per device (one chunk at most; less for a small model)
         sizes = {}
@@ -105,10 +106,10 @@ class HalfStorage(WeightStore):
         if self._sliced_ok and p.dtype in _HALF and p.numel() > n:
             lift = partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), None)
             sliced_update(self.core, p, self.core.hypers[self._group_of[id(p)]], n, lift,
-                          partial(self._land_slice, memory_order(p)), self.state16)
+                          partial(self._land_slice, memory_order(p)), self.state_storage)
             return self._stepped([p])
         q = self._lift(p)
-        with self.state16.lifted([p], self.core.state):
+        with self.state_storage.lifted([p], self.core.state):
             fastai_update(self.core, q, self.core.hypers[self._group_of[id(p)]], key=p)
         self._store(p, q)
 
@@ -153,11 +154,11 @@ class HalfStorage(WeightStore):
                 self._step_batch(batch); batch = _Batch()  # the scratch is the slices' now
                 lift, land = (partial(self._lift_slice, memory_order(p), memory_order(laid_out_as(p.grad, p)), f),
                               partial(self._land_slice, memory_order(p)))
-                sliced_update(core, p, hyper, n, lift, land, self.state16)  # 16-bit state widened a slice at a time
+                sliced_update(core, p, hyper, n, lift, land, self.state_storage)  # state widened a slice at a time
                 self._stepped([p])
                 continue
             q = self._lift(p)
-            with self.state16.lifted([p], core.state): fastai_update(core, q, hyper, key=p)
+            with self.state_storage.lifted([p], core.state): fastai_update(core, q, hyper, key=p)
             self._store(p, q)
         self._step_batch(batch)
 
@@ -177,7 +178,7 @@ class HalfStorage(WeightStore):
         torch._foreach_copy_(qs, [p.detach() for p in b.ps]); torch._foreach_copy_(gs, [p.grad for p in b.ps])
         if b.f is not None: g.mul_(b.f)
         try:
-            with self.state16.lifted(b.ps, self.core.state):
+            with self.state_storage.lifted(b.ps, self.core.state):
                 for p, view, gq, hyper in zip(b.ps, qs, gs, b.hypers):
                     q = view.detach(); q.grad = gq
                     fastai_update(self.core, q, hyper, key=p)
@@ -226,7 +227,7 @@ class HalfStorage(WeightStore):
                         p.grad = None
                         rekey(states, p, q)
                     lifted.append((gi, i, p, q))
-                wide = self.state16.widen([q for *_, q in lifted], state)  # 16-bit state: in FP32 for the step
+                wide = self.state_storage.widen([q for *_, q in lifted], state)  # 16-bit state: in FP32 for the step
                 try: out = step(*args, **kwargs)
                 finally:
                     for gi, i, p, q in lifted:
@@ -235,7 +236,7 @@ class HalfStorage(WeightStore):
                             rekey(states, q, p)
                             self._store(p, q)
                         p.grad = None
-                    self.state16.narrow([p for _, _, p, _ in lifted], state, wide)
+                    self.state_storage.narrow([p for _, _, p, _ in lifted], state, wide)
         finally:
             for p, g in grads.items(): p.grad = g
         return out

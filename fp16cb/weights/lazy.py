@@ -77,40 +77,40 @@ class Stream:
         for st in self.storages: st._lazy = None  # a stand-in pickled again makes nothing (the save is over)
         self.storages, self.memo = [], {}
 
-def _fp32_meta(state16, p, k, v):
-    """What `state16` widens the entry `k: v` of `p` into, as a meta tensor (None: it stays as it is). A plain tensor is
-    asked of `state16` on the meta device; integer codes of another kind of tensor (8-bit state) are what `state16`
+def _fp32_meta(storage, p, k, v):
+    """What `storage` widens the entry `k: v` of `p` into, as a meta tensor (None: it stays as it is). A plain tensor is
+    asked of `storage` on the meta device; integer codes of another kind of tensor (8-bit state) are what `storage`
     stores: widened, they are FP32 of their shape and layout."""
     if type(v) is not Tensor:
         if v.is_floating_point(): return None
         return torch.empty_strided(v.shape, dense_strides(v), dtype=torch.float32, device='meta')
     probe = {p: {k: v.to('meta')}}
-    state16.widen_all(probe)
+    storage.widen_all(probe)
     w = probe[p][k]
     return None if w.dtype == v.dtype else w
 
-def _widen_into(state16, p, k, v, out):
-    """`out` = the FP32 value `state16` widens the entry `k: v` of `p` into: a 16-bit tensor's is its cast (what
+def _widen_into(storage, p, k, v, out):
+    """`out` = the FP32 value `storage` widens the entry `k: v` of `p` into: a 16-bit tensor's is its cast (what
     `widen_all` makes of it), copied straight into `out`; another kind's (8-bit codes) made whole by `widen_all`."""
     if type(v) is Tensor: return out.copy_(v)
     probe = {p: {k: v}}
-    state16.widen_all(probe)
+    storage.widen_all(probe)
     if probe[p][k] is v: raise RuntimeError(f"the optimizer state {k!r} of a param of shape {tuple(v.shape)} is "
                                             f"{type(v).__name__} in {v.dtype}, which the 16-bit state cannot widen")
     return out.copy_(probe[p][k])
 
-def lazy_state(osd, state:dict, state16, stream:Stream):
+def lazy_state(osd, state:dict, storage, stream:Stream):
     """The optimizer state dict `osd` as the FP32 learner's: every entry of `state` (`{param: {key: tensor}}`, the one
-    `osd` was made from) that `state16` stores in 16 (or 8) bits replaced by its FP32 value, made by `stream` as it is
+    `osd` was made from) that `storage` stores in 16 (or 8) bits replaced by its FP32 value, made by `stream` as it is
     written; a tensor that is a part of a larger buffer (state stepped as one flat tensor) by a tensor of its own over
     its memory (`shared`: written alone, as FP32's). The optimizer's own dicts are left as they are."""
     wide = {}
-    for p, d in state.items() if state16 is not None and state16.dtype is not None else ():
+    for p, d in state.items() if storage is not None and storage.dtype is not None else ():
         for k, v in d.items():
             if not isinstance(v, Tensor) or not v.numel() or v.dtype == torch.float32: continue
-            w = _fp32_meta(state16, p, k, v)
+            w = _fp32_meta(storage, p, k, v)
             if w is None: continue
-            fill = lambda out, p=p, k=k, v=v: _widen_into(state16, p, k, v, out)
+            fill = lambda out, p=p, k=k, v=v: _widen_into(storage, p, k, v, out)
             wide[id(v)] = stream.tensor(w.shape, w.stride(), v.device, fill, w.dtype, key=id(v))
     return _replaced(osd, wide)
 

@@ -13,7 +13,7 @@ from .optstate import (move_opt_state, fastai_update, steps_param_by_param, opt_
 from .drivers import fused_runs
 from .lift import Scratch, LiftPlan, Chunk, BufferRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
-from .state16 import HalfState
+from .state_storage import StateStorage
 from .writes import WriteWatch
 
 __all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters']
@@ -36,13 +36,13 @@ class FP32Masters(WeightStore):
         names:dict=None, # `{id(param): name}` for error messages
         model=None, # the model (sparse grads)
         in_backward:bool=False, # step each param in the backward (`arm_in_backward`): no 16-bit grad buffer
-        state_dtype:torch.dtype=None, # the optimizer's state in this dtype between steps (`HalfState`; None: FP32)
+        state_dtype:torch.dtype=None, # the optimizer's state in this dtype between steps (`StateStorage`; None: FP32)
         stochastic:bool=True, # round the 16-bit state stochastically (False: to nearest)
         generator=None, # the `torch.Generator` of that rounding
         keep=(), # ids of params kept though frozen since (`WeightStore`)
     ):
         super().__init__(opt, names, model, keep)
-        self.state16 = HalfState(state_dtype, stochastic, generator); self._with_grads = not in_backward
+        self.state_storage = StateStorage(state_dtype, stochastic, generator); self._with_grads = not in_backward
         # flat masters cut at the chunk limit, for an optimizer stepping the parts as the whole (not LAMB's norms)
         self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of, keep=self.keep,
                                                      limit=self.chunk_limit if elementwise(self.core) else None)
@@ -53,7 +53,7 @@ class FP32Masters(WeightStore):
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
         self._note_state_before()
         move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
-        self.state16.narrow_all(opt_state(self.core))
+        self.state_storage.narrow_all(opt_state(self.core))
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = merged([r.grad for r in self.runs if r.grad is not None])  # none when stepping in the backward
         self._sliced_ok = elementwise(self.core)  # a master over a chunk is stepped a slice at a time
@@ -125,11 +125,11 @@ class FP32Masters(WeightStore):
         run of consecutive masters with equal state as one flat tensor, the others one at a time); `step` is not
         called."""
         hypers, state = self.core.hypers, self.core.state
-        sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land, self.state16)
+        sliced = lambda m, gi, n, lift, land: sliced_update(self.core, m, hypers[gi], n, lift, land, self.state_storage)
         for chunk in self.chunks:
             if self._step_sliced(chunk, sliced): continue
             live = self._lift(chunk)
-            with self.state16.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
+            with self.state_storage.lifted([p for p, _ in live], state):  # their state in FP32 (16-bit state: widened)
                 for p, gi in self._fused(chunk, live): fastai_update(self.core, p, hypers[gi])
             self._land(chunk)
 
@@ -144,10 +144,10 @@ class FP32Masters(WeightStore):
         try:
             for chunk in self.chunks:
                 sliced = lambda m, gi, n, lift, land: sliced_torch_step(inner, m, n, lift, land, step_once,
-                                                                        self.state16)
+                                                                        self.state_storage)
                 if self._step_sliced(chunk, sliced, unscale=fused is None): continue
                 live = self._lift(chunk, own, unscale=fused is None)
-                with self.state16.lifted([p for p, _ in live], state): out = step_once()
+                with self.state_storage.lifted([p for p, _ in live], state): out = step_once()
                 self._land(chunk)
         finally:
             for p, g in own.items(): p.grad = g
@@ -236,9 +236,9 @@ class FP32Masters(WeightStore):
         if m is not p and self._sliced_ok and m.numel() > n:  # a slice at a time: its grad, its state in FP32
             lift = lambda s, mm=memory_order(m), g=memory_order(laid_out_as(p.grad, m)): _with_grad(mm[s], g[s].float())
             land = lambda s, q, out=memory_order(p.data): out[s].copy_(q)  # `.data`: not counted as others' write
-            return sliced_update(self.core, m, self.core.hypers[gi], n, lift, land, self.state16)
+            return sliced_update(self.core, m, self.core.hypers[gi], n, lift, land, self.state_storage)
         if m is not p: m.grad = p.grad.float()
-        with self.state16.lifted([m], self.core.state): fastai_update(self.core, m, self.core.hypers[gi])
+        with self.state_storage.lifted([m], self.core.state): fastai_update(self.core, m, self.core.hypers[gi])
         if m is not p:
             m.grad = None
             p.data.copy_(m)  # `.data`: the store's own write, not counted as other code's (`WriteWatch`)

@@ -198,9 +198,9 @@ def _put(dst:Tensor, src:Tensor):
     elif isinstance(src, State8): state8.copy8_(dst, src)
     else: state8.quantize_(dst, src)
 
-def _block_aligned(n:int, state16) -> int:
+def _block_aligned(n:int, storage) -> int:
     "The slice size: `n` elements, or for 8-bit state whole blocks (each slice then starts at a block's start)."
-    return state8.aligned(n) if state16 is not None and state16.dtype == '8bit' else n
+    return state8.aligned(n) if storage is not None and storage.dtype == '8bit' else n
 
 def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
     """After a slice's step: its state `st` written into `p`'s whole `state` (`full`: its views) where the step replaced
@@ -214,13 +214,13 @@ def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
         if v.data_ptr() != full[k][s].data_ptr(): _put(_part(full[k], s), v)  # replaced, not updated in place
     return rest
 
-def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
+def sliced_torch_step(opt, p, n:int, lift, land, step, storage=None):
     """torch optimizer `opt` (elementwise) steps `p` `n` elements at a time, as `sliced_update` does fastai's: each
     slice (`lift`) stands in for `p` in its param group with the slices of `p`'s state (a copy of its step count: every
     slice counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
     group = next(g for g in opt.param_groups if any(q is p for q in g['params']))
     i = next(i for i, q in enumerate(group['params']) if q is p)
-    state, n = opt.state[p], _block_aligned(n, state16)
+    state, n = opt.state[p], _block_aligned(n, storage)
     full, out, rest, fresh = _sliced(p, state), None, {}, not state  # fresh: each slice makes its own (the first step)
     scalars = {k: v for k, v in state.items() if k not in full}
     q, done = None, False
@@ -228,12 +228,12 @@ def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
         for o in range(0, p.numel(), n):
             s = slice(o, min(o + n, p.numel()))
             q = group['params'][i] = lift(s)
-            sl, w = ({}, None) if fresh else _slice_state(full, s, q, state16)
+            sl, w = ({}, None) if fresh else _slice_state(full, s, q, storage)
             opt.state[q] = ({} if fresh else
                             {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}, **sl})
             out = step()
-            _narrow_slice(sl, opt.state[q], q, state16, w)
-            _narrow_new(p, state, full, opt.state[q], q, state16)
+            _narrow_slice(sl, opt.state[q], q, storage, w)
+            _narrow_new(p, state, full, opt.state[q], q, storage)
             rest = _keep_slice(p, state, full, opt.state.pop(q), s, q.numel())
             land(s, q)
             q.grad = None
@@ -245,57 +245,57 @@ def sliced_torch_step(opt, p, n:int, lift, land, step, state16=None):
             q.grad = None
         if done: state.update(rest)  # the step count & co. (the same for every slice)
         elif fresh: state.clear()  # an interrupted first step: no state, as before it (torch makes it afresh)
-    if state16 is not None and done: state16.narrow([p], opt.state)  # made in FP32 by the first step
+    if storage is not None and done: storage.narrow([p], opt.state)  # made in FP32 by the first step
     return out
 
-def _slice_state(full:dict, s:slice, q, state16) -> tuple:
-    """`{key: slice s}` of `p`'s state (`full`: its 1-d views), as the step of slice `q` takes it, and what `state16`
+def _slice_state(full:dict, s:slice, q, storage) -> tuple:
+    """`{key: slice s}` of `p`'s state (`full`: its 1-d views), as the step of slice `q` takes it, and what `storage`
     widened of it: 16-bit state in FP32 for this slice only (a scratch of the slice's size, not the param's)."""
     sl = {k: _part(v, s) for k, v in full.items()}
-    w = state16.widen([q], {q: sl}) if state16 is not None else None
+    w = storage.widen([q], {q: sl}) if storage is not None else None
     return sl, w
 
-def _narrow_slice(sl:dict, st:dict, q, state16, w):
+def _narrow_slice(sl:dict, st:dict, q, storage, w):
     """After a slice's step: its widened state rounded back into the 16-bit slices (what the step replaced instead of
     updating in place taken first), `st` pointing at them again."""
     if not w: return
     for k, v in sl.items():
         if st.get(k) is not None and st[k] is not v and st[k].dtype == torch.float32: v.copy_(st[k])
     tmp = {q: sl}
-    state16.narrow([q], tmp, w)
+    storage.narrow([q], tmp, w)
     st.update(tmp[q])
 
-def _narrow_new(p, state:dict, full:dict, st:dict, q, state16):
+def _narrow_new(p, state:dict, full:dict, st:dict, q, storage):
     """The first step: the moving averages it made for slice `q` in FP32 rounded to 16-bit at once, into whole 16-bit
     tensors made for `p` (its whole FP32 state never exists; 8-bit: whatever the slice's size, `p`'s decides)."""
-    new = {k: v for k, v in st.items() if k not in full and state16 is not None and state16.stores(k, v, q, p.numel())}
+    new = {k: v for k, v in st.items() if k not in full and storage is not None and storage.stores(k, v, q, p.numel())}
     if not new: return
     tmp = {q: dict(new)}
-    state16.narrow([q], tmp, numel=p.numel())
+    storage.narrow([q], tmp, numel=p.numel())
     for k in new:
-        state[k] = state16.zeros_like(p, k)
+        state[k] = storage.zeros_like(p, k)
         full[k], st[k] = _sliced(p, {k: state[k]})[k], tmp[q][k]
 
-def sliced_update(core, p, hyper:dict, n:int, lift, land, state16=None):
+def sliced_update(core, p, hyper:dict, n:int, lift, land, storage=None):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
     `lift(slice)` gives the FP32 values to step (a slice of `p`'s master, or a copy of `p`'s) with their FP32 grad set,
     the optimizer's callbacks run on them and on the slice of `p`'s state, and `land(slice, values)` takes the stepped
     values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
-    slice's step count is the param's (each slice counts the same step). `state16`: 16-bit state widened a slice at a
+    slice's step count is the param's (each slice counts the same step). `storage`: 16-bit state widened a slice at a
     time (one slice's FP32 copy at the step's peak, not the param's); what the first step makes is narrowed after."""
-    state, n = core.state[p], _block_aligned(n, state16)
+    state, n = core.state[p], _block_aligned(n, storage)
     full, rest = _sliced(p, state), {}
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))
         q = lift(s)
-        sl, w = _slice_state(full, s, q, state16)
+        sl, w = _slice_state(full, s, q, storage)
         st = {**state, **sl}
         for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
-        _narrow_slice(sl, st, q, state16, w)
-        _narrow_new(p, state, full, st, q, state16)
+        _narrow_slice(sl, st, q, storage, w)
+        _narrow_new(p, state, full, st, q, storage)
         rest = _keep_slice(p, state, full, st, s, q.numel())
         land(s, q)
         q.grad = None
     state.update(rest)  # the step count & co. (the same for every slice)
     core.state[p] = state
-    if state16 is not None: state16.narrow([p], core.state)  # made in FP32 by the first step: stored as the rest
+    if storage is not None: storage.narrow([p], core.state)  # made in FP32 by the first step: stored as the rest

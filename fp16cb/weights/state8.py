@@ -1,4 +1,4 @@
-"""8-bit optimizer state (`state_dtype='8bit'`), the other storage `HalfState` knows: each moving average of at least
+"""8-bit optimizer state (`state_dtype='8bit'`), the other storage `StateStorage` knows: each moving average of at least
 `MIN_NUMEL` elements stored between steps as 8-bit codes with one FP32 scale per block of `BLOCK` consecutive elements
 (block-wise dynamic quantization: Dettmers et al. 2021, "8-bit Optimizers via Block-wise Quantization"), quantized by
 torchao's code (`torchao.optim.quant_utils`: its dynamic maps, `quantize_8bit_with_qmap`, `dequant_with_qmap`), the

@@ -12,7 +12,7 @@ from ..scaling.check import _by_device
 from ..distributed import broadcast_
 from .functional import check_unique_params, trainable
 from .optstate import innermost, opt_state
-from .state16 import HalfState
+from .state_storage import StateStorage
 from .lazy import lazy_state
 from .lift import chunk_limit
 from .route import Route
@@ -59,8 +59,8 @@ class WeightStore:
     in_backward = False  # each param stepped in the backward, as soon as its grad is ready (`arm_in_backward`)
     # set by the callback: nothing runs between `prepare_grads` and the step that could replace a grad
     grads_final = False
-    # the optimizer's state in FP32 (`HalfState(torch.bfloat16, ...)`: stored in 16-bit between steps)
-    state16 = HalfState()
+    # the optimizer's state in FP32 (`StateStorage(torch.bfloat16, ...)`: stored in 16-bit between steps)
+    state_storage = StateStorage()
     # called with params as each is stepped (16-bit storage: the callback lets their FP32 originals go)
     stepped_hook = None
     def __init__(self,
@@ -207,7 +207,7 @@ class WeightStore:
         identical."""
         broadcast_(self._shared())
         self._after_broadcast()
-        g = self.state16.generator
+        g = self.state_storage.generator
         if g is not None:
             st = g.get_state().to(g.device)  # on the generator's device: nccl's collectives take CUDA tensors
             broadcast_([st], src)
@@ -241,7 +241,7 @@ class WeightStore:
     def fp32_state_dict(self, opt, stream) -> dict:
         """Within `opt_view`: `opt.state_dict()` with its 16-bit state in FP32, each entry made by `stream` (a
         `Stream`) as `torch.save` writes it (one at a time, never the whole FP32 state at once)."""
-        return lazy_state(opt.state_dict(), opt_state(self.core), self.state16, stream)
+        return lazy_state(opt.state_dict(), opt_state(self.core), self.state_storage, stream)
 
     def _point_opt(self, to_model:bool, stash:dict=None):
         """Move the optimizer (params, state) between what it steps during the fit and the model's params (here: the
@@ -249,7 +249,7 @@ class WeightStore:
 
     def restore(self):
         "Give the optimizer its own `step`, params and state (FP32) back (the end of the fit)."
-        self.state16.widen_all(opt_state(self.core))
+        self.state_storage.widen_all(opt_state(self.core))
         for h in getattr(self, '_grad_hooks', []): h.remove()
         self.route.remove()
         self._let_go()

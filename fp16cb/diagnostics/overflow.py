@@ -14,10 +14,11 @@ import numpy as np
 import torch
 from torch import nn, Tensor
 
-from .dtypes import has_fast_half_math, model_device, user_stacklevel, bare_copy, _HALF
-from .callbacks.casts import cast_floats, to_half
-from .policy import PrecisionPolicy, is_compiled, uncompiled, CATEGORIES
-from .scaling import is_ddp, syncs, LossScaleError
+from ..dtypes import has_fast_half_math, model_device, user_stacklevel, bare_copy, _HALF
+from ..callbacks.casts import cast_floats, to_half
+from ..policy import PrecisionPolicy, is_compiled, uncompiled, CATEGORIES
+from ..scaling import LossScaleError
+from ..distributed import is_ddp, syncs
 
 __all__ = ['INPUTS', 'LOSS', 'MODEL', 'unwrap', 'bare_copy', 'rng_state', 'same_rng', 'Precision', 'Run', 'run_batch',
            'Remedy', 'find_remedy', 'where_text', 'remedy_text', 'Diagnosis', 'diagnose_collapse', 'shown']

@@ -1,12 +1,12 @@
 """What a precision callback does when the loss scale cannot go lower (the failing step only, never a clean one): the
 error names the module where the overflow starts and the remedy, found on copies of the model (`overflow`); with
-`on_collapse='keep_fp32'`, `MixedPrecision` keeps those modules FP32 and goes on. `fp16cb.patches` gives these to the
-callbacks (their `_collapse`), so that the core of a step never imports the diagnostics (no import cycle: they use the
-callbacks' forward casts)."""
+`on_collapse='keep_fp32'`, `MixedPrecision` keeps those modules FP32 and goes on. Registered in `session.COLLAPSE`,
+which the callbacks' `_collapse` reads, so that the core of a step never imports the diagnostics (arrows one way: the
+diagnostics use the callbacks' forward casts)."""
 from __future__ import annotations
 
-from .callbacks import MixedPrecision
-from .native import NativeMixedPrecision
+from ..callbacks import MixedPrecision, NativeMixedPrecision
+from ..session import COLLAPSE
 from .overflow import Precision, diagnose_collapse
 
 __all__ = ['masters_collapse', 'native_collapse']
@@ -28,3 +28,5 @@ def native_collapse(self:NativeMixedPrecision, err:Exception):
     "Training stops: the error naming where the overflow starts and the remedy."
     return diagnose_collapse(self.learn, Precision(self.dtype, autocast=True), self.record.scales[-1], err,
                              self.record.overflows).error
+
+COLLAPSE.update({MixedPrecision: masters_collapse, NativeMixedPrecision: native_collapse})

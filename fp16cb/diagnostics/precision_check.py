@@ -11,8 +11,8 @@ from torch import Tensor
 __all__ = ['precision_check', 'plot_precision_check', 'DIVERGES']
 from fastai.learner import Learner
 from .overflow import Precision, bare_copy, same_rng, run_batch, find_remedy, unwrap, shown, INPUTS, LOSS, rng_state
-from .dtypes import has_fast_half_math, model_device
-from .policy import PrecisionPolicy, CATEGORIES
+from ..dtypes import has_fast_half_math, model_device
+from ..policy import PrecisionPolicy, CATEGORIES
 
 def _precision_of(learn) -> tuple:
     """`(Precision, scale_of, floor, label, half_storage, state16)` of the learner's precision callbacks (`to_fp16()`'s
@@ -20,9 +20,9 @@ def _precision_of(learn) -> tuple:
     batches, `floor` the lowest it can go to (a dynamic scale backs off from gradients that overflow above it),
     `half_storage` how 16-bit storage rounds the updated weights: 'stochastic' or 'nearest' (None: FP32 masters);
     `state16`: whether the optimizer's state is 16-bit already (None: the mode has no such option)."""
-    from .callbacks import MixedPrecision, ModelToHalf
-    from .native import NativeMixedPrecision
-    from .scaling import BackoffScaler
+    from ..callbacks import MixedPrecision, ModelToHalf
+    from ..callbacks import NativeMixedPrecision
+    from ..scaling import BackoffScaler
     cbs = learn.cbs
     mp = next((cb for cb in cbs if isinstance(cb, MixedPrecision)), None)
     nat = next((cb for cb in cbs if isinstance(cb, NativeMixedPrecision)), None)
@@ -96,8 +96,8 @@ def precision_check(self:Learner,
     "keep_fp32=[...]", 'use to_bf16', ...), 'loss_fp32', 'loss_16bit', 'loss_scale', 'mode', 'keep_fp32'. Works on
     copies of the model: the learner (weights, optimizer, callbacks, RNG, BatchNorm statistics) is left as it was."""
     import pandas as pd
-    from .session import session_of
-    from .validation import check_int, check_bool
+    from ..session import session_of
+    from ..validation import check_int, check_bool
     n_batches, plot = check_int('n_batches', n_batches, 1), check_bool('plot', plot)
     prec, scale_of, floor, label, half_storage, state16 = _precision_of(self)
     dl = self.dls.train

@@ -1,12 +1,12 @@
 """Diagnostics: the loss-scale history of a fit, where the gradients live relative to fp16's range, warnings, and the
-training state's bytes per param. (`learn.precision_check()` is `fp16cb.precision_check`.)"""
+training state's bytes per param. (`learn.precision_check()` is in `precision_check`.)"""
 from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 import torch
 from torch import Tensor
-from .dtypes import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
-from .monitor import scale_health
+from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
+from ..monitor import scale_health
 
 __all__ = ['state_bytes', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
            'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
@@ -187,7 +187,7 @@ def plot_gradient_range(
 def state_bytes(learn) -> dict:
     """Bytes per trainable parameter, by role, of what a learner holds during a fit: model weights and grads, FP32
     masters, optimizer state (unique storages counted once; the masters' FP32 grads exist only inside the step)."""
-    from .callbacks import MixedPrecision  # diagnostics reads a fit's setup: imported late, the core never imports this
+    from ..callbacks import MixedPrecision  # a fit's setup, read late: the core never imports this
     mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
     params = [p for p in learn.model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)

@@ -7,15 +7,16 @@ from torch.amp import GradScaler
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from fastai.callback.core import CancelStepException
 
-from .dtypes import resolve_dtype, warn_slow_half, model_device
-from .callbacks.casts import cast_floats
-from .session import SessionCallback
-from .scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on, reduce_max_,
+from ..dtypes import resolve_dtype, warn_slow_half, model_device
+from .casts import cast_floats
+from ..session import SessionCallback
+from ..scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on,
                       warn_all_skipped, nonfinite_flags)
 # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
-from .monitor import scale_health, ScaleColumns
-from .validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
-from .compat import Facts, check, OPTIONS
+from ..monitor import scale_health, ScaleColumns
+from ..distributed import reduce_max_
+from ..validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
+from ..compat import Facts, check, OPTIONS
 
 __all__ = ['NativeMixedPrecision']
 
@@ -188,10 +189,6 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         params = sorted((p for pg in self.learn.opt.param_lists for p in pg), key=lambda p: rank.get(id(p), len(rank)))
         return (nonfinite_flags([getattr(p, 'grad', None) for p in params]),
                 [self._names.get(id(p), '?') for p in params])
-
-    def _collapse(self, err:Exception):
-        "Training stops (the failing step only): the error to raise (`fp16cb.collapse` adds where the overflow starts)."
-        return err
 
     def _grads_finite(self) -> bool:
         """Without GradScaler (bf16) nothing checks the grads: one fused check (one host sync) keeps inf/NaN out of the

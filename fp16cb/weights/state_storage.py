@@ -20,29 +20,14 @@ import torch
 from torch import Tensor
 
 from ..compat import MOVING_AVERAGES
+from ..dtypes import EIGHT_BIT
 from .layout import flat_views
 from . import state8
 from .state8 import State8
 
-__all__ = ['HalfState', 'STATE_DTYPES', 'EIGHT_BIT', 'resolve_state_dtype', 'round_bf16_stochastic_', 'random16']
+__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16']
 
-EIGHT_BIT = '8bit'  # `state_dtype` of 8-bit state (block-wise codes and scales, `state8`)
-# what the state may be stored in (fp16 is refused by `fp16cb.compat`: its range)
-STATE_DTYPES = (torch.bfloat16, EIGHT_BIT)
-_ALIASES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
-            'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32, '8bit': EIGHT_BIT}
 _NULL = nullcontext()
-
-def resolve_state_dtype(v) -> torch.dtype|str|None:
-    """`state_dtype` as None (FP32 state: None, `torch.float32`, 'fp32'), a 16-bit dtype ('bf16', 'fp16' accepted:
-    `fp16cb.compat` refuses fp16 with its reason) or '8bit' (`torch.uint8` too: the codes' dtype); a `ValueError` naming
-    the argument for anything else."""
-    d = _ALIASES.get(v.lower(), v) if isinstance(v, str) else EIGHT_BIT if v == torch.uint8 else v
-    if d is None or d == torch.float32: return None
-    if d not in (torch.bfloat16, torch.float16, EIGHT_BIT):
-        raise ValueError(f"`state_dtype` must be torch.bfloat16 (or 'bf16'), '8bit' (or torch.uint8), or None for FP32 "
-                         f"optimizer state, got {v!r}")
-    return d
 
 def _dither_(x:Tensor, generator=None) -> Tensor:
     """`x` (FP32) in place made a bfloat16 value, chosen stochastically: a random 16-bit integer is added to the 16 bits
@@ -65,8 +50,8 @@ def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
     return _dither_(x, generator).to(torch.bfloat16)  # exact: the dropped bits are 0
 
 def _is(k, v, p, dtype) -> bool:
-    """Whether the state entry `k: v` of param `p` is one `HalfState` stores: a moving average (`MOVING_AVERAGES`), in
-    `dtype` ('8bit': a `State8`), with at least one dim and `p`'s element count."""
+    """Whether the state entry `k: v` of param `p` is one `StateStorage` stores: a moving average
+    (`MOVING_AVERAGES`), in `dtype` ('8bit': a `State8`), with at least one dim and `p`'s element count."""
     kind = isinstance(v, State8) if dtype == EIGHT_BIT else isinstance(v, Tensor) and v.dtype == dtype
     return (k in MOVING_AVERAGES and isinstance(v, Tensor) and kind and v.dim() > 0 and isinstance(p, Tensor)
             and v.numel() == p.numel())
@@ -75,7 +60,7 @@ class _Widened:
     "What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in."
     def __init__(self, entries, scratch, views): self.entries, self.scratch, self.views = entries, scratch, views
 
-class HalfState:
+class StateStorage:
     """The optimizer's per-param state stored in `dtype` between steps (None: FP32, nothing done), widened to FP32 for
     the step and rounded back (`stochastic`, with `generator`; else to nearest). The state dicts are the optimizer's
     own (`{param: {key: value}}`); entries are replaced in place, so whoever holds a dict sees the current entries."""
