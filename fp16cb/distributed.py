@@ -15,7 +15,7 @@ hand or by fastai's `to_distributed`/`distrib_ctx`): what the precision callback
   process group's backend is gloo, so the same code runs on CPUs (`distrib_ctx(cpu=True, sync_bn=False)`).
 Nothing here does anything in a single process (torch.distributed not initialized, or a world of 1)."""
 from __future__ import annotations
-import functools, inspect, sys
+import functools, inspect, sys, warnings
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -65,7 +65,11 @@ def recording_init(init):
     sig = inspect.signature(init)
     @functools.wraps(init)
     def __init__(self, module, *args, **kwargs):
-        init(self, module, *args, **kwargs)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter('always')
+            init(self, module, *args, **kwargs)
+        # torch's warnings (`broadcast_buffers` is deprecated) point at the line that made the DDP, not at this wrapper
+        for w in said: warnings.warn(w.message, w.category, stacklevel=2)
         bound = sig.bind(self, module, *args, **kwargs).arguments
         self.__dict__['_fp16cb_args'] = {k: v for k, v in bound.items() if k not in ('self', 'module')}
     __init__._fp16cb = True
@@ -80,11 +84,21 @@ def _ddp_kwargs(ddp:DDP) -> dict:
     if getattr(ddp, 'bucket_bytes_cap', None): kw['bucket_cap_mb'] = ddp.bucket_bytes_cap / 2**20
     return kw
 
+# torch's `FutureWarning`s about DDP arguments a user may have passed (2.14: `broadcast_buffers`, `check_reduction`)
+_DEPRECATED = (r'`broadcast_buffers` is deprecated', r'Both `broadcast_buffers` and `forward_sync_buffers`',
+               r'The `check_reduction` argument')
+
 def rewrap(ddp:DDP) -> DDP:
     """A new `DistributedDataParallel` around `ddp.module`, with `ddp`'s arguments and comm hooks: for a model whose
     params changed dtype since `ddp` wrapped it (its gradient hooks and buckets are bound to the old dtype, and
-    silently stop all-reducing). A collective: every rank must call it."""
-    new = DDP(ddp.module, **_ddp_kwargs(ddp))
+    silently stop all-reducing). A collective: every rank must call it. The user's arguments are passed as they were,
+    `broadcast_buffers` too, which torch 2.14 deprecates for `forward_sync_buffers`: `forward_sync_buffers=False` still
+    syncs the buffers when DDP wraps, where `broadcast_buffers=False` keeps them rank-local (torch says to keep it
+    until an `init_sync_buffers` comes). Its `FutureWarning` went to the user's own line when they made `ddp`; a re-wrap
+    does not say it again."""
+    with warnings.catch_warnings():
+        for said in _DEPRECATED: warnings.filterwarnings('ignore', message=said, category=FutureWarning)
+        new = DDP(ddp.module, **_ddp_kwargs(ddp))
     if getattr(ddp, 'static_graph', False): new._set_static_graph()
     for hook, state in getattr(ddp, '_comm_hooks', []): new.register_comm_hook(state, hook)
     return new

@@ -143,6 +143,7 @@ def syncs_buffers(ddp) -> bool:
     d = vars(ddp)
     return d['forward_sync_buffers'] if 'forward_sync_buffers' in d else d['broadcast_buffers']
 
+@pytest.mark.filterwarnings('ignore:`broadcast_buffers` is deprecated:FutureWarning')  # the user's own, on purpose
 @pytest.mark.parametrize('recorded', [True, False], ids=['recorded', 'made-before-fp16cb'])
 def test_a_rewrap_keeps_the_users_ddp_arguments(recorded):
     """A model the user wrapped with `broadcast_buffers=False` (and a bucket size) is wrapped again with the same ones:
@@ -163,4 +164,27 @@ def test_a_rewrap_keeps_the_users_ddp_arguments(recorded):
         assert syncs_buffers(again) is syncs_buffers(ddp) is False
         assert again.bucket_bytes_cap == ddp.bucket_bytes_cap == 7 * 2**20
         assert again.find_unused_parameters is ddp.find_unused_parameters is True
+    finally: dist.destroy_process_group()
+
+@pytest.mark.parametrize('recorded', [True, False], ids=['recorded', 'made-before-fp16cb'])
+def test_a_rewrap_warns_nothing_of_ours(recorded):
+    """Before the fix: torch 2.14 deprecates `broadcast_buffers`; the re-wrap passed the user's `broadcast_buffers=False`
+    again (a `FutureWarning` from fp16cb/distributed.py in every run), and the user's own DDP's warning pointed at
+    fp16cb's wrapper of `DistributedDataParallel.__init__`, not at the user's line. Now the user's line gets torch's
+    warning, and the re-wrap, with the same arguments, says nothing."""
+    import warnings
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from fp16cb.distributed import rewrap
+    if not dist.is_initialized():
+        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as users:
+            warnings.simplefilter('always')
+            ddp = DDP(torch.nn.Linear(2, 2), broadcast_buffers=False, bucket_cap_mb=7)
+        assert all(w.filename == __file__ for w in users), [(w.filename, str(w.message)) for w in users]
+        if not recorded: del ddp.__dict__['_fp16cb_args']
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            again = rewrap(ddp)
+        assert again.module is ddp.module and syncs_buffers(again) is False and again.bucket_bytes_cap == 7 * 2**20
     finally: dist.destroy_process_group()

@@ -211,6 +211,19 @@ def test_training_with_each_strategy(scaler):
         assert mp.scales[0] == 1. and mp.scales[1] > 1. and max(mp.scales) <= 2.**24
         assert mp.scales[4] == min(2 * mp.scales[1], 2.**24) or mp.n_skipped
 
+class Skipped(Callback): "A user's callback whose name is one of `NativeMixedPrecision`'s attributes (`skipped`)."
+
+@pytest.mark.parametrize('mode,cb', [('to_fp16', MaxGrad), ('to_native_fp16', Skipped)])
+def test_no_shadowing_warning_of_ours(mode, cb):
+    """Before the fix: a user's callback named `MaxGrad` is `learn.max_grad`, and `MixedPrecision` setting its own
+    `self.max_grad` at each step made fastai's `Callback.__setattr__` warn "You are shadowing an attribute (max_grad)
+    that exists in the learner" (native: `self.skipped`, with a callback `Skipped`)."""
+    learn = getattr(make_learner(), mode)()
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        with learn.no_logging(), learn.no_bar(): learn.fit(1, 1e-2, cbs=cb())
+    assert not [str(w.message) for w in ws if 'shadowing' in str(w.message)]
+
 def test_overflow_check_with_max():
     g = [torch.tensor([4., -8.], device=DEVICE), torch.tensor([[2.], [1.]], device=DEVICE)]
     assert OverflowCheck()(g, .5, with_max=True).tolist() == [0., 4.]
