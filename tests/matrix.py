@@ -314,7 +314,7 @@ def changed(got:Run, names:list) -> list:
 
 # ---- the DDP subset: one rank (`python tests/matrix.py OUT`)
 
-DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib', 'bf16-state')
+DDP_MODES = ('fp16', 'bf16', 'bf16-half', 'bf16-sib', 'bf16-state', 'bf16-half-state8')
 DDP_OPT, DDP_EPOCHS, DDP_N = 'adam', 3, 128  # 2 ranks x 16 rows a step: 4 steps an epoch
 
 def ddp_order(items:list, bs:int=BS, world:int=2) -> list:

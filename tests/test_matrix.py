@@ -106,7 +106,7 @@ def test_fp32_references_learn_and_leave_the_idle_params_alone(opt, ctx):
 
 # ---- torch.compile: a few modes, the model compiled (dynamo's `aot_eager`), against FP32 compiled
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'bf16-keep', 'bf16-state'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'bf16-keep', 'bf16-state', 'bf16-state8'])
 def test_compiled_trains_like_fp32_compiled(mode):
     pytest.importorskip('torch._dynamo')
     why = verdict(mode, 'adam', 'compile')
