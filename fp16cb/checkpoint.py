@@ -189,10 +189,12 @@ def load(self:Learner, file, device=None, **kwargs):
 
 @contextmanager
 def without_precision(learn):
-    "Within: `learn` without fp16cb's callbacks, their attributes, Recorder columns and session (put back on exit)."
+    """Within: `learn` without fp16cb's callbacks, their attributes, Recorder columns, session and loss-scale history
+    (put back on exit)."""
     cbs, mets = learn.cbs, learn.metrics
     ours = [cb for cb in cbs if is_ours(cb)]
-    attrs = {n: learn.__dict__.pop(n) for n in [cb.name for cb in ours] + [_KEY] if n in learn.__dict__}
+    attrs = {n: learn.__dict__.pop(n) for n in [cb.name for cb in ours] + [_KEY, 'loss_scale_history']
+             if n in learn.__dict__}
     learn.cbs = L(cb for cb in cbs if not any(cb is o for o in ours))
     learn.metrics = [m for m in mets if not isinstance(m, PrecisionValue)]
     try: yield learn

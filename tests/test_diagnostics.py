@@ -411,3 +411,69 @@ def test_precision_check_plots():
     assert [b.get_width() for b in axs[0].patches] == [0, 0, 2, 0]  # bottom-up: '3', '1.1', '1.0' (2 batches), '0'
     plt.close('all')
     assert len(plot_precision_check(df)) == 4; plt.close('all')
+
+# ---- the loss-scale history outlives the callbacks; figures saved from a script keep all their text
+
+@pytest.mark.parametrize('meth', ['to_fp16', 'to_native_fp16'])
+def test_the_loss_scale_history_outlives_to_fp32(meth):
+    """Before the fix: after the quick start's closing `learn.to_fp32()` the callbacks were gone, and with them the
+    history (`learn.mixed_precision.scales`) and `plot_loss_scale(learn)` ('no loss-scale history'). It stays on the
+    learner, as fastai's `Recorder` keeps its values; a second fit of the same setup adds to it (the scale goes on),
+    a new setup's first fit replaces it; the learner still copies and exports."""
+    import copy, pickle
+    from fp16cb.checkpoint import without_precision
+    learn = make_learner(n_train=48)  # 3 steps a fit
+    getattr(learn, meth)(**({'loss_scale': 2.**24} if meth == 'to_fp16' else {'init_scale': 2.**24}))
+    quiet_fit(learn, 1); quiet_fit(learn, 1)
+    cb = scaling_callback(learn)
+    scales, skips = list(cb.scales), list(cb.skips)
+    assert len(scales) == 6 and any(skips)
+    learn.to_fp32()
+    h = learn.loss_scale_history
+    assert (h.scales, h.skips, h.n_skipped) == (scales, skips, sum(skips))
+    ax = plot_loss_scale(learn)
+    assert len(ax.collections[0].get_offsets()) == sum(skips) and f"of 6 steps skipped" in ax.get_title()
+    plt.close('all')
+    quiet_fit(learn, 1)  # an FP32 fit keeps it
+    assert learn.loss_scale_history.scales == scales
+    assert copy.deepcopy(learn).loss_scale_history.scales == scales
+    assert pickle.loads(pickle.dumps(learn)).loss_scale_history.scales == scales
+    with without_precision(learn):  # what `learn.export` writes (for inference: `load_learner` needs fastai alone)
+        assert 'loss_scale_history' not in learn.__dict__
+    assert learn.loss_scale_history.scales == scales
+    getattr(learn, meth)(); quiet_fit(learn, 1)  # a new setup: its own history
+    assert len(learn.loss_scale_history.scales) == 3
+
+def _cut_text(fig) -> list:
+    """What of `fig`'s text lies outside it once drawn: each axes' title, axis labels and legend, each axis with its
+    drawn tick labels, and the figure's suptitle and legends, by name and window extent."""
+    r = fig.canvas.get_renderer()
+    parts = [(f'suptitle {fig._suptitle.get_text()!r}', fig._suptitle)] if fig._suptitle is not None else []
+    parts += [(f'figure legend {i}', l) for i, l in enumerate(fig.legends)]
+    for i, ax in enumerate(fig.axes):
+        parts += [(f'axes {i} title {t.get_text()!r}', t) for t in (ax.title, ax._left_title, ax._right_title)]
+        parts += [(f'axes {i} {a.axis_name}-axis {a.label.get_text()!r}', a) for a in (ax.xaxis, ax.yaxis)]
+        if ax.get_legend() is not None: parts.append((f'axes {i} legend', ax.get_legend()))
+    box, out = fig.bbox.padded(0.5), []
+    for name, a in parts:
+        if not a.get_visible() or getattr(a, 'get_text', lambda: 'x')() == '': continue
+        e = a.get_tightbbox(r) if hasattr(a, 'axis_name') else a.get_window_extent(r)
+        if e is not None and not (box.x0 <= e.x0 and e.x1 <= box.x1 and box.y0 <= e.y0 and e.y1 <= box.y1):
+            out.append((name, tuple(round(float(v)) for v in e.extents)))
+    return out
+
+def test_figures_save_whole_from_a_script(tmp_path):
+    """Before the fix: `plot_gradient_range`'s legend sat outside the figure and `plot_loss_scale`'s x-label was cut: a
+    plain `fig.savefig(path)` (no `bbox_inches='tight'`, which notebooks add) cropped them. Each figure, saved so with
+    the Agg backend, holds every title, label and legend inside it."""
+    from fp16cb import plot_precision_check
+    learn = synth_learner().to_fp16(loss_scale=2.**24)
+    quiet_fit(learn, 2)
+    figs = {'loss scale': plot_loss_scale(learn).figure,
+            'gradient range': plot_gradient_range(gradient_report(synth_learner(factor=2.**-30))).figure,
+            'precision check': plot_precision_check(make_learner(model=amplified()).precision_check(n_batches=2,
+                                                                                                  plot=False))[0].figure}
+    for fig in figs.values(): fig.savefig(tmp_path/'figure.png')
+    cut = {name: c for name, fig in figs.items() if (c := _cut_text(fig))}
+    plt.close('all')
+    assert not cut, cut

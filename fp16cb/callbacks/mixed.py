@@ -66,7 +66,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.clipping = ClipOptions(clip, clip_global)
         self.scaler = self.scaling.make(self.dtype)
         check(self.facts, OPTIONS)
-        self.store, self.record, self.max_grad, self._rng, self._rng_state = None, StepRecord(), None, None, None
+        self.store, self.max_grad, self._rng, self._rng_state = None, None, None, None
+        self.record = StepRecord(type(self).__name__)  # the loss scale of each step: `learn.loss_scale_history` too
         self._per_param = False  # this fit went on with one master per param (`_unflatten`)
         self._trained = ()  # ids of the params this fit trained so far (kept by a store made again mid-fit)
 
@@ -127,7 +128,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         mth, model = self._model_to_half(), self.learn.model
         half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
-        if not self.session.suspending: self.record.new_fit(); self._per_param = False; self._trained = ()  # a new fit
+        if not self.session.suspending:  # a new fit
+            self.record.new_fit(self.learn); self._per_param = False; self._trained = ()
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
                   state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,
                   generator=self.rng(model) if self.half_storage or self.state_dtype else None)

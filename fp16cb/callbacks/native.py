@@ -45,7 +45,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         self.growth_interval = check_int('growth_interval', growth_interval, 1, INT32_MAX)
         self.enabled, self.max_skipped = check_bool('enabled', enabled), check_int('max_skipped', max_skipped, 1)
         check(Facts(native=True, dtype=self.dtype, scaler_args=self._scaler_args()), OPTIONS)
-        self.record, self.skipped_in_a_row, self._check, self._names = StepRecord(), 0, OverflowCheck(), {}
+        self.record, self._check, self._names = StepRecord(type(self).__name__), OverflowCheck(), {}
+        self.skipped_in_a_row = 0
         self.scaler, self.device_type, self._autocast, self.skipped, self._stepped = None, None, None, False, False
 
     def _scaler_args(self) -> tuple:
@@ -75,7 +76,7 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         if self.enabled: warn_slow_half(self.dtype, device_type)
         if self.scaler is None or device_type != self.device_type:  # kept across fits: its scale is learned state
             self.scaler, self.device_type = self._make_scaler(device_type), device_type
-        if not self.session.suspending: self.record.new_fit()
+        if not self.session.suspending: self.record.new_fit(self.learn if self.session.in_fit else None)
         self.record.setup(self.learn.model); self.skipped_in_a_row = 0
         self._names = {id(p): n for n, p in self.learn.model.named_parameters()}
         self.show_scale_columns()  # fp16's dynamic GradScaler: `loss_scale` and `n_skipped` columns (bf16 has none)

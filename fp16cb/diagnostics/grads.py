@@ -7,29 +7,38 @@ import torch
 from torch import Tensor
 from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 from ..monitor import scale_health
+from ..scaling import ScaleHistory
 
 __all__ = ['state_bytes', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
            'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
 
 
+def _axes(ax, size:tuple):
+    """`ax`, or the axes of a new figure of `size` inches whose layout keeps every label, title and legend inside it (a
+    script's plain `fig.savefig(path)` crops nothing: notebooks add `bbox_inches='tight'`, scripts do not)."""
+    import matplotlib.pyplot as plt
+    return ax if ax is not None else plt.subplots(figsize=size, layout='constrained')[1]
+
 def scaling_callback(obj):
-    "The callback of `obj` (a `Learner`, or the callback itself) that records `scales` and `skips` per step."
+    """The callback of `obj` (a `Learner`, or the callback itself) that records `scales` and `skips` per step; a learner
+    without one (after `to_fp32()`): the history its last mixed-precision fits left, `learn.loss_scale_history`."""
     if hasattr(obj, 'scales') and hasattr(obj, 'skips'): return obj
     for cb in getattr(obj, 'cbs', []):
         if hasattr(cb, 'scales') and hasattr(cb, 'skips'): return cb
+    kept = getattr(obj, '__dict__', {}).get('loss_scale_history')
+    if kept is not None: return kept
     raise ValueError(f"{type(obj).__name__} has no loss-scale history: expected a Learner set up with `to_fp16()` "
-                     "(or `to_native_fp16()`), or its `MixedPrecision` callback")
+                     "(or `to_native_fp16()`) or fitted with it, or its `MixedPrecision` callback")
 
 def plot_loss_scale(
-    obj, # a `Learner` after a fit in mixed precision, or its `MixedPrecision`/`NativeMixedPrecision` callback
+    obj, # a `Learner` during or after a mixed-precision fit (`to_fp32()` too), its precision callback, or a history
     ax=None, # matplotlib axes to draw on (a new figure when None)
     title:str|None=None, # the axes' title
 ):
     "Draw the loss scale at each optimizer step (log2 axis) with the skipped (overflowing) steps marked. Returns `ax`."
-    import matplotlib.pyplot as plt
     cb = scaling_callback(obj)
     scales, skips = list(cb.scales), list(cb.skips)
-    if ax is None: _, ax = plt.subplots(figsize=(6, 3))
+    ax = _axes(ax, (6, 3))
     steps = range(len(scales))
     ax.step(steps, scales, where='post', label='loss scale')
     over = [i for i, s in enumerate(skips) if s]
@@ -37,7 +46,8 @@ def plot_loss_scale(
                         label=f'overflow: step skipped ({len(over)})')
     if scales and min(scales) > 0: ax.set_yscale('log', base=2)
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale')
-    ax.set_title(title or f'{type(cb).__name__}: {len(over)} of {len(scales)} steps skipped')
+    name = cb.label if isinstance(cb, ScaleHistory) else type(cb).__name__
+    ax.set_title(title or f'{name}: {len(over)} of {len(scales)} steps skipped')
     ax.legend(loc='best', fontsize='small')
     return ax
 
@@ -162,9 +172,8 @@ def plot_gradient_range(
     **kwargs, # passed to `gradient_report` when `obj` is a learner
 ):
     "Histograms of log2|grad| (activation and weight grads) over fp16's lost, subnormal, normal and overflow ranges."
-    import matplotlib.pyplot as plt
     rep = obj if isinstance(obj, GradientReport) else gradient_report(obj, **kwargs)
-    if ax is None: _, ax = plt.subplots(figsize=(7, 3))
+    ax = _axes(ax, (7, 3))
     lo, hi = rep.edges[0], rep.edges[-1] + 1
     cut = -24 - math.log2(rep.suggested_scale)  # what the suggested scale still loses: below 2^cut
     left = min(lo, math.floor(cut) - 2)  # the axis shows that line too (the first bin holds everything below 2^lo)
@@ -181,7 +190,10 @@ def plot_gradient_range(
     ax.set_xlabel('log2 |grad|  (FP32, unscaled)'); ax.set_ylabel('fraction'); ax.set_xlim(left, hi)
     ax.set_title(f"lost at scale 1: act {rep.at_1['activation'][0]:.1%}, weight {rep.at_1['weight'][0]:.1%}; "
                  f"suggested scale {_fmt(rep.suggested_scale)}", fontsize='small')
-    ax.legend(fontsize='x-small', loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: never over the histograms
+    # beside the axes, never over the histograms, where the figure's layout makes room for it (ours: constrained); in a
+    # figure without a layout engine (axes given) inside, so that a plain `savefig` keeps it
+    roomy = ax.figure.get_layout_engine() is not None
+    ax.legend(fontsize='x-small', **(dict(loc='upper left', bbox_to_anchor=(1.01, 1)) if roomy else dict(loc='best')))
     return ax
 
 def state_bytes(learn) -> dict:

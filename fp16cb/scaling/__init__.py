@@ -6,10 +6,11 @@ from .scalers import (LossScaler, StaticScaler, BackoffScaler, LogNormalScaler, 
                       check_positive)  # noqa: F401 (callers' imports)
 from .check import (test_overflow, grad_overflow, OverflowCheck, check_and_unscale_, fused_supported, nonfinite_flags,
                     underflow_flag, read_stats, _real)  # noqa: F401 (`_real`: the store's)
-from .record import BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped, OverflowLog, StepRecord
+from .record import (BNStatsGuard, count_skip, lr_find_stops_on, warn_all_skipped, OverflowLog, ScaleHistory,
+                     StepRecord)
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
            'GradScalerAdapter', 'SEED_LOSS_SCALE', 'CALIBRATE', 'FP16_MAX', 'test_overflow', 'grad_overflow',
            'OverflowCheck', 'check_and_unscale_', 'fused_supported', 'BNStatsGuard', 'count_skip', 'lr_find_stops_on',
-           'warn_all_skipped', 'StepRecord',
+           'warn_all_skipped', 'ScaleHistory', 'StepRecord',
            'nonfinite_flags', 'OverflowLog', 'underflow_flag', 'read_stats', 'FP16_MIN_NORMAL']

@@ -11,7 +11,8 @@ from torch import nn
 from .scalers import LossScaleError, _HINT
 from .check import _by_device
 
-__all__ = ['BNStatsGuard', 'count_skip', 'lr_find_stops_on', 'warn_all_skipped', 'OverflowLog', 'StepRecord']
+__all__ = ['BNStatsGuard', 'count_skip', 'lr_find_stops_on', 'warn_all_skipped', 'OverflowLog', 'ScaleHistory',
+           'StepRecord']
 
 class BNStatsGuard:
     "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
@@ -88,6 +89,18 @@ class OverflowLog:
 
     def __len__(self): return len(self.entries)
 
+class ScaleHistory:
+    """The loss scale and the skip flag of every optimizer step of one precision setup (the callback a `to_fp16()` call
+    made: its fits, whose scale goes on from one to the next), also `learn.loss_scale_history` from that setup's first
+    fit on: it stays on the learner after `to_fp32()` has removed the callbacks, as fastai's `Recorder` keeps its values
+    after the fit, until a new setup (`to_fp16()` again, `to_bf16()`...) fits. `fp16cb.plot_loss_scale(learn)` draws
+    it. Plain lists: a learner holding it copies, pickles and exports as before."""
+    def __init__(self, label:str=''): self.label, self.scales, self.skips = label, [], []
+    @property
+    def n_skipped(self) -> int: return sum(self.skips)
+    def __len__(self): return len(self.scales)
+    def __repr__(self): return f"{type(self).__name__}({self.label}: {len(self)} steps, {self.n_skipped} skipped)"
+
 class StepRecord:
     """Skip accounting for one precision callback: the loss scale and the skip flag of every optimizer step (over all
     its fits; `fit_start` is where the current fit's steps begin), which params overflowed at the skipped ones
@@ -95,10 +108,15 @@ class StepRecord:
     micro-batch, restored on a skip). A step that another callback cancels is no step: nothing is recorded
     (`cancelled`). `grad_scale`: the loss scale the grads of the step under way carry (None: none), what a fit that
     ends before its step divides them by (`unscale_left`)."""
-    def __init__(self):
-        self.scales, self.skips, self.fit_start, self.bn, self.overflows = [], [], 0, None, OverflowLog()
+    def __init__(self, label:str=''):
+        self.history, self.fit_start, self.bn, self.overflows = ScaleHistory(label), 0, None, OverflowLog()
         self.grad_scale = None
-    def new_fit(self): self.fit_start, self.grad_scale = len(self.skips), None
+    scales = property(lambda self: self.history.scales)
+    skips = property(lambda self: self.history.skips)
+    def new_fit(self, learn=None):
+        "A fit starts: its steps are those recorded from now on; `learn.loss_scale_history` is this record's history."
+        self.fit_start, self.grad_scale = len(self.skips), None
+        if learn is not None: learn.loss_scale_history = self.history
     def setup(self, model): self.bn = BNStatsGuard(model)
     def teardown(self): self.bn = None
     def snapshot(self):
