@@ -2,7 +2,9 @@
 log of older runs, bench/HISTORY.md, is history) and the notebooks (markdown and code) name only
 things that exist (`fp16cb.…` modules and attributes, `python -m …` commands and their flags, files and tests), the
 README's figures are one dated benchmark run's (`bench/results_cpu.json` and `bench/results_state_memory.json`, one
-machine), its quick start runs as pasted, its compatibility table's columns are explained, its signatures are
+machine), the speed ratios of the notebooks and of bench/README.md are those of the run they name (with its day and
+machine), the timings a notebook stores follow a line naming their machine and date, the README's quick start runs as
+pasted, its compatibility table's columns are explained, its signatures are
 `inspect.signature`'s, it lists every `Learner` method fp16cb patches, user-facing text carries no
 internal work-item labels, and settings.ini holds only keys that setup.py reads."""
 import ast, importlib, importlib.util, inspect, json, os, re, statistics, subprocess, sys
@@ -184,10 +186,10 @@ def test_which_mode_figures_are_dated_with_their_machine():
     assert ('No GPU figures exist yet' in text) != bool(gpu)
     assert all(f'bench/{f}' in text for f in gpu)
 
-def _cuda_speedups() -> dict:
-    "`{(workload, run): speed vs FP32 with the same optimizer}` from `bench/results_cuda_rounds.log` (medians of its rounds)."
+def _cuda_speedups(path:Path=REPO/'bench'/'results_cuda_rounds.log') -> dict:
+    "`{(workload, run): speed vs FP32 with the same optimizer}` from a log of rounds, `bench/results_cuda_rounds.log` (medians)."
     runs, wl = {}, None
-    for line in (REPO/'bench'/'results_cuda_rounds.log').read_text().splitlines():
+    for line in path.read_text().splitlines():
         if m := re.match(r'\[(\w+)\]', line): wl = m.group(1)
         elif m := re.match(r'\s+round \d+/\d+ (\S+)\s+([\d.]+) ms/step', line): runs.setdefault((wl, m.group(1)), []).append(float(m.group(2)))
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -406,6 +408,95 @@ def test_every_figure_is_one_runs():
     assert mem['cpu'].split(',')[0] == meta['machine'].split(',')[0]
     when = lambda s: dt.datetime.strptime(s, '%Y-%m-%d %H:%M UTC')
     assert abs(when(mem['date']) - when(meta['date'])) < dt.timedelta(hours=1), (mem['date'], meta['date'])
+
+# ---- the figures outside the README: a speed ratio is its named run's, a timing is labelled with its machine
+
+RUN_FILE = re.compile(r'(?<![\w.-])(?:bench/)?(results_[\w-]+\.(?:json|log))(?![\w.-])')
+RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)(?:x(?!\w)| times (?:faster|slower|FP32's speed))( the copy bound)?")
+MD_TIMING = re.compile(r'(?<![\w.^-])\d+(?:\.\d+)?\s?(?:ms|s|secs?|seconds)(?:/(?:step|epoch))?(?!\w)')
+OUT_TIMING = re.compile(r'ms/step|s/epoch|speed-?up|\bms\b|\bsecs?\b|\bseconds\b|<th>time</th>')
+MACHINE_LINE = re.compile(r'^This machine: .+, \d+ cores \((?:flags [\w ]*;[\w ,]*|flags unknown)\), torch \S+, '
+                          r'\d+ thread\(s\); executed \d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC$', re.M)
+MACHINE = re.compile(r'NVIDIA \w+|AMD EPYC|Intel\S* Xeon\S*')  # a machine as the docs name it
+
+def results_run(name:str) -> dict:
+    """The benchmark run in `bench/<name>`: its speeds vs FP32 (`speed`: every `speedup` of a JSON's workloads and modes;
+    a log of rounds: their medians'), the callbacks' time over the copy bound (`bound`), its day and its machine as the
+    docs name it ('AMD EPYC', 'H200'; from the file, else from the dated section of bench/RESULTS.md that names it)."""
+    path = REPO/'bench'/name
+    assert path.exists(), f"bench/{name} does not exist"
+    speed, bound, day, machine = [], [], None, None
+    if name.endswith('.json'):
+        res = json.loads(path.read_text())
+        recs = [r for wl, runs in res.items() if wl not in ('meta', 'targets') and isinstance(runs, dict)
+                for r in runs.values() if isinstance(r, dict)]
+        speed, bound = [r['speedup'] for r in recs if r.get('speedup')], [r['cb_over_bound'] for r in recs if r.get('cb_over_bound')]
+        meta = res.get('meta', res)  # the memory runs keep `date` and `cpu` at the top
+        day, machine = meta.get('date', '')[:10] or None, MACHINE.search(str(meta.get('machine', meta.get('cpu', ''))))
+    elif path.read_text().startswith('[') and ' ms/step' in path.read_text(): speed = list(_cuda_speedups(path).values())
+    if day is None or machine is None:
+        heading, body = next((h, b) for h, b in re.findall(r'^## (.*?)$(.*?)(?=^## |\Z)', (REPO/'bench'/'RESULTS.md').read_text(),
+                                                             re.M | re.S) if f'bench/{name}' in b)
+        day, machine = day or re.search(r'\d{4}-\d{2}-\d{2}', heading).group(0), machine or MACHINE.search(heading + body)
+    return dict(speed=speed, bound=bound, day=day, machine=machine.group(0).removeprefix('NVIDIA '))
+
+def quoting_units(text:str) -> list:
+    "The paragraphs of markdown `text` (a table: each row), the units in which a figure must name its run."
+    units = []
+    for para in re.split(r'\n\s*\n', text):
+        rows = [l for l in para.splitlines() if l.startswith('|')]
+        units += rows + ['\n'.join(l for l in para.splitlines() if not l.startswith('|'))]
+    return [u for u in units if u.strip()]
+
+def unsourced_ratios(text:str) -> list:
+    """Each speed ratio (`1.72x`, `1.7 times faster`) of `text` that is not its unit's named run's, as rounded (one of
+    the runs its unit names, whose day and machine it gives): `[(ratio, why)]`."""
+    bad = []
+    for unit in quoting_units(text):
+        flat = ' '.join(unit.split())
+        runs = {n: results_run(n) for n in RUN_FILE.findall(flat) if f'bench/{n}' not in OUTPUTS}
+        for m in RATIO.finditer(flat):
+            value, kind = m.group(1), 'bound' if m.group(2) else 'speed'
+            fmt = lambda v: f"{v:.{len(value.split('.')[1])}f}"
+            if not runs: bad.append((m.group(0), f"names no results file: {flat[:160]}"))
+            elif not any(value in map(fmt, r[kind]) for r in runs.values()):
+                bad.append((m.group(0), f"not in {', '.join(f'bench/{n}' for n in runs)}"))
+        for n, r in runs.items():
+            if r['day'] not in flat or r['machine'] not in flat:
+                bad.append((n, f"quoted without its day {r['day']} and machine {r['machine']}"))
+    return bad
+
+def markdown(path:Path) -> str:
+    return '\n\n'.join(''.join(c['source']) for c in json.loads(path.read_text())['cells'] if c['cell_type'] == 'markdown')
+
+@pytest.mark.parametrize('path', NBS, ids=[p.stem for p in NBS])
+def test_notebook_figures_are_dated_runs(path):
+    """A notebook's markdown quotes a speed ratio only as one run of bench/ holds it, naming that run's file, day and
+    machine (a ratio of anything else is written 'N times'), and quotes no timing (seconds, ms: machine-specific; the
+    notebooks that time things measure the reader's machine)."""
+    text = markdown(path)
+    assert unsourced_ratios(text) == []
+    assert MD_TIMING.findall(text) == [], "a timing in the markdown: quote a run of bench/ (a speed ratio), or time it live"
+
+def test_bench_readme_results_are_dated_runs():
+    "'Results so far' in bench/README.md: each ratio its paragraph quotes is in the run it names, with its day and machine."
+    text = section((REPO/'bench'/'README.md').read_text(), 'Results so far')
+    assert unsourced_ratios(text) == [] and len(RATIO.findall(text)) >= 3
+    assert RESULTS['meta']['date'] in ' '.join(text.split()) and 'bench/results_cpu.json' in text
+
+@pytest.mark.parametrize('path', NBS, ids=[p.stem for p in NBS])
+def test_stored_timings_name_their_machine(path):
+    """A code cell whose stored outputs show timings (ms, s/epoch, speed-ups, the `time` column of fastai's progress
+    table) comes after a stored `This machine: <CPU>, <n> cores (flags ...), torch ..., executed <date> UTC` line (the
+    notebooks' `machine_line()`), in it or in an earlier cell: the reader sees whose timings they are."""
+    labelled = False
+    for c in json.loads(path.read_text())['cells']:
+        if c['cell_type'] != 'code': continue
+        texts = [''.join(o.get('text', '')) for o in c.get('outputs', [])]
+        texts += [''.join(v) for o in c.get('outputs', []) for k, v in o.get('data', {}).items() if k.startswith('text/')]
+        labelled = labelled or any(MACHINE_LINE.search(t) for t in texts)
+        timings = sorted({m for t in texts for m in OUT_TIMING.findall(t)})
+        assert labelled or not timings, f"cell {c['id']} stores timings ({', '.join(timings)}) without a machine line before them"
 
 # ---- what `loss_scale=512` means, where the argument is documented
 
