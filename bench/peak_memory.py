@@ -17,7 +17,8 @@ from fastai.basics import Learner, DataLoaders, Adam, MSELossFlat, CrossEntropyL
 __all__ = ['PEAK_MODES', 'PEAK_MODELS', 'PHASES', 'Tracker', 'measure_peaks', 'format_peaks']
 
 PEAK_MODES = ['fp32', 'to_bf16', 'to_bf16 state_dtype', 'to_bf16 half_storage', 'to_bf16 half_storage state_dtype',
-              'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward state_dtype']
+              'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward state_dtype', 'to_bf16 state8',
+              'to_bf16 half_storage state8', 'to_bf16 half_storage step_in_backward state8']
 PHASES = ('between', 'step', 'backward', 'save', 'end')
 
 def _linear(): return nn.Sequential(nn.Linear(4096, 4096))
