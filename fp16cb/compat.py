@@ -16,12 +16,13 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
 from .options import options_of, bf16_defaults
+from .validation import Refused
 
 __all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'STATE8', 'MOVING_AVERAGES', 'NONNEGATIVE',
            'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
-           'Facts', 'Rule', 'RULES', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict', 'table',
-           'learner_facts', 'optimizer_kind', 'float64_layers', 'ELEMENTWISE_FASTAI', 'ELEMENTWISE_TORCH',
-           'known_elementwise']
+           'Facts', 'Rule', 'RULES', 'Refused', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict',
+           'table', 'learner_facts', 'optimizer_kind', 'optimizer_name', 'float64_layers', 'ELEMENTWISE_FASTAI',
+           'ELEMENTWISE_TORCH', 'known_elementwise']
 
 # what every mode keeps of plain FP32 fastai under the same optimizer and callbacks: it changes dtypes only
 SEMANTICS = (
@@ -130,6 +131,7 @@ class Facts:
     unit_scale: bool = False  # the loss scale is 1 and stays 1 (bf16's default)
     scaler_args: tuple = ()  # GradScaler arguments given where no GradScaler runs (native bf16)
     optimizer: str|None = None  # an `OPTIMIZERS` kind, or 'fastai-own-step' (an `Optimizer` with its own `step`)
+    optimizer_name: str|None = None  # the optimizer as its user knows it, for the sentences: "torch's `AdamW`"
     accumulate: bool = False
     gradient_clip: float|None = None  # fastai's `GradientClip(max_norm)` among the callbacks
     ddp: bool = False
@@ -158,7 +160,7 @@ class Facts:
         m, kind = MODES[mode], OPTIMIZERS[opt][0]
         kw, native, bf16 = m.kwargs, m.call.startswith('to_native'), m.call.endswith('bf16')
         dtype = torch.bfloat16 if bf16 else torch.float16
-        known = dict(optimizer=kind, counts_steps=opt != 'sgd',
+        known = dict(optimizer=kind, optimizer_name=OPTIMIZERS[opt][1], counts_steps=opt != 'sgd',
                      accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
                      compiled=ctx == 'compile', cancels_steps=ctx in ('cancel', 'cancelaccum', 'skipbatch'),
                      grads_read=ctx in ('cancel', 'gradclip', 'userclip', 'cancelaccum'),
@@ -182,114 +184,103 @@ class Rule:
         return self.sentence(f) if callable(self.sentence) else self.sentence.format(**vars(f))
 
     def said_in(self, text:str, f:Facts) -> bool:
-        """Whether `text` says this rule's sentence for `f` (a field known only when it happens, a param's name, may
-        differ)."""
+        "Whether `text` says this rule's sentence for `f` (a field known when it happens, a name, may differ)."
         if callable(self.sentence): return self.message(f) in text
         parts = re.split(r'\{\w+\}', self.sentence)
         return re.search('.*'.join(map(re.escape, parts)), text, re.S) is not None
 
-_SIB = "step_in_backward=True steps each param as soon as the backward has its grad: "
-_SIB_USE = (" It works with `learn.to_bf16(step_in_backward=True)` (loss scale 1, no clip, flat_master=False), "
-            "`half_storage=True` too, and a fastai optimizer.")
+_SIB = "step_in_backward=True cannot be used with "
+_SIB_WHY = "it steps each param as soon as the backward has its grad"
 _MASTERS = lambda f: not f.native
 _bare = lambda name: name.split(' (')[0]  # an optimizer's name without what it is said to do (`whole_param_step`)
 
 RULES = (
     Rule('sib-scale', OPTIONS, lambda f: f.step_in_backward and not f.unit_scale,
-         _SIB + "a loss scale must be known (and an overflow seen) before any param is stepped, and this mode scales "
-         "the loss." + _SIB_USE,
+         _SIB + "a loss scale: use `learn.to_bf16(step_in_backward=True)` (loss scale 1). The scale, and an overflow, "
+         f"would have to be known before any param is stepped, and {_SIB_WHY}.",
          reason='step_in_backward steps each param inside the backward: it needs a loss scale of 1, known before the '
                 'first param steps.'),
     Rule('sib-clip', OPTIONS, lambda f: f.step_in_backward and f.clip,
-         _SIB + "clipping needs every grad's norm before any param is stepped." + _SIB_USE,
+         _SIB + "`clip`: drop `clip`, or train without step_in_backward. It steps each param as soon as the backward "
+         "has its grad, and clipping needs every grad's norm before any param is stepped.",
          reason="clipping needs every grad's norm before any param is stepped, and step_in_backward steps them during "
                 "the backward."),
     Rule('sib-flat', OPTIONS, lambda f: f.step_in_backward and f.flat_master,
-         _SIB + "flat masters step a whole param group at once (use flat_master=False)." + _SIB_USE,
+         _SIB + f"flat_master=True: use flat_master=False. Flat masters step a param group at once, and {_SIB_WHY}.",
          reason='flat masters step a whole param group at once; step_in_backward steps each param on its own.'),
     Rule('native-bf16-scaler', OPTIONS, lambda f: f.native and f.dtype == torch.bfloat16 and bool(f.scaler_args),
-         lambda f: f"`to_native_bf16` runs no GradScaler (bfloat16 has FP32's range: nothing is loss-scaled), so "
-                   f"{', '.join(map(repr, f.scaler_args))} would do nothing: "
+         lambda f: f"`to_native_bf16` runs no GradScaler, so {', '.join(map(repr, f.scaler_args))} would do nothing: "
                    f"drop {'it' if len(f.scaler_args) == 1 else 'them'}, or use `learn.to_native_fp16(...)` for fp16 "
-                   f"with GradScaler.",
+                   f"with GradScaler. bfloat16 has FP32's range: nothing is loss-scaled.",
          reason='native bf16 runs no GradScaler: its arguments would do nothing.'),
     Rule('state-fp16', OPTIONS, lambda f: f.state_dtype == torch.float16,
-         "state_dtype=torch.float16 cannot hold the optimizer's state: Adam's second moment is an average of squared "
-         "gradients, which underflow fp16's range (a gradient of 1e-4 squares to 1e-8, under half of fp16's smallest "
-         "subnormal, 6e-8: it rounds to 0), so the moment reads 0 where FP32's does not and the update "
-         "lr*m/(sqrt(v)+eps) is divided by eps alone. Use state_dtype=torch.bfloat16, which has FP32's range.",
+         "state_dtype=torch.float16 cannot hold the optimizer's state: use state_dtype=torch.bfloat16 (FP32's range). "
+         "Adam's second moment averages squared gradients, which underflow fp16 (1e-4 squared is under its smallest "
+         "subnormal, 6e-8): it would read 0, and the update lr*m/(sqrt(v)+eps) be divided by eps alone.",
          reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has "
                 "FP32's."),
     Rule('state8-flat', OPTIONS, lambda f: f.flat_master and f.state_dtype == '8bit',
-         "state_dtype='8bit' cannot be used with flat_master=True: 8-bit state keeps one scale per block of 256 "
-         "elements, and a flat master's blocks straddle its params, so the state of a param that has no gradient at "
-         "a step (which the flat master must leave as it was) could not be put back exactly. Use flat_master=False "
-         "(one FP32 master per param, about as fast with fastai's optimizers), or state_dtype=torch.bfloat16 with "
-         "flat masters.",
+         "state_dtype='8bit' cannot be used with flat_master=True: use flat_master=False (about as fast with fastai's "
+         "optimizers), or state_dtype=torch.bfloat16. 8-bit state keeps a scale per block of 256 elements, which would "
+         "straddle a flat master's params: a param without a gradient at a step could not keep its state exactly.",
          reason="8-bit state's blocks would straddle a flat master's params: use one master per param."),
     Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers) and f.float64_model,
          lambda f: f"the model is float64 (its layers {', '.join(f.float64_layers[:5])}"
-                   f"{' ...' if len(f.float64_layers) > 5 else ''}): a {str(f.dtype).replace('torch.', '')} model "
-                   f"would feed them 16-bit inputs, which they cannot take. Convert the model to FP32 first "
-                   f"(`learn.model.float()`, or `model.float()` before making the Learner).",
+                   f"{' ...' if len(f.float64_layers) > 5 else ''}): convert it to FP32 first (`learn.model.float()`, "
+                   f"or `model.float()` before making the Learner). A {str(f.dtype)[6:]} model would feed its float64 "
+                   f"layers 16-bit inputs, which they cannot take.",
          reason="a float64 model cannot take a 16-bit model's inputs: convert it to FP32 first."),
     Rule('float64-input', STEP, lambda f: _MASTERS(f) and f.float64_input is not None,
-         lambda f: f"the model's layer {f.float64_input} is float64 and a {str(f.dtype).replace('torch.', '')} input "
-                   f"reached it (in the forward of the first batch that took that path, before its step): a float64 "
-                   f"layer cannot take it. Give it float64 inputs (`self.{f.float64_input.split('.')[-1]}(x.double())` "
+         lambda f: f"the model's layer {f.float64_input} is float64 and a {str(f.dtype)[6:]} input reached it, which "
+                   f"it cannot take: give it float64 inputs (`self.{f.float64_input.split('.')[-1]}(x.double())` "
                    f"in the forward), or convert it to FP32 (`.float()`) before `learn.to_fp16()`/`to_bf16()`.",
          reason="a float64 layer that a 16-bit input reaches (seen at the first batch): give it float64 inputs or "
                 "convert it."),
     Rule('sib-optimizer', FIT, lambda f: f.step_in_backward and f.optimizer not in (None, 'fastai'),
-         _SIB + "it steps each param with fastai's `Optimizer` loop, and this learner's optimizer is {optimizer} (a "
-         "torch optimizer in `OptimWrapper`, `Lookahead`, or an `Optimizer` with its own `step`): use a plain fastai "
-         "optimizer (`Adam`, `SGD`, ...) or train without step_in_backward.",
+         "step_in_backward=True cannot step {optimizer_name}: use a plain fastai optimizer (`Adam`, `SGD`, ...) or "
+         "train without step_in_backward. It steps each param inside the backward with fastai's `Optimizer` loop.",
          reason="step_in_backward runs fastai's `Optimizer` loop itself, one param at a time: a plain fastai optimizer "
                 "only."),
     Rule('sib-sparse', FIT, lambda f: f.step_in_backward and bool(f.sparse_grads),
-         lambda f: _SIB + f"the model's {', '.join(f.sparse_grads[:3])}{' ...' if len(f.sparse_grads) > 3 else ''} "
-                   f"get{'s' if len(f.sparse_grads) == 1 else ''} sparse gradients (`sparse=True`), which cannot be "
-                   "checked for inf/NaN and stepped inside the backward. Make the embedding dense (`sparse=False`, the "
-                   "default) or train without step_in_backward.",
+         lambda f: _SIB + "sparse gradients: make the embedding dense (`sparse=False`, the default) or train without "
+                   f"step_in_backward. The model's {', '.join(f.sparse_grads[:3])}"
+                   f"{' ...' if len(f.sparse_grads) > 3 else ''} get{'s' if len(f.sparse_grads) == 1 else ''} sparse "
+                   "gradients (`sparse=True`), which cannot be checked for inf/NaN and stepped inside the backward.",
          reason="sparse gradients (`nn.Embedding(sparse=True)`) cannot be checked and stepped inside the backward."),
     Rule('sib-accumulate', FIT, lambda f: f.step_in_backward and f.accumulate,
-         _SIB + "GradientAccumulation sums several backwards' grads before a step. Train without step_in_backward.",
+         _SIB + "GradientAccumulation: train without step_in_backward. GradientAccumulation sums several backwards' "
+         "grads before one step, and step_in_backward steps each param in every backward.",
          reason="gradient accumulation sums several backwards' grads before one step; step_in_backward steps in each "
                 "backward."),
     Rule('sib-ddp', FIT, lambda f: f.step_in_backward and f.ddp,
-         _SIB + "with several processes (DDP) the ranks' grads are all-reduced after the backward, so each rank would "
-         "step with its own grads and the ranks' weights would drift apart. Train without step_in_backward.",
+         _SIB + "several processes (DDP): train without step_in_backward. DDP averages the grads after the backward: "
+         "each rank would step with its own, and the ranks' weights would drift apart.",
          reason='DDP averages the grads after the backward; step_in_backward would step each rank with its own grads.'),
     Rule('sib-grads-read', FIT, lambda f: f.step_in_backward and f.grads_read,
-         _SIB + "a callback of this learner reads or changes the grads in `before_step` (a clip of its own, "
-         "fastai's `GradientClip`, a probe), after the backward that stepped them and dropped them: it would see none. "
-         "Train without step_in_backward, or do that work in `after_backward` of a callback ordered before fp16cb's.",
+         _SIB + "a callback that reads or changes the grads in `before_step` (a clip of its own, fastai's "
+         "`GradientClip`, a probe): train without step_in_backward, or do that work in `after_backward` of a callback "
+         "ordered before fp16cb's. The backward steps the params and drops their grads: that callback would see none.",
          reason="a callback's `before_step` would find no grads: step_in_backward consumed them in the backward."),
     Rule('sib-cancel', STEP, lambda f: f.step_in_backward and f.cancels_steps,
-         _SIB + "a callback cancelled this step (`CancelStepException`) after the backward had stepped the params, "
-         "which cannot be undone: the weights moved where FP32 fastai's would not. Train without step_in_backward, or "
-         "cancel before the backward (`CancelBackwardException` in `before_backward`).",
+         "step_in_backward=True cannot undo a step a callback cancelled after the backward (`CancelStepException`): "
+         "train without step_in_backward, or cancel before the backward (`CancelBackwardException` in "
+         "`before_backward`). The backward had stepped the params: the weights moved where FP32 fastai's would not.",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an "
                 "error when it happens)."),
     Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
-         lambda f: f"flat_master=True cannot step {_bare(f.whole_param)}: use flat_master=False (one FP32 master "
-                   "per param, stepped as FP32 steps it), or an optimizer fp16cb knows to update each element on its "
-                   "own (`fp16cb.compat.ELEMENTWISE_TORCH`, `ELEMENTWISE_FASTAI`). Flat masters step each param group "
-                   "as one flat tensor, and " + (
-             f"{f.whole_param} reads each param whole (its norms, per param in FP32)"
-             if not f.whole_param.startswith('`') else
-             f"{f.whole_param} is not known to update each element on its own, so it may read each param whole "
-             "(per-tensor norms or trust ratios, factored moments, state shaped like the param)") +
-             ": over a flat master that would be the whole group, and the updates not FP32's.",
+         lambda f: f"flat_master=True cannot step {_bare(f.whole_param)}: use flat_master=False, or an optimizer "
+                   "fp16cb knows to update each element on its own (`fp16cb.compat.ELEMENTWISE_TORCH`, "
+                   f"`ELEMENTWISE_FASTAI`). Flat masters step a param group as one tensor, and {f.whole_param} " + (
+             "reads each param whole (its norms)" if not f.whole_param.startswith('`') else "is not known to update "
+             "each element on its own: it may read each param whole (per-tensor norms, factored moments)") +
+             ", which would be the whole group: the updates would not be FP32's.",
          reason="an optimizer not known to update each element on its own (LAMB's norms) would step a whole flat "
                 "group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None,
-         lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: it "
-                   f"would clip the model's 16-bit, loss-scaled gradients, not the unscaled FP32 ones the optimizer "
-                   f"steps the masters with (they are made as it steps). Use `learn.to_fp16(clip={f.gradient_clip}, "
-                   f"clip_global=True)` instead: the same global L2 norm as GradientClip, of the unscaled FP32 master "
-                   f"gradients (without `clip_global`, each param group's norm is clipped, as fastai v2's original "
-                   f"`MixedPrecision(clip=...)` did). Or use `to_native_fp16`, with which GradientClip works.",
+         lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `to_fp16`/`to_bf16`: use "
+                   f"`learn.{'to_bf16' if f.dtype == torch.bfloat16 else 'to_fp16'}(clip={f.gradient_clip}, "
+                   f"clip_global=True)` (the same global L2 norm, of the FP32 master gradients) or `to_native_fp16`. "
+                   f"GradientClip would clip the model's 16-bit, loss-scaled gradients, not the FP32 ones stepped.",
          reason="fastai's `GradientClip` would clip the 16-bit, loss-scaled grads: use "
                 "`to_fp16(clip=..., clip_global=True)`."),
 )
@@ -300,9 +291,9 @@ def refusal(f:Facts, moment:str=STEP) -> Rule|None:
     return next((r for r in RULES if _ORDER[r.moment] <= _ORDER[moment] and r.applies(f)), None)
 
 def check(f:Facts, moment:str):
-    "Raise the `ValueError` of the first rule that refuses `f` at `moment` (set-up calls this as each fact is known)."
+    "Raise the `Refused` of the first rule that refuses `f` at `moment` (set-up calls this as each fact is known)."
     r = refusal(f, moment)
-    if r is not None: raise ValueError(r.message(f))
+    if r is not None: raise Refused(r.message(f), r.name)
 
 def verdict(mode:str, opt:str, ctx:str) -> str|None:
     "None when the combination is supported; else the sentence its refusal says."
@@ -373,6 +364,14 @@ def table() -> str:
     return '\n'.join(lines + ['', STATE16, '', STATE8, '', FLAT_PRESENCE])
 
 # ---- the facts of a live learner
+def optimizer_name(opt) -> str:
+    "`opt` as its user knows it: torch's `AdamW` (in `OptimWrapper`), fastai's `Lookahead`, timm's `Lamb`, `my.Opt`."
+    core = opt.opt if isinstance(opt, OptimWrapper) else opt
+    cls = type(core).__dict__.get('_fp16cb_base', type(core))  # its own class (a fit's routed subclass: the one below)
+    name, top = _named(cls), cls.__module__.split('.')[0]
+    return (f"{top}'s `{cls.__name__}`" if top in ('torch', 'fastai', 'timm') else name) + (
+        ' (fused=True)' if getattr(core, 'defaults', {}).get('fused') else '')
+
 def optimizer_kind(opt) -> str:
     "`opt`'s kind among `OPTIMIZERS`' ('fastai', 'lookahead', 'torch', 'fused'), or 'fastai-own-step'."
     if isinstance(opt, OptimWrapper): return 'fused' if opt.opt.defaults.get('fused') else 'torch'
@@ -444,6 +443,7 @@ def learner_facts(learn, f:Facts) -> Facts:
     sparse = tuple(n or 'model' for n, m in model.named_modules() if getattr(m, 'sparse', False) is True
                    and any(p.requires_grad for p in m.parameters(recurse=False)))
     return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None, sparse_grads=sparse,
+                     optimizer_name=optimizer_name(learn.opt) if learn.opt is not None else None,
                      whole_param=whole_param_step(learn.opt) if learn.opt is not None else None,
                      accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
                      gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),

@@ -151,11 +151,10 @@ class SessionCallback(Callback):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         REGISTRY[cls.__name__] = cls
-    def __setattr__(self, name, value):
-        """Our own state, set without fastai's check for a learner attribute of that name (`Callback.__setattr__`): a
-        user's callback `MaxGrad` is `learn.max_grad`, and `MixedPrecision`'s `self.max_grad` warned at every step that
-        it shadows it. Nothing a callback of ours sets is meant to be the learner's."""
-        object.__setattr__(self, name, value)
+    # our own state, set without fastai's check for a learner attribute of that name (`Callback.__setattr__`): a user's
+    # callback `MaxGrad` is `learn.max_grad`, and `MixedPrecision`'s `self.max_grad` warned at every step that it
+    # shadows it. Nothing a callback of ours sets is meant to be the learner's (and a step enters no room for it).
+    __setattr__ = object.__setattr__
     @property
     def session(self): return session_of(self.learn)
     def before_fit(self): self.session.begin(self)

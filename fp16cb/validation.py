@@ -1,14 +1,32 @@
 """Argument checks for the constructors: a bad value raises a `ValueError` that names the argument (at construction,
-not at fit time), and numpy scalars are accepted as the Python numbers they stand for."""
+not at fit time), and numpy scalars are accepted as the Python numbers they stand for. Also the errors whose sentence
+stays first when fastai wraps them (`SaidFirst`; `Refused`: a combination `fp16cb.compat` refuses)."""
 from __future__ import annotations
-import functools, math, numbers
+import functools, math, numbers, re
 import numpy as np
 
 __all__ = ['FP32_MAX', 'INT32_MAX', 'check_bool', 'check_real', 'check_positive', 'check_int', 'check_choice',
-           'AMP_ARGS', 'refuses_amp_args']
+           'AMP_ARGS', 'refuses_amp_args', 'SaidFirst', 'Refused']
 
 FP32_MAX = 3.4028234663852886e38  # the largest finite float32 (`torch.finfo(torch.float32).max`)
 INT32_MAX = 2**31 - 1
+
+class SaidFirst(Exception):
+    """An error of fp16cb's whose sentence stays first in `str()` (a traceback's last line): fastai's
+    `Callback.__call__` replaces the args of an error raised in an event with "Exception occured in `X` when calling
+    event `Y`:" and the sentence (`modify_exception`); here the sentence comes first, where it was raised after it."""
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.said = str(args[0]) if args else ''
+    def __str__(self):
+        now = super().__str__()
+        if not self.said or self.said == now or self.said not in now: return now
+        m = re.search(r"in `(\w+)` when calling event `(\w+)`", now)
+        return f"{self.said}\n({f'raised in `{m[1]}.{m[2]}`' if m else now.replace(self.said, '').strip()})"
+
+class Refused(SaidFirst, ValueError):
+    "A combination a rule of `fp16cb.compat` refuses (`rule`: its name), its sentence first (`SaidFirst`)."
+    def __init__(self, sentence:str, rule:str=''): super().__init__(sentence); self.rule = rule
 
 def _fmt(x) -> str: return str(x) if isinstance(x, int) else f'{x:g}'
 

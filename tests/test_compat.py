@@ -2,12 +2,14 @@
 raised at the moment their facts are known, and the semantics it states hold where the combination matrix
 (tests/test_matrix.py) does not reach: a branch under step_in_backward, a cancelled step in the backward, Lookahead's
 slow weights with 16-bit storage, float64 models, native bf16's arguments."""
+import re
 from functools import partial
 from pathlib import Path
 import pytest
 import torch
 from torch import nn
 from fastai.basics import Adam, SGD, OptimWrapper, Callback, ranger
+from fastai.optimizer import Optimizer, sgd_step
 from fastai.callback.core import CancelStepException
 
 from fp16cb.compat import MODES, OPTIMIZERS, CONTEXTS, RULES, SEMANTICS, Facts, table, verdict, refusal, FIT, STEP
@@ -132,3 +134,32 @@ def test_flat_masters_refuse_per_param_norms(opt):
     ref = _updates(None, opt_func, lambda: nn.Linear(4, 1))
     got = _updates('to_bf16', opt_func, lambda: nn.Linear(4, 1))
     for k in ref: torch.testing.assert_close(got[k], ref[k], rtol=.1, atol=1e-3)
+
+class _OwnStep(Optimizer):
+    "A fastai `Optimizer` with a `step` of its own (fastai's loop around it)."
+    def step(self, closure=None): super().step(closure)
+
+@pytest.mark.parametrize('opt_func,name', [
+    (partial(OptimWrapper, opt=torch.optim.AdamW), "torch's `AdamW`"),
+    (partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True)), "torch's `AdamW` (fused=True)"),
+    (ranger, "fastai's `Lookahead`"),
+    (lambda ps, **kw: _OwnStep(ps, [sgd_step], **kw), f"`{__name__}._OwnStep`")])
+def test_a_refusal_says_first_what_is_refused_and_what_to_do(opt_func, name):
+    """Before the fix: a refusal raised in a callback's event read "Exception occured in `MixedPrecision` when calling
+    event `before_fit`:" (fastai's `modify_exception`) before fp16cb's sentence, and named the optimizer by an internal
+    kind ("this learner's optimizer is torch", "is lookahead"). Now the sentence comes first, names the optimizer as
+    its user wrote it and says what to do; where it was raised follows."""
+    learn = make_learner(opt_func=opt_func).to_bf16(step_in_backward=True)
+    with pytest.raises(ValueError) as e: quiet_fit(learn, 1, lr=1e-2)
+    said = str(e.value)
+    assert said.startswith(f"step_in_backward=True cannot step {name}: use a plain fastai optimizer"), said
+    assert said.endswith("(raised in `MixedPrecision.before_fit`)") and 'Exception occured' not in said, said
+    assert e.value.rule == 'sib-optimizer'
+
+def test_no_refusal_names_an_internal_kind():
+    "No sentence of a refused cell uses a kind of `OPTIMIZERS` ('torch', 'lookahead', 'fused') as a noun."
+    kinds = '|'.join({k for k, _ in OPTIMIZERS.values() if k != 'fastai'} | {'fastai-own-step'})
+    said = {(m, o, c): verdict(m, o, c) for m in MODES for o in OPTIMIZERS for c in CONTEXTS}
+    noun = re.compile(rf"\b(is|are|be) ({kinds})\b(?![-'`=.])|\b({kinds}) \(")  # "optimizer is torch (a torch ..."
+    bad = {cell: s for cell, s in said.items() if s and noun.search(s)}
+    assert not bad, bad

@@ -244,6 +244,17 @@ def test_scaler_lives_across_fits():
 class NaNLoss(nn.Module):
     def forward(self, pred, targ): return (pred - targ).pow(2).mean() * float('nan')
 
+@pytest.mark.parametrize('mode', ['to_fp16', 'to_native_fp16'])
+def test_a_loss_scale_error_says_its_sentence_first(mode):
+    """Before the fix: raised in `before_step`, it read "Exception occured in `MixedPrecision` when calling event
+    `before_step`:" (fastai's `modify_exception`) before fp16cb's sentence; now the sentence, then where it was raised."""
+    learn = getattr(make_learner(n=16 * 8, loss_func=NaNLoss()), mode)(max_skipped=3)
+    with pytest.raises(LossScaleError) as e, warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with learn.no_logging(), learn.no_bar(): learn.fit(1, 1e-2)
+    said, cb = str(e.value), type(learn.precision_callbacks()[-1]).__name__
+    assert said.startswith('Mixed-precision training stopped') and said.endswith(f"(raised in `{cb}.before_step`)"), said
+
 @pytest.mark.parametrize('scaler', ['backoff', 'lognormal', 'static'])
 def test_nan_loss_fails_loudly(scaler):
     learn = make_learner(n=16 * 80, loss_func=NaNLoss()).to_fp16(scaler=scaler, max_skipped=20)

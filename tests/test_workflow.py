@@ -266,7 +266,9 @@ def test_gradient_accumulation_matches_fp32(mode, per_param_steps):  # the spy c
 def test_fastai_gradient_clip_is_rejected_with_masters(mode):
     learn = make_learner(mode)
     w0 = clone_state(learn.model)
-    with pytest.raises(ValueError, match=r"to_fp16\(clip=0.5, clip_global=True\)"): fit(learn, 'fit', 1, 1e-2, cbs=GradientClip(0.5))
+    # the remedy in the learner's own dtype (before: `to_fp16(clip=...)` for a bf16 learner too)
+    with pytest.raises(ValueError, match=rf"learn.to_{mode}\(clip=0.5, clip_global=True\)"):
+        fit(learn, 'fit', 1, 1e-2, cbs=GradientClip(0.5))
     assert_same_state(w0, clone_state(learn.model))
     assert_fp32_between_fits(learn)
     fit(learn, 'fit', 1, 1e-2)  # the learner is fine afterwards

@@ -7,14 +7,14 @@ from statistics import NormalDist
 import torch
 
 from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, resolve_dtype
-from ..validation import check_positive, check_real, check_int, check_bool
+from ..validation import check_positive, check_real, check_int, check_bool, SaidFirst
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
            'GradScalerAdapter', 'SEED_LOSS_SCALE', 'CALIBRATE', 'calibrates', 'FP16_MAX', 'FP16_MIN_NORMAL']
 
 # ---- scalers
-class LossScaleError(FloatingPointError):
-    "Training cannot go on: gradients keep overflowing whatever the loss scale."
+class LossScaleError(SaidFirst, FloatingPointError):
+    "Training cannot go on: gradients keep overflowing whatever the loss scale (its sentence first: `SaidFirst`)."
 
 def _check_scale_range(min_scale, max_scale) -> tuple:
     "`(min_scale, max_scale)` as floats, both > 0 and min <= max (an error names both: neither is clamped silently)."
