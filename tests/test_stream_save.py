@@ -26,7 +26,8 @@ BF16 = torch.bfloat16
 MODES = {'masters': {}, 'state': dict(state_dtype=BF16), 'flat-state': dict(flat_master=True, state_dtype=BF16),
          'half-state': dict(half_storage=True, state_dtype=torch.bfloat16),
          'half-sib-state': dict(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16),
-         'torch-state': dict(state_dtype=torch.bfloat16)}
+         'torch-state': dict(state_dtype=torch.bfloat16), 'state8': dict(state_dtype='8bit'),
+         'half-state8': dict(half_storage=True, state_dtype='8bit')}
 cpu_only = pytest.mark.skipif(DEVICE.type != 'cpu', reason="exact bytes: counted on the CPU")
 
 def _model():
@@ -247,3 +248,27 @@ def test_between_fits_file_after_a_fit(tmp_path):
     for k, v in sd['model'].items():
         assert v.untyped_storage().nbytes() == v.numel() * 4, k
         assert torch.equal(v, learn.model.state_dict()[k].cpu()), k
+
+@cpu_only
+@pytest.mark.parametrize('mode', ['state', 'state8', 'half-state8'])
+def test_mid_fit_save_true_peak(mode, tmp_path):
+    """A mid-fit save at its true peak (every allocation and free, from torch's profiler), not only where the writer
+    writes: at most one param's FP32 tensor above the memory between steps (8-bit state: dequantized straight into the
+    tensor the file is written from, through one piece of the dequantizer's output; before, into a tensor of its own
+    first, and copied: one param's FP32 more)."""
+    from fp16cb.weights import state8
+    piece = 4 * min(WIDTH * WIDTH, state8._piece('cpu')) if MODES[mode]['state_dtype'] == '8bit' else 0
+    dls = _data()
+    tracker = Tracker('cpu')
+    class Marks(Callback):
+        order = 60
+        def before_batch(self):
+            if self.training and self.iter: tracker.mark('between')
+        def after_epoch(self):
+            tracker.mark('save:start'); self.learn.save('mid'); tracker.mark('save')
+    with tracker.running():
+        learn = _learner(mode, tmp_path, dls)
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=Marks())
+    marks = {name: (now, peak) for name, now, peak in tracker.marks()}
+    base = max(marks['between'][0], marks['save:start'][0])
+    assert marks['save'][1] <= base + BIG + piece + SLACK, ((marks['save'][1] - base) / BIG, mode)

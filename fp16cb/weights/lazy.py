@@ -89,16 +89,6 @@ def _fp32_meta(storage, p, k, v):
     w = probe[p][k]
     return None if w.dtype == v.dtype else w
 
-def _widen_into(storage, p, k, v, out):
-    """`out` = the FP32 value `storage` widens the entry `k: v` of `p` into: a 16-bit tensor's is its cast (what
-    `widen_all` makes of it), copied straight into `out`; another kind's (8-bit codes) made whole by `widen_all`."""
-    if type(v) is Tensor: return out.copy_(v)
-    probe = {p: {k: v}}
-    storage.widen_all(probe)
-    if probe[p][k] is v: raise RuntimeError(f"the optimizer state {k!r} of a param of shape {tuple(v.shape)} is "
-                                            f"{type(v).__name__} in {v.dtype}, which the 16-bit state cannot widen")
-    return out.copy_(probe[p][k])
-
 def lazy_state(osd, state:dict, storage, stream:Stream):
     """The optimizer state dict `osd` as the FP32 learner's: every entry of `state` (`{param: {key: tensor}}`, the one
     `osd` was made from) that `storage` stores in 16 (or 8) bits replaced by its FP32 value, made by `stream` as it is
@@ -110,7 +100,7 @@ def lazy_state(osd, state:dict, storage, stream:Stream):
             if not isinstance(v, Tensor) or not v.numel() or v.dtype == torch.float32: continue
             w = _fp32_meta(storage, p, k, v)
             if w is None: continue
-            fill = lambda out, p=p, k=k, v=v: _widen_into(storage, p, k, v, out)
+            fill = lambda out, p=p, k=k, v=v: storage.widen_into(p, k, v, out)
             wide[id(v)] = stream.tensor(w.shape, w.stride(), v.device, fill, w.dtype, key=id(v))
     return _replaced(osd, wide)
 

@@ -158,6 +158,14 @@ class StateStorage:
         exact."""
         self.narrow(list(state), state, stochastic=False)
 
+    def widen_into(self, p, k, v, out:Tensor) -> Tensor:
+        """`out` = the FP32 value of the entry `k: v` of `p` that this storage stores (what `widen_all` makes of it),
+        written straight into `out` (dense, `v`'s layout): no FP32 tensor of its own (a checkpoint's stream)."""
+        if not _is(k, v, p, self.dtype): raise RuntimeError(
+            f"the optimizer state {k!r} of a param of shape {tuple(v.shape)} is {type(v).__name__} in {v.dtype}, "
+            f"which this state storage ({self.dtype}) does not widen")
+        return state8.dequantize_into(out, v) if isinstance(v, State8) else out.copy_(v)
+
     def widen_all(self, state:dict):
         "The whole state in FP32, in tensors of its own (the end of a fit; the FP32 view: checkpoints, `opt_view`)."
         if self.dtype is None: return
