@@ -15,8 +15,7 @@ import fastai.optimizer as fo
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
-from .options import options_of, bf16_defaults
-from .validation import Refused
+from .options import options_of, bf16_defaults, Refused
 
 __all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'STATE8', 'MOVING_AVERAGES', 'NONNEGATIVE',
            'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',

@@ -8,7 +8,7 @@ from fastai.learner import Learner
 import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
 from fastcore.meta import delegates
 
-from .options import bf16_defaults
+from .options import bf16_defaults, AMP_ARGS  # AMP_ARGS: fastai's AMP `to_fp16`'s arguments
 from .callbacks import ModelToHalf, MixedPrecision, NativeMixedPrecision
 
 from .session import session_of, FIT_CHECKS
@@ -35,7 +35,6 @@ def _set_precision(self:Learner, cbs:list):
     if cbs: self.add_cbs(cbs)
     return self
 
-from .validation import AMP_ARGS  # fastai's AMP `to_fp16`'s arguments
 
 def _args_of(cls) -> list: return [n for n in inspect.signature(cls).parameters if n != 'self']
 

@@ -9,12 +9,12 @@ from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy
 from ..weights import FP32Masters, HalfStorage, Stage
-from ..options import ScalingOptions, StoreOptions, ClipOptions
+from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
-from ..scaling import StaticScaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on, warn_all_skipped
+from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
+                      warn_all_skipped)
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
-from ..validation import refuses_amp_args
 from ..distributed import patch_fastai, is_ddp, syncs, step_reducer
 from .model_to_half import ModelToHalf
 
@@ -64,7 +64,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
                                       max_skipped, scaler, on_collapse)
         self.storage = StoreOptions(flat_master, half_storage, stochastic_rounding, step_in_backward, state_dtype)
         self.clipping = ClipOptions(clip, clip_global)
-        self.scaler = self.scaling.make(self.dtype)
+        self.scaler = make_scaler(self.scaling.scaler, dtype=self.dtype, **self.scaling.scaler_kwargs)
         check(self.facts, OPTIONS)
         self.store, self.max_grad, self._rng, self._rng_state = None, None, None, None
         self.record = StepRecord(type(self).__name__)  # the loss scale of each step: `learn.loss_scale_history` too

@@ -15,7 +15,7 @@ from ..scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip,
 # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
 from ..monitor import scale_health, ScaleColumns
 from ..distributed import reduce_max_
-from ..validation import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
+from ..options import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
 from ..compat import Facts, check, OPTIONS
 
 __all__ = ['NativeMixedPrecision']

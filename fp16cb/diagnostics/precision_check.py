@@ -97,7 +97,7 @@ def precision_check(self:Learner,
     copies of the model: the learner (weights, optimizer, callbacks, RNG, BatchNorm statistics) is left as it was."""
     import pandas as pd
     from ..session import session_of
-    from ..validation import check_int, check_bool
+    from ..options import check_int, check_bool
     n_batches, plot = check_int('n_batches', n_batches, 1), check_bool('plot', plot)
     prec, scale_of, floor, label, half_storage, state16 = _precision_of(self)
     dl = self.dls.train

@@ -7,7 +7,8 @@ from statistics import NormalDist
 import torch
 
 from ..dtypes import FP16_MAX, FP16_MIN_NORMAL, resolve_dtype
-from ..validation import check_positive, check_real, check_int, check_bool, SaidFirst
+from ..options import (check_positive, check_real, check_int, check_bool, SaidFirst, SEED_LOSS_SCALE,  # noqa: F401
+                       CALIBRATE)
 
 __all__ = ['LossScaler', 'StaticScaler', 'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'make_scaler',
            'GradScalerAdapter', 'SEED_LOSS_SCALE', 'CALIBRATE', 'calibrates', 'FP16_MAX', 'FP16_MIN_NORMAL']
@@ -300,9 +301,6 @@ class GradScalerAdapter:
         if self.gs is not None and self.gs.is_enabled(): self.gs.load_state_dict(sd)
     def __repr__(self): return f"GradScalerAdapter(scale={self.scale:g})"
 
-SEED_LOSS_SCALE = 512.  # `MixedPrecision`'s default `loss_scale` (fastai's): with a dynamic scale it means CALIBRATE
-CALIBRATE = 'calibrate'  # `loss_scale=CALIBRATE`: the first step runs at scale 1 and its largest |grad| sets the scale
-# (with a dynamic scale, fastai's default 512 means the same; any other number is where the dynamic scale starts)
 
 def calibrates(loss_scale) -> bool:
     "Whether `loss_scale` asks a dynamic scale to calibrate on the first step: `CALIBRATE`, or fastai's default 512."
