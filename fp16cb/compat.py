@@ -17,8 +17,8 @@ from fastai.callback.training import GradientAccumulation, GradientClip
 
 from .options import options_of, bf16_defaults, Refused
 
-__all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'STATE16', 'STATE8', 'MOVING_AVERAGES', 'NONNEGATIVE',
-           'FLAT_PRESENCE', 'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
+__all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'MOVING_AVERAGES', 'NONNEGATIVE',
+           'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
            'Facts', 'Rule', 'RULES', 'Refused', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict',
            'table', 'learner_facts', 'optimizer_kind', 'optimizer_name', 'float64_layers', 'ELEMENTWISE_FASTAI',
            'ELEMENTWISE_TORCH', 'known_elementwise']
@@ -36,7 +36,8 @@ SEMANTICS = (
     "(under `torch.no_grad()`) is what the next step starts from; a callback's `before_step` reads the grads unscaled "
     "and may change them; a cancelled step's grads stay until the optimizer's `zero_grad`; a param made trainable "
     "mid-fit trains.",
-    "What cannot keep these is refused at set-up, before any step, with a sentence that says what to do instead.",
+    "What cannot keep these is refused with a sentence that says what to do instead: at set-up, before any step, "
+    "or, for what only a step shows (a step cancelled after `step_in_backward` stepped it), when it happens.",
 )
 
 # Outside code known to write the model's weights through `.data`, which torch's write counts do not see: each batch,
@@ -313,54 +314,29 @@ MOVING_AVERAGES = frozenset({
     'exp_avg_diff', 'exp_avg_var', 'max_exp_avg_var', 'exp_hessian_diag_sq',  # timm: Adan, AdaBelief, AdaHessian
     'momentum'})  # timm: SGDP's momentum buffer
 
-STATE16 = ("`state_dtype=torch.bfloat16` stores in bfloat16, between steps, the optimizer state known to be a moving "
-           "average (a moment or a momentum, `fp16cb.compat.MOVING_AVERAGES`: fastai's `grad_avg`, `sqr_avg`; "
-           "torch's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`, `square_avg`; timm's among them), "
-           "FP32 tensors the size of their param: it is lifted to FP32 with its param inside the step, updated by the "
-           "optimizer's own code and rounded back stochastically (`stochastic_rounding=False`: to nearest). Any other "
-           "state stays FP32: a copy of the weights (timm MADGRAD's `x0`, fastai `Lookahead`'s slow weights, timm "
-           "`Lookahead`'s), a running sum, a previous gradient, a name not in that list, step counts and scalars, and "
-           "the state of 0-dim params (with `flat_master=True` a 0-dim param is part of its group's flat master, and "
-           "its moments of the flat master's, in bfloat16 like them); between fits, in checkpoints and after "
-           "`to_fp32()` the whole state is FP32.")
 
 # The moving averages never negative (second moments: averages of squares, their maxima): 8-bit state codes them on
 # torchao's unsigned map (its 256 values all >= 0, twice as fine), the others on its signed map.
 NONNEGATIVE = frozenset({'sqr_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'square_avg', 'exp_inf', 'acc_delta', 'exp_avg_var',
                          'max_exp_avg_var', 'exp_hessian_diag_sq'})
 
-STATE8 = ("`state_dtype='8bit'` (or `torch.uint8`, the codes' dtype) stores the same moving averages, those of at "
-          "least 4096 elements, in 8 bits between steps: block-wise dynamic quantization (Dettmers et al. 2021) with "
-          "torchao's code, one FP32 scale per block of 256 elements, the second moments on torchao's unsigned map and "
-          "the others on its signed map, rounded to nearest (`stochastic_rounding` is for 16-bit storage and bf16 "
-          "state); Adam's two moments then take 2 bytes/param instead of 8. Smaller tensors stay FP32. Inside the step "
-          "the state is dequantized to FP32 with its param (a slice at a time for a param bigger than a chunk: slices "
-          "start at a block's start), updated by the optimizer's own code and quantized back. Between fits, in "
-          "checkpoints and after `to_fp32()` it is FP32, as with bf16 state, and quantizing that FP32 state gives back "
-          "the same codes, so a fit resumed from a checkpoint goes on bit for bit. Not with `flat_master=True`.")
 
-FLAT_PRESENCE = ("`flat_master=True` keeps one step count per flat group: when a param's gradient comes or goes "
-                 "during a fit (a head switched on after warm-up, a layer skipped from some step, a torch optimizer's "
-                 "branch), the fit goes on from that step with one FP32 master per param, each with its own count as "
-                 "FP32 keeps it, and a warning says so; the next fit starts flat again.")
 
 def table() -> str:
-    "The compatibility table (markdown): a row per mode, a column per optimizer kind and context; refusals by rule."
+    """The compatibility table (markdown): a column per optimizer kind and context, a row per set of modes that the
+    declaration treats alike (every mode of `MODES` in one row); refusals by rule, their notes below."""
     cols = [(o, 'plain') for o in OPTIMIZERS if o not in ('sgd',)] + [('adam', c) for c in CONTEXTS if c != 'plain']
     heads = [OPTIMIZERS[o][0] if c == 'plain' else c for o, c in cols]
-    seen, rows = {}, []
+    seen, rows = {}, {}
     for name, m in MODES.items():
-        cells = []
-        for o, c in cols:
-            f = Facts.of_cell(name, o, c)
-            r = refusal(f)
-            cells.append('yes' if r is None else f"no ({seen.setdefault(r.name, len(seen) + 1)})")
-        rows.append(f"| `{m}` | " + ' | '.join(cells) + ' |')
-    lines = ['| mode | ' + ' | '.join(heads) + ' |', '|---|' + '---|' * len(cols), *rows, '']
+        cells = tuple('yes' if r is None else f"no ({seen.setdefault(r.name, len(seen) + 1)})"
+                      for o, c in cols for r in [refusal(Facts.of_cell(name, o, c))])
+        rows.setdefault(cells, []).append(f"`{m}`")
+    lines = ['| modes | ' + ' | '.join(heads) + ' |', '|---|' + '---|' * len(cols)]
+    lines += [f"| {', '.join(ms)} | " + ' | '.join(cells) + ' |' for cells, ms in rows.items()] + ['']
     for rule_name, i in seen.items():
-        r = next(r for r in RULES if r.name == rule_name)
-        lines.append(f"({i}) {r.reason}  ")
-    return '\n'.join(lines + ['', STATE16, '', STATE8, '', FLAT_PRESENCE])
+        lines.append(f"({i}) {next(r for r in RULES if r.name == rule_name).reason}  ")
+    return '\n'.join(lines)
 
 # ---- the facts of a live learner
 def optimizer_name(opt) -> str:
