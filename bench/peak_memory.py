@@ -14,8 +14,25 @@ import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, Adam, MSELossFlat, CrossEntropyLossFlat, Callback
 
-__all__ = ['PEAK_MODES', 'PEAK_MODELS', 'PHASES', 'Tracker', 'measure_peaks', 'format_peaks']
+__all__ = ['MODES', 'PEAK_MODES', 'PEAK_MODELS', 'PHASES', 'Tracker', 'measure_peaks', 'format_peaks']
 
+# every mode measured here and by `bench.state_memory`, by name: the learner set to it
+MODES = {'fp32': lambda l: l, 'fastai to_fp16': lambda l: l.to_fp16_fastai(), 'to_bf16': lambda l: l.to_bf16(),
+         'to_bf16 flat': lambda l: l.to_bf16(flat_master=True), 'to_fp16': lambda l: l.to_fp16(),
+         'to_bf16 half_storage': lambda l: l.to_bf16(half_storage=True), 'to_native_bf16': lambda l: l.to_native_bf16(),
+         'to_bf16 step_in_backward': lambda l: l.to_bf16(step_in_backward=True),
+         'to_bf16 half_storage step_in_backward': lambda l: l.to_bf16(half_storage=True, step_in_backward=True),
+         'to_bf16 state_dtype': lambda l: l.to_bf16(state_dtype=torch.bfloat16),
+         'to_bf16 flat state_dtype': lambda l: l.to_bf16(flat_master=True, state_dtype=torch.bfloat16),
+         'to_bf16 half_storage state_dtype': lambda l: l.to_bf16(half_storage=True, state_dtype=torch.bfloat16),
+         'to_bf16 step_in_backward state_dtype': lambda l: l.to_bf16(step_in_backward=True, state_dtype=torch.bfloat16),
+         'to_bf16 half_storage step_in_backward state_dtype':
+             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16),
+         'to_bf16 state8': lambda l: l.to_bf16(state_dtype='8bit'),
+         'to_bf16 half_storage state8': lambda l: l.to_bf16(half_storage=True, state_dtype='8bit'),
+         'to_bf16 step_in_backward state8': lambda l: l.to_bf16(step_in_backward=True, state_dtype='8bit'),
+         'to_bf16 half_storage step_in_backward state8':
+             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')}
 PEAK_MODES = ['fp32', 'to_bf16', 'to_bf16 state_dtype', 'to_bf16 half_storage', 'to_bf16 half_storage state_dtype',
               'to_bf16 step_in_backward', 'to_bf16 half_storage step_in_backward state_dtype', 'to_bf16 state8',
               'to_bf16 half_storage state8', 'to_bf16 half_storage step_in_backward state8']
@@ -105,7 +122,6 @@ class _Ends(Callback):
 def run_one(model:str, mode:str, epochs:int=1, n_batches:int=3, seed:int=0, device='cpu') -> dict:
     """`{phase: bytes per param}` of one fit of `mode` on `model` (a key of `PEAK_MODELS`, or its `(make, data)`):
     'between' the largest between steps, the others the peak over that phase; 'n' the params."""
-    from bench.state_memory import MODES
     make, data = PEAK_MODELS[model] if isinstance(model, str) else model
     g = torch.Generator().manual_seed(seed)
     items, loss = data(g, n_batches)

@@ -22,7 +22,7 @@ from fastai.basics import Learner, DataLoaders, Adam, OptimWrapper, MSELossFlat,
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fp16cb.dtypes import cpu_has_native
 from bench.measure import cpu_flags
-from bench.peak_memory import measure_peaks, format_peaks
+from bench.peak_memory import measure_peaks, format_peaks, MODES  # MODES: every mode, by name
 
 __all__ = ["live_storages", "StateBytes", "state_learner", "MODES", "OPTIMIZERS", "TARGETS", "SLACK", "supported", "measure", "main"]
 
@@ -77,22 +77,6 @@ def _mlp(width:int) -> nn.Module:
     return nn.Sequential(nn.Linear(width // 4, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
-MODES = {'fp32': lambda l: l, 'fastai to_fp16': lambda l: l.to_fp16_fastai(), 'to_bf16': lambda l: l.to_bf16(),
-         'to_bf16 flat': lambda l: l.to_bf16(flat_master=True), 'to_fp16': lambda l: l.to_fp16(),
-         'to_bf16 half_storage': lambda l: l.to_bf16(half_storage=True), 'to_native_bf16': lambda l: l.to_native_bf16(),
-         'to_bf16 step_in_backward': lambda l: l.to_bf16(step_in_backward=True),
-         'to_bf16 half_storage step_in_backward': lambda l: l.to_bf16(half_storage=True, step_in_backward=True),
-         'to_bf16 state_dtype': lambda l: l.to_bf16(state_dtype=torch.bfloat16),
-         'to_bf16 flat state_dtype': lambda l: l.to_bf16(flat_master=True, state_dtype=torch.bfloat16),
-         'to_bf16 half_storage state_dtype': lambda l: l.to_bf16(half_storage=True, state_dtype=torch.bfloat16),
-         'to_bf16 step_in_backward state_dtype': lambda l: l.to_bf16(step_in_backward=True, state_dtype=torch.bfloat16),
-         'to_bf16 half_storage step_in_backward state_dtype':
-             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype=torch.bfloat16),
-         'to_bf16 state8': lambda l: l.to_bf16(state_dtype='8bit'),
-         'to_bf16 half_storage state8': lambda l: l.to_bf16(half_storage=True, state_dtype='8bit'),
-         'to_bf16 step_in_backward state8': lambda l: l.to_bf16(step_in_backward=True, state_dtype='8bit'),
-         'to_bf16 half_storage step_in_backward state8':
-             lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')}
 OPTIMIZERS = {'fastai Adam': Adam, 'torch AdamW': partial(OptimWrapper, opt=torch.optim.AdamW)}
 TARGETS = {'to_bf16': 16, 'to_bf16 flat': 16, 'to_fp16': 16, 'to_bf16 half_storage': 12, 'to_bf16 step_in_backward': 14,
            'to_bf16 half_storage step_in_backward': 10, 'to_bf16 state_dtype': 12, 'to_bf16 flat state_dtype': 12,
