@@ -100,7 +100,7 @@ def _counting(counts):
     finally: torch.save, torch.serialization._open_zipfile_writer = save, opener
 
 @cpu_only
-@pytest.mark.parametrize('mode', list(MODES))
+@pytest.mark.parametrize('mode', [m for m in MODES if 'state8' not in m])  # 8-bit: `test_mid_fit_save_true_peak`
 def test_mid_fit_save_holds_one_param_more_than_between_steps(mode, tmp_path):
     """At a mid-fit `learn.save` the live storages are those between steps (before: the masters cloned for the file, 4
     bytes/param more, and the 16-bit state widened whole, 4 more), and while torch.save writes, at most one param's FP32
