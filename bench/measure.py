@@ -5,18 +5,12 @@ from __future__ import annotations
 import time
 import torch
 from fastai.basics import Callback, CrossEntropyLossFlat
+from fp16cb.dtypes import cpu_flags  # noqa: F401 (the results' `cpu_flags`)
 
 __all__ = ['set_clock', 'clock', 'sync', 'new_record', 'clear_steps', 'stepped', 'end_step', 'StepClock', 'time_events', 'SavedTensors', 'CpuMemory',
            'held_bytes', 'copy_bound', 'evaluate', 'channels_last_share', 'move_state']
 
 _now = time.perf_counter
-_FLAGS = ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'avx512_fp16', 'amx_tile', 'amx_bf16', 'amx_fp16')
-
-def cpu_flags() -> str:
-    "The CPU flags that decide 16-bit speed, as `lscpu` lists them: 'flags avx2 avx512f ...; no avx512_fp16, no amx_tile'."
-    try: have = set(next(l for l in open('/proc/cpuinfo') if l.startswith('flags')).split(':', 1)[1].split())
-    except (OSError, StopIteration): return 'flags unknown'
-    return f"flags {' '.join(f for f in _FLAGS if f in have)}; " + ', '.join(f"no {f}" for f in _FLAGS if f not in have)
 
 def set_clock(kind:str):
     "'wall' (`perf_counter`) or 'cpu' (this process's CPU time: other processes sharing the cores do not inflate it)."

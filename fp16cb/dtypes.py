@@ -9,7 +9,8 @@ from torch import nn
 __all__ = ['Converted', 'HALF_DTYPES', 'EIGHT_BIT', 'STATE_DTYPES', 'resolve_state_dtype', 'FP16_MAX',
            'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype',
            'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cpu_has_native', 'has_fast_half_math',
-           'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device', 'bare_copy']
+           'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device', 'bare_copy', 'cpu_flags',
+           'machine_line']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FP16_MAX = 65504.  # the largest finite float16
@@ -189,3 +190,24 @@ def bare_copy(
             c = memo.get(id(p))
             if c is not None and c.shape == v.shape: c.data = v.detach().float().clone()
     return res
+
+# ---- the machine, as timings are labelled with it (the benchmark's results, the notebooks' stored outputs)
+_FLAGS = ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'avx512_fp16', 'amx_tile', 'amx_bf16', 'amx_fp16')
+
+def _cpuinfo() -> dict:
+    try: return {k.strip(): v.strip() for k, v in (l.split(':', 1) for l in open('/proc/cpuinfo') if ':' in l)}
+    except OSError: return {}  # not Linux: no flags to show
+
+def cpu_flags() -> str:
+    "The CPU flags that decide 16-bit speed, as `lscpu` lists them: 'flags avx2 avx512f ...; no avx512_fp16, ...'."
+    have = set(_cpuinfo().get('flags', '').split())
+    if not have: return 'flags unknown'
+    return f"flags {' '.join(f for f in _FLAGS if f in have)}; " + ', '.join(f"no {f}" for f in _FLAGS if f not in have)
+
+def machine_line() -> str:
+    "'This machine: <CPU>, <n> cores (<flags>), torch <v>, <n> thread(s); executed <date> UTC': whose timings follow."
+    import datetime, platform
+    name = _cpuinfo().get('model name') or platform.processor() or platform.machine()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (f"This machine: {name}, {os.cpu_count()} cores ({cpu_flags()}), torch {torch.__version__.split('+')[0]}, "
+            f"{torch.get_num_threads()} thread(s); executed {now:%Y-%m-%d %H:%M} UTC")
