@@ -215,7 +215,7 @@ class StoreOptions:
     half_storage: bool = False
     "No FP32 masters: one 16-bit copy of the weights, updated in FP32 math and rounded back (`HalfStorage`)."
     stochastic_rounding: bool = True
-    "Round 16-bit weights and 16-bit optimizer state stochastically (False: to nearest even)."
+    "Round 16-bit weights and 16-bit or 8-bit optimizer state stochastically (False: to nearest)."
     step_in_backward: bool = False
     """Step each param inside the backward, as soon as its grad is complete, and drop the grad (bf16, scale 1, a
     fastai optimizer: less memory)."""

@@ -19,6 +19,13 @@ moment read as 0 under a first moment that is not divides the update by `eps` al
 al. 2023 ("Memory Efficient Optimizers with 4-bit States"); torchao's `AdamW8bit` itself (eps 1e-8) sends the weights
 of a small MLP to 50 times their FP32 norm in 8 steps that way.
 
+And one more, for Adam's second moment: in a step the codes are chosen stochastically (`stochastic_rounding`, the
+store's generator), each value coded to one of the two map values around it with the probability that makes the code
+unbiased. To nearest (torchao's), a moment whose increments are finer than the map's spacing stalls: on a small GPT-2
+the second moments read 0.89-0.98 of exact Adam's by step 200, its steps up to 13% too large, and two seeds of six
+ended 7.7% and 14.6% above FP32's loss. At a fit's set-up (a checkpoint's FP32 state) the codes are the nearest ones:
+the same codes, so a resumed run goes on bit for bit.
+
 The quantizer and the dequantizer are `torch.compile`d at their first use, as torchao's optimizers compile their step
 (one fused pass instead of torchao's 8 gathers over int64 codes: on a CPU the quantizer 8x faster, an MLP's step 4x);
 eager where compiling fails, with a warning."""
@@ -73,6 +80,18 @@ def _quantize_rows(x:Tensor, qmap:Tensor) -> tuple:
     codes = _qu().quantize_8bit_with_qmap(x / s.view(-1, 1), qmap)
     return torch.where((codes == 0) & (x > 0) & (qmap[0] == 0), 1, codes), s
 
+def _quantize_rows_stochastic(x:Tensor, qmap:Tensor, u:Tensor) -> tuple:
+    """`_quantize_rows`, each value coded to one of the two `qmap` values around it, the upper with probability its
+    distance from the lower over their spacing (`u`: uniform draws, one per value): unbiased, so that a moving average
+    whose increments are finer than the map's spacing still moves on average (to nearest, it would stall)."""
+    hi, lo = x.amax(-1), x.amin(-1)
+    s = torch.where(hi >= -lo, hi.clamp(min=1e-12), lo.clamp(max=-1e-12))
+    y = x / s.view(-1, 1)
+    up = torch.searchsorted(qmap, y.contiguous()).clamp(1, qmap.numel() - 1)
+    a, b = qmap[up - 1], qmap[up]
+    codes = torch.where(u < ((y - a) / (b - a)).clamp(0, 1), up, up - 1).to(torch.uint8)
+    return torch.where((codes == 0) & (x > 0) & (qmap[0] == 0), 1, codes), s
+
 def _dequantize_rows(codes:Tensor, qmap:Tensor, scale:Tensor) -> Tensor:
     "FP32 values of `codes` (uint8, one block a row) with their rows' `scale`: torchao's `dequant_with_qmap`."
     return _qu().dequant_with_qmap(codes, qmap, scale)
@@ -96,6 +115,7 @@ def _fn(name:str, eager):
     return run
 
 _quantize, _dequantize = _fn('quantize', _quantize_rows), _fn('dequantize', _dequantize_rows)
+_quantize_stochastic = _fn('quantize_stochastic', _quantize_rows_stochastic)
 
 def _piece(device) -> int:
     """Elements quantized in one call: bounded, so that the eager quantizer's temporaries (int64 codes: about 25 bytes
@@ -164,20 +184,24 @@ def copy8_(dst:State8, src:State8) -> State8:
     dst.scale.copy_(src.scale)
     return dst
 
-def quantize_(dst:State8, src:Tensor) -> State8:
-    "FP32 `src` (dense, `dst`'s layout) quantized into `dst`'s codes and scales, block by block in memory order."
+def quantize_(dst:State8, src:Tensor, generator=None) -> State8:
+    """FP32 `src` (dense, `dst`'s layout) quantized into `dst`'s codes and scales, block by block in memory order: to
+    nearest, or stochastically with draws from `generator` (a `torch.Generator`)."""
     c, x, scale = memory_order(dst), memory_order(src), dst.scale
     qmap, n, step = _qmap(dst.signed, src.device), src.numel(), _piece(src.device)
+    def q(rows):
+        if generator is None: return _quantize(rows, qmap)
+        return _quantize_stochastic(rows, qmap, torch.rand(rows.shape, generator=generator, device=rows.device))
     full = n - n % BLOCK
     for o in range(0, full, step):
         e = min(o + step, full)
-        codes, s = _quantize(x[o:e].view(-1, BLOCK), qmap)
+        codes, s = q(x[o:e].view(-1, BLOCK))
         c[o:e].copy_(codes.view(-1))
         scale[o // BLOCK:e // BLOCK].copy_(s)
     if full < n:  # a last, shorter block: padded with zeros, which change no scale
         pad = x.new_zeros(1, BLOCK)
         pad[0, :n - full] = x[full:]
-        codes, s = _quantize(pad, qmap)
+        codes, s = q(pad)
         c[full:].copy_(codes.view(-1)[:n - full])
         scale[-1:].copy_(s)
     return dst

@@ -13,7 +13,8 @@ master, whose moments are 16-bit. Between fits, in a checkpoint and in the store
 (`widen_all`).
 
 `dtype='8bit'`: the same moving averages, those of at least `state8.MIN_NUMEL` elements, stored as 8-bit codes with
-block scales (`state8.State8`), dequantized into the scratch by `widen` and quantized back, to nearest, by `narrow`."""
+block scales (`state8.State8`), dequantized into the scratch by `widen` and quantized back by `narrow`: stochastically
+in a step (each value to one of the two codes around it, unbiased), to nearest at a fit's set-up (`narrow_all`)."""
 from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 import torch
@@ -66,7 +67,7 @@ class StateStorage:
     own (`{param: {key: value}}`); entries are replaced in place, so whoever holds a dict sees the current entries."""
     def __init__(self,
         dtype:torch.dtype|str=None, # `torch.bfloat16`, '8bit', or None: FP32 state, every method does nothing
-        stochastic:bool=True, # round updated 16-bit state stochastically (False: to nearest even; 8-bit: to nearest)
+        stochastic:bool=True, # round updated 16-bit or 8-bit state stochastically (False: to nearest)
         generator=None, # a `torch.Generator` for the stochastic rounding (on the params' device)
     ):
         self.dtype, self.stochastic, self.generator = dtype, stochastic, generator
@@ -114,14 +115,15 @@ class StateStorage:
     def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None, numel:int|None=None):
         """Every FP32 entry of `params`' states written back in 16-bit (into the tensor `widened` took it from, when
         there is one: views of it stay valid), rounded stochastically unless `stochastic=False` (default: `self`'s).
-        8-bit: quantized to nearest, an entry `widened` took from 8-bit codes into them, another one only if its param
-        (of `numel` elements, when `params` are slices of it) has at least `state8.MIN_NUMEL`."""
+        8-bit: quantized (stochastically too), an entry `widened` took from 8-bit codes into them, another one only if
+        its param (of `numel` elements, when `params` are slices of it) has at least `state8.MIN_NUMEL`."""
         if self.dtype is None: return
         widened = widened or {}
         old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
         pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)
                  and ((id(d), k) in old or self._big(numel or p.numel()))]
-        if self.dtype == EIGHT_BIT: return self._quantize_back(pairs, old)
+        if self.dtype == EIGHT_BIT:
+            return self._quantize_back(pairs, old, self.stochastic if stochastic is None else stochastic)
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
             self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev),
                              self.stochastic if stochastic is None else stochastic)
@@ -145,12 +147,13 @@ class StateStorage:
         torch._foreach_copy_(dsts, flat_views(flat, srcs))
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
-    def _quantize_back(self, pairs:list, old:dict):
-        "Each of `pairs`' FP32 values quantized into the 8-bit tensor it was widened from (else into a new one)."
+    def _quantize_back(self, pairs:list, old:dict, stochastic:bool):
+        """Each of `pairs`' FP32 values quantized into the 8-bit tensor it was widened from (else into a new one),
+        stochastically with `self.generator` (else to nearest)."""
         for d, k, v in pairs:
             t = old.get((id(d), k))
             if t is None or t.shape != v.shape or t.stride() != v.stride(): t = state8.empty8(v, state8.signed_for(k))
-            d[k] = state8.quantize_(t, v)
+            d[k] = state8.quantize_(t, v, self.generator if stochastic else None)
 
     def narrow_all(self, state:dict):
         """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so
