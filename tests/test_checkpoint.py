@@ -24,6 +24,16 @@ def make_learner(seed=0, path=None, **kw):
     model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(.1), nn.Linear(12, 1)).to(DEVICE)
     return Learner(dls, model, loss_func=MSELossFlat(), path=path or tempfile.mkdtemp())
 
+def plain_loaded(path, opt_func=None, make=None, name='mid'):
+    """A plain FP32 learner (no precision callbacks) that loaded `name` from `path` with its optimizer state, and
+    whether fastai warned that it could not load that state (`(learner, warned)`)."""
+    plain = (make or make_learner)(seed=1, path=path)
+    if opt_func: plain.opt_func = opt_func
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        plain.load(name, with_opt=True)
+    return plain, any('optimizer' in str(w.message) for w in ws)  # "Could not load the optimizer state"
+
 def fit(learn, n, lr=1e-2, cbs=None):
     with learn.no_bar(), learn.no_logging(): learn.fit(n, lr, cbs=cbs)
 
@@ -58,12 +68,8 @@ def test_save_mid_fit_writes_fp32_masters_and_loads_into_plain_fp32(flat, opt_fu
     assert all(v.dtype == torch.float32 for k, v in sd['model'].items() if v.is_floating_point())
     for k, v in cb.expected.items(): assert torch.equal(sd['model'][k], v), k  # the exact masters, not fp16-rounded
     for k, v in learn.model.state_dict().items(): assert torch.equal(sd['model'][k], v), k  # = the FP32 model after the fit
-    plain = make_learner(seed=1, path=learn.path)
-    if opt_func: plain.opt_func = opt_func
-    with warnings.catch_warnings(record=True) as ws:
-        warnings.simplefilter('always')
-        plain.load('mid', with_opt=True)
-    assert not [w for w in ws if 'optimizer' in str(w.message)]  # "Could not load the optimizer state"
+    plain, warned = plain_loaded(learn.path, opt_func)
+    assert not warned
     for (k, v), w in zip(learn.model.state_dict().items(), plain.model.state_dict().values()): assert torch.equal(v, w), k
     # optimizer state keyed as for the model's own params: equal to the fp16 learner's after its fit
     ost = lambda l: l.opt.opt.state if opt_func else l.opt.state
@@ -174,12 +180,8 @@ def test_bf16_state_resumes_bit_identically_and_loads_into_plain_fp32(name):
     for k, v in a.model.state_dict().items(): assert torch.equal(v, b.model.state_dict()[k]), k
     sd = torch.load(a.path/'models/mid.pth', weights_only=False)
     assert floating_tensors(sd['opt']) and {t.dtype for t in floating_tensors(sd['opt'])} == {torch.float32}
-    plain = make_learner(seed=1, path=a.path)
-    if opt_func: plain.opt_func = opt_func
-    with warnings.catch_warnings(record=True) as ws:
-        warnings.simplefilter('always')
-        plain.load('mid', with_opt=True)
-    assert not [w for w in ws if 'optimizer' in str(w.message)] and not plain.precision_callbacks()
+    plain, warned = plain_loaded(a.path, opt_func)
+    assert not warned and not plain.precision_callbacks()
     assert {t.dtype for t in floating_tensors(plain.opt.state_dict())} == {torch.float32}
     for s, t in zip(floating_tensors(plain.opt.state_dict()), floating_tensors(sd['opt'])): assert torch.equal(s.cpu(), t.cpu())  # a GPU learner's state beside the file's
     # between fits

@@ -4,7 +4,7 @@ ones FP32; the codes' round trip (quantizing the dequantized state gives the sam
 state resumes bit for bit; slices of a big param's state in whole blocks; FP32 after the fit, in a checkpoint and after
 `to_fp32()`; the bytes it takes; a small model's loss against FP32 state and bf16 state. (The combination matrix trains
 the 8-bit modes: tests/test_matrix.py.)"""
-import copy, io, warnings
+import copy, io
 from functools import partial
 import pytest
 import torch
@@ -220,7 +220,7 @@ def test_sliced_8bit_state_steps_as_the_whole_param(kw, opt, monkeypatch):
 # ---- checkpoints: FP32 in the file, resumed bit for bit
 
 from test_checkpoint import make_learner as ck_learner, fit as ck_fit, SaveAt, Record as Seeded, floating_tensors
-from test_checkpoint import torch_adamw
+from test_checkpoint import torch_adamw, plain_loaded
 
 CHECKPOINTED = {'masters-adam': ('to_bf16', {}, None), 'masters-torch': ('to_bf16', {}, torch_adamw),
                 'fp16-adam': ('to_fp16', dict(max_loss_scale=2.**10), None),
@@ -251,12 +251,8 @@ def test_8bit_state_resumes_bit_identically_and_loads_into_plain_fp32(name, monk
     sts = sts.values() if isinstance(sts, dict) else sts  # torch's dict, fastai's list
     saved = [v for st in sts for v in st.values() if torch.is_tensor(v) and v.dim()]
     assert saved and {(type(t), t.dtype) for t in saved} == {(torch.Tensor, torch.float32)}  # no codes in the file
-    plain = ck_learner(seed=1, path=a.path)
-    if opt_func: plain.opt_func = opt_func
-    with warnings.catch_warnings(record=True) as ws:
-        warnings.simplefilter('always')
-        plain.load('mid', with_opt=True)
-    assert not [w for w in ws if 'optimizer' in str(w.message)] and not plain.precision_callbacks()
+    plain, warned = plain_loaded(a.path, opt_func)
+    assert not warned and not plain.precision_callbacks()
     for s, t in zip(floating_tensors(plain.opt.state_dict()), floating_tensors(sd['opt'])): assert torch.equal(s, t)
     a.save('between')  # between fits
     ra2 = Seeded(offset=3); ck_fit(a, 1, cbs=ra2)
