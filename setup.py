@@ -38,6 +38,10 @@ setuptools.setup(
                 + ([f'License :: {lic[1]}'] if lic[1] else [])
                 + [f'Programming Language :: Python :: {v}' for v in py_versions[py_versions.index(min_python):]],
     packages=setuptools.find_packages(include=[cfg['lib_path'], f"{cfg['lib_path']}.*"]),
+    # `pip install -e .` then puts this checkout's folder on `sys.path` (a .pth line) instead of an import hook: a clone
+    # named `fp16cb` in the folder a script runs from is an empty namespace package, which an import hook would let win
+    # (`import fp16cb` patching nothing); on `sys.path`, the real package here beats it.
+    package_dir={'': '.'},
     include_package_data=True,
     install_requires=_reqs('requirements'),
     extras_require={'dev': _reqs('dev_requirements')},

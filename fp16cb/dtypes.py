@@ -9,6 +9,7 @@ from torch import nn
 __all__ = ['Converted', 'HALF_DTYPES', 'EIGHT_BIT', 'STATE_DTYPES', 'resolve_state_dtype', 'FP16_MAX',
            'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'resolve_dtype',
            'keeps_fp32', 'convert_network', 'convert_network_keeping', 'cpu_has_native', 'has_fast_half_math',
+           'range_remedy',
            'warn_slow_half', 'user_stacklevel', 'resolve_device', 'model_device', 'bare_copy', 'cpu_flags',
            'machine_line']
 
@@ -86,14 +87,28 @@ def convert_network(model:nn.Module, dtype:torch.dtype) -> nn.Module:
     return model
 
 _ONEDNN_PROBES = {torch.bfloat16: '_is_mkldnn_bf16_supported', torch.float16: '_is_mkldnn_fp16_supported'}
+# the CPU flags (/proc/cpuinfo: x86's `flags`, Arm's `Features`) of native 16-bit math; AVX512 without them converts
+# to FP32 and back around every op, AVX2 alone runs torch's reference kernels: both slower than FP32
+_NATIVE_FLAGS = {torch.bfloat16: {'avx512_bf16', 'amx_bf16', 'bf16'},
+                 torch.float16: {'avx512_fp16', 'amx_fp16', 'asimdhp'}}
 
 @functools.cache
 def cpu_has_native(dtype:torch.dtype) -> bool:
-    """Whether this CPU computes `dtype` matmuls natively, as torch's oneDNN sees it: bf16 with AVX512 (or AVX512-BF16,
-    AMX, Arm BF16), fp16 with AVX512-FP16 or AMX-FP16. Without, torch falls back to slow reference kernels."""
+    """Whether this CPU computes `dtype` matmuls natively, faster than FP32: bf16 with AVX512-BF16, AMX-BF16 or Arm's
+    BF16, fp16 with AVX512-FP16 or AMX-FP16, where torch's oneDNN uses them too (`ONEDNN_MAX_CPU_ISA` may forbid it).
+    Without, torch falls back to slow kernels."""
     if dtype not in _ONEDNN_PROBES: return True  # FP32 (and anything else) needs no 16-bit instructions
+    flags = _cpu_flag_set()
+    if flags and not flags & _NATIVE_FLAGS[dtype]: return False
     try: return bool(getattr(torch.ops.mkldnn, _ONEDNN_PROBES[dtype])())
-    except (AttributeError, RuntimeError): return dtype == torch.bfloat16  # a torch without the probe: the usual case
+    except (AttributeError, RuntimeError): return dtype == torch.bfloat16 and bool(flags)  # a torch without the probe
+
+def range_remedy(device) -> str:
+    """What to train in when activations overflow fp16's range, as advice chosen by what `device` runs fast: bf16
+    (FP32's range) where it is native, else FP32 (bf16 would be several times slower than FP32 there)."""
+    if has_fast_half_math(torch.bfloat16, device): return "bf16 (`learn.to_bf16()`), which has FP32's range"
+    return (f"FP32 (`learn.to_fp32()`): bf16 has FP32's range but no native math on this "
+            f"{torch.device(device).type}, where it runs slower than FP32")
 
 def has_fast_half_math(dtype:torch.dtype, device) -> bool:
     "Whether `device` computes `dtype` natively (GPUs do; a CPU only with the instructions `cpu_has_native` checks)."
@@ -195,12 +210,18 @@ def bare_copy(
 _FLAGS = ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'avx512_fp16', 'amx_tile', 'amx_bf16', 'amx_fp16')
 
 def _cpuinfo() -> dict:
-    try: return {k.strip(): v.strip() for k, v in (l.split(':', 1) for l in open('/proc/cpuinfo') if ':' in l)}
+    try:
+        with open('/proc/cpuinfo') as f: return {k.strip(): v.strip() for k, v in (l.split(':', 1) for l in f if ':' in l)}
     except OSError: return {}  # not Linux: no flags to show
+
+def _cpu_flag_set() -> set:
+    "This CPU's flags (x86) or features (Arm), as /proc/cpuinfo lists them; empty where it is not to be read."
+    info = _cpuinfo()
+    return set(info.get('flags', info.get('Features', '')).split())
 
 def cpu_flags() -> str:
     "The CPU flags that decide 16-bit speed, as `lscpu` lists them: 'flags avx2 avx512f ...; no avx512_fp16, ...'."
-    have = set(_cpuinfo().get('flags', '').split())
+    have = _cpu_flag_set()
     if not have: return 'flags unknown'
     return f"flags {' '.join(f for f in _FLAGS if f in have)}; " + ', '.join(f"no {f}" for f in _FLAGS if f not in have)
 

@@ -7,6 +7,7 @@ import torch
 from fastai.learner import Learner
 import fastai.callback.fp16 as _fastai_fp16  # loaded first, so that its own patches can never override ours
 from fastcore.meta import delegates
+from fastcore.docments import docments
 
 from .options import bf16_defaults, AMP_ARGS  # AMP_ARGS: fastai's AMP `to_fp16`'s arguments
 from .callbacks import ModelToHalf, MixedPrecision, NativeMixedPrecision
@@ -74,6 +75,19 @@ def _shows(
         return f
     return _f
 
+def _arguments(*sources):
+    """Decorator, outermost: the docstring ends with a NumPy-style 'Parameters' section, which `help()` prints and
+    fastcore's `docments` (so fastai's `doc`) reads: each keyword of the method's signature with its default and the
+    comment it has where it is declared, in `sources` (the callbacks it is passed on to; the first that has it)."""
+    def _f(f):
+        docs = {}
+        for src in reversed(sources): docs.update({k: v for k, v in docments(src).items() if v})
+        lines = [f"{n} : default {p.default!r}\n    {docs.get(n, '')}"
+                 for n, p in inspect.signature(f).parameters.items() if n != 'self']
+        if lines: f.__doc__ = inspect.cleandoc(f.__doc__) + "\n\nParameters\n----------\n" + '\n'.join(lines)
+        return f
+    return _f
+
 def _no_dtype(
     name:str, # the method given `dtype`: 'to_bf16'
     other:str, # the method that takes it: 'to_fp16'
@@ -84,6 +98,7 @@ def _no_dtype(
         raise TypeError(f"`learn.{name}()` trains in bfloat16 and takes no `dtype`: for another dtype, "
                         f"call `learn.{other}(dtype=...)`")
 
+@_arguments(MixedPrecision, ModelToHalf)
 @_shows(ModelToHalf)
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
@@ -99,6 +114,7 @@ def to_fp16(self:Learner, **kwargs):
     if getattr(self, 'model', None) is not None: half.check_model(self.model)
     return self._set_precision([half, MixedPrecision(dtype=dtype, **kwargs)])
 
+@_arguments(MixedPrecision, ModelToHalf)
 @_shows(ModelToHalf, dynamic=False, loss_scale=1.)
 @delegates(MixedPrecision, but=['dtype'])
 def to_bf16(self:Learner, **kwargs):
@@ -115,12 +131,14 @@ _NATIVE_FOREIGN = {k: ("it is an argument of `learn.to_fp16()` (FP32 master weig
                         "`to_native_fp16` takes GradScaler's arguments.") for k in _args_of(MixedPrecision)}
 _NATIVE_FOREIGN['amp_mode'] = "fastai's `amp_mode` is `dtype` here: `learn.to_native_bf16()` for bf16."
 
+@_arguments(NativeMixedPrecision)
 @delegates(NativeMixedPrecision)
 def to_native_fp16(self:Learner, **kwargs):
     "Train with PyTorch's autocast + GradScaler (fp16 by default; `dtype=torch.bfloat16` for bf16)."
     check_kwargs('to_native_fp16', kwargs, NativeMixedPrecision, _NATIVE_FOREIGN)
     return self._set_precision([NativeMixedPrecision(**kwargs)])
 
+@_arguments(NativeMixedPrecision)
 @delegates(NativeMixedPrecision, but=['dtype'])
 def to_native_bf16(self:Learner, **kwargs):
     "Train with PyTorch's autocast in bfloat16 (no loss scaling)."

@@ -8,6 +8,8 @@ from __future__ import annotations
 import warnings
 from fastai.learner import Metric
 
+from .dtypes import range_remedy, model_device
+
 __all__ = ['PrecisionValue', 'add_precision_metrics', 'remove_precision_metrics', 'hide_precision_metrics',
            'show_precision_metrics', 'COLUMNS', 'ScaleColumns', 'scale_health']
 
@@ -115,19 +117,21 @@ def scale_health(
     warned, out = cb.__dict__.setdefault('_health_warned', set()), []
     scaler = cb.loss_scaler  # a `LossScaler`, or torch's GradScaler behind `GradScalerAdapter`
     floor, dynamic = scaler.floor, scaler.is_dynamic
+    learn = cb.__dict__.get('learn')
+    device = 'cpu' if getattr(learn, 'model', None) is None else model_device(learn.model)
     if len(skips) >= 10 and sum(skips) > max(5, max_skip_frac * len(skips)) and 'skips' not in warned:
         causes = (["the dynamic loss scale grows again too soon (raise `scale_wait`/`growth_interval`)"]
                   if dynamic else [])
         causes.append("some batches hold NaN/inf (check the inputs and targets)")
         if str(getattr(cb, 'dtype', '')) != 'torch.bfloat16':
-            causes.append("the forward pass overflows in fp16 (try `learn.to_bf16()`, which has FP32's range)")
+            causes.append(f"the forward pass overflows in fp16: train in {range_remedy(device)}")
         out.append(f"{sum(skips)} of the last {len(skips)} optimizer steps were skipped for inf/NaN gradients. Likely: "
                    + '; or '.join(causes) + '.')
         warned.add('skips')
     if dynamic and len(scales) >= 10 and sum(s <= floor for s in scales) > len(scales) / 2 and 'floor' not in warned:
         out.append(f"the dynamic loss scale sits at its floor ({floor:g}) for most of the last {len(scales)} steps: "
                    "the gradients (or the loss) are too large for fp16 even unscaled. Check the learning rate and "
-                   "the inputs, or train with `learn.to_bf16()`.")
+                   f"the inputs, or train in {range_remedy(device)}.")
         warned.add('floor')
     for msg in out: warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return out

@@ -204,14 +204,25 @@ def test_fp16_native_cpu_does_not_warn(reset_warned, monkeypatch):
         quiet_fit(make_learner(device='cpu').to_fp16(**NO_OVERFLOW), 1)
     assert _slow_warnings(w) == []
 
-def test_cpu_native_probe(monkeypatch):
-    "`cpu_has_native` asks torch's oneDNN probe; a torch without it: bf16 assumed native, fp16 not; FP32 always."
+AVX2_ONLY = 'fpu sse2 avx fma avx2'  # an AMD EPYC without AVX512: bf16 emulated, a step several times FP32's
+AVX512_NO_BF16 = AVX2_ONLY + ' avx512f avx512dq avx512bw avx512vl'  # oneDNN's probe says bf16: it converts around each op
+AVX512_BF16 = AVX512_NO_BF16 + ' avx512_vnni avx512_bf16'
+
+@pytest.mark.parametrize('flags, bf16', [(AVX2_ONLY, False), (AVX512_NO_BF16, False), (AVX512_BF16, None), ('', None)],
+                         ids=['avx2-only', 'avx512-no-bf16', 'avx512-bf16', 'flags-unknown'])
+def test_cpu_native_is_what_runs_faster_than_fp32(monkeypatch, flags, bf16):
+    """`cpu_has_native` says bf16 only where the CPU has native bf16 math (AVX512-BF16, AMX-BF16, Arm's BF16) and torch's
+    oneDNN uses it (its probe, which `ONEDNN_MAX_CPU_ISA` can turn off): oneDNN's probe alone said bf16 on AVX512
+    without BF16, where bf16 is emulated; fp16 with AVX512-FP16 or AMX-FP16. Where /proc/cpuinfo is not to be read, the
+    probe alone; FP32 always. Each CPU kind mocked, whatever this machine is."""
     probe = fp16cb.dtypes.cpu_has_native.__wrapped__  # uncached
-    assert probe(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert probe(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    monkeypatch.setattr(fp16cb.dtypes, '_cpuinfo', lambda: {'flags': flags} if flags else {})
+    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert probe(torch.bfloat16) == (onednn if bf16 is None else bf16)
+    assert probe(torch.float16) == (False if flags else torch.ops.mkldnn._is_mkldnn_fp16_supported())
     assert probe(torch.float32) and fp16cb.dtypes.has_fast_half_math(torch.float32, 'cpu')
     monkeypatch.setattr(fp16cb.dtypes, '_ONEDNN_PROBES', {torch.bfloat16: '_no_such_probe', torch.float16: '_no_such_probe'})
-    assert probe(torch.bfloat16) and not probe(torch.float16)
+    assert probe(torch.bfloat16) == (flags == AVX512_BF16) and not probe(torch.float16)  # a torch without the probe
     assert fp16cb.dtypes.has_fast_half_math(torch.float16, 'cuda')  # GPUs compute both natively
 
 def test_model_to_half_alone_restores_exactly():
@@ -470,3 +481,15 @@ def test_slow_fp16_warning_says_how_much_and_points_at_the_users_line(reset_warn
     msg = str(ours[0].message)
     assert '1.9x (a small tabular MLP), 8x (a compute-bound MLP), 23x (an LSTM) and over 40x (a resnet18) slower than FP32' in msg
     assert 'Use `learn.to_bf16()` instead: bf16 is native' in msg
+
+@pytest.mark.parametrize('bf16_native', [True, False])
+def test_range_advice_follows_what_the_machine_runs_fast(monkeypatch, bf16_native):
+    """Every piece of advice for an fp16 overflow (all steps skipped, the scale at its floor, inputs beyond fp16's
+    range, the collapse) names `learn.to_bf16()` only where bf16 is native, else FP32: before the fix each named bf16 on
+    any CPU, where an AVX2-only one runs it several times slower than FP32. A GPU runs bf16 natively."""
+    from fp16cb.scaling import warn_all_skipped
+    _native(monkeypatch, fp16=False, bf16=bf16_native)
+    with pytest.warns(RuntimeWarning) as w: warn_all_skipped([True] * 3, 'MixedPrecision', 'cpu')
+    msg = str(w[0].message)
+    assert ('`learn.to_bf16()`' in msg) == bf16_native and ('`learn.to_fp32()`' in msg) == (not bf16_native)
+    assert '`learn.to_bf16()`' in fp16cb.dtypes.range_remedy('cuda')

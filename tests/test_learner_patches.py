@@ -219,3 +219,24 @@ def test_signatures_show_each_methods_own_defaults_and_keep_fp32():
     learn.to_bf16(dynamic=True)  # dynamic bf16: calibrated from the first step, as fp16 (no loss_scale forced to 1)
     assert not learn.mixed_precision.scaler.calibrated and learn.mixed_precision.dtype == torch.bfloat16
     with pytest.raises(TypeError, match=r"to_bf16.*dtype.*to_fp16\(dtype="): learn.to_bf16(dtype=torch.float16)
+
+@pytest.mark.parametrize('name', ['to_fp16', 'to_bf16', 'to_native_fp16', 'to_native_bf16', 'to_fp32', 'to_native_fp32'])
+def test_help_and_doc_describe_every_argument(name):
+    """A fastai user reads `help(learn.to_bf16)` or `doc(learn.to_bf16)` before the README: before the fix `to_bf16`'s
+    was one line and `to_fp16`'s covered `loss_scale` only. Each keyword of the signature has its line, default and
+    description in what `help()` prints, and fastcore's `docments` (what fastai's `doc` shows) has it too."""
+    import inspect, pydoc
+    from fastcore.docments import docments
+    meth = getattr(make_learner(), name)
+    text = pydoc.render_doc(meth, renderer=pydoc.plaintext)
+    lines = [l.strip() for l in text.splitlines()]
+    kws = [n for n in inspect.signature(meth).parameters if n != 'self']
+    if name in ('to_fp32', 'to_native_fp32'): assert kws == [] and 'FP32' in text
+    if name == 'to_bf16': assert {'state_dtype', 'half_storage', 'step_in_backward', 'keep_fp32', 'clip', 'clip_global',
+                                  'on_collapse'} <= set(kws)
+    docs = docments(getattr(Learner, name))
+    for kw in kws:
+        at = [i for i, l in enumerate(lines) if l.startswith(f"{kw} : default ")]
+        assert len(at) == 1, (name, kw)
+        assert len(lines[at[0] + 1]) > 10 and not lines[at[0] + 1].startswith(tuple(f"{k} :" for k in kws)), (name, kw)
+        assert docs[kw] and len(docs[kw]) > 10, (name, kw)

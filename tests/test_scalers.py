@@ -261,7 +261,10 @@ def test_nan_loss_fails_loudly(scaler):
     with pytest.raises(LossScaleError) as e:
         with learn.no_logging(): learn.fit(1, 1e-2)
     msg = str(e.value)
-    assert 'MixedPrecision' in msg and 'Likely causes' in msg and 'to_bf16' in msg
+    assert 'MixedPrecision' in msg and 'Likely causes' in msg and 'learn.precision_check()' in msg
+    # the loss itself is NaN: the remedy is the data or the loss, not a dtype (bf16, advised before whatever the cause
+    # and the machine, would not help)
+    assert 'check the targets' in msg and 'to_bf16' not in msg
     mp = learn.mixed_precision
     assert all(mp.skips) and len(mp.skips) <= 21 and mp.n_skipped == len(mp.skips)
     assert '21 steps in a row' in msg  # the dynamic scales calibrate from 1 and stay there: max_skipped ends it

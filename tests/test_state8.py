@@ -221,6 +221,7 @@ def test_sliced_8bit_state_steps_as_the_whole_param(kw, opt, monkeypatch):
 
 from test_checkpoint import make_learner as ck_learner, fit as ck_fit, SaveAt, Record as Seeded, floating_tensors
 from test_checkpoint import torch_adamw, plain_loaded
+from test_state16 import assert_not_worse
 
 CHECKPOINTED = {'masters-adam': ('to_bf16', {}, None), 'masters-torch': ('to_bf16', {}, torch_adamw),
                 'fp16-adam': ('to_fp16', dict(max_loss_scale=2.**10), None),
@@ -278,12 +279,9 @@ def test_8bit_state_takes_2_bytes_per_param_with_adam():
 
 # ---- accuracy: a small model with 8-bit state reaches FP32's loss as bf16 state does
 # The digits CNN (its largest tensor 2560 elements: every moving average made 8-bit here), Adam, one-cycle, 3 epochs,
-# seeds 0 to 3: the validation loss with 8-bit state within 1.1% of plain FP32's (bf16 with FP32 masters), 1.0% (bf16
-# storage), 1.6% (bf16 storage stepped in the backward), 1.0% (fp16 with FP32 masters); with bf16 state 2.2%; the
-# accuracy within 0.5 points (3 images of 600) in every mode. Held to what bf16 state is held to (tests/test_state16.py):
-# 2% and 0.5 points, on seed 0.
-LOSS_TOL, ACC_TOL = 0.02, 0.005
-
+# against FP32 from the same seed on both kinds of CPU (`python -m bench.margins`): held to what bf16 state is held to,
+# tests/test_state16.py's one-sided margins (on an AVX2-only CPU, bf16 storage with 8-bit state ended 2.2% below FP32's
+# loss, which the two-sided 2% of before refused).
 def test_8bit_state_reaches_fp32s_loss_as_bf16_state_does(monkeypatch):
     monkeypatch.setattr(state8, 'MIN_NUMEL', 1)
     modes = {'fp32': lambda l: l, 'bf16 state': lambda l: l.to_bf16(state_dtype=torch.bfloat16),
@@ -294,11 +292,7 @@ def test_8bit_state_reaches_fp32s_loss_as_bf16_state_does(monkeypatch):
         learn = digits_learner('digits', mode, 0)
         run = train(learn, epochs=3)
         res[name] = (learn.recorder.values[-1][1], run.accuracy)
-    n = len(learn.dls.valid_ds)
-    loss32, acc32 = res['fp32']
-    for name, (loss, acc) in res.items():
-        assert abs(loss - loss32) <= LOSS_TOL * loss32, (name, res)
-        assert abs(round(acc * n) - round(acc32 * n)) <= ACC_TOL * n + 1e-9, (name, res)
+    assert_not_worse(res, len(learn.dls.valid_ds))
 
 def test_an_8bit_moving_average_moves_on_average():
     """Increments finer than the map's spacing: to nearest (torchao's), the codes never move and the moment stalls (a

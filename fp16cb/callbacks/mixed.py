@@ -41,7 +41,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     _reduce = None  # the step's stats across ranks (`distributed.step_reducer`), chosen at a fit's first batch
     def __init__(self,
         loss_scale:float=512, # 'calibrate'/512: step 1's max |grad| at scale 1 sets it; a number: dynamic start/static
-        flat_master:bool=False, # flat FP32 masters per group, in lift-chunk parts (fewer, bigger tensors; no LAMB/LARC)
+        flat_master:bool=False, # one flat FP32 master per param group (fewer, bigger tensors; refused with LAMB/LARC)
         dynamic:bool=True, # dynamic scale: divided by `div_factor` on overflow (skip), up after `scale_wait` good steps
         max_loss_scale:float=2.**24, # ceiling of the dynamic scale
         div_factor:float=2., # the dynamic scale: divided by this on overflow, multiplied after `scale_wait` clean steps
@@ -53,7 +53,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         min_loss_scale:float=1., # the dynamic scale never falls under this; needing to is an error
         max_skipped:int=50, # more overflowing steps in a row than this stops training with an error
         clip_global:bool=False, # clip the norm of all param groups together (as fastai's `GradientClip`), not per group
-        half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, updated in FP32 math (`HalfStorage`)
+        half_storage:bool=False, # no FP32 masters: one 16-bit copy of the weights, each update computed in FP32
         stochastic_rounding:bool=True, # round 16-bit weights and optimizer state stochastically (False: to nearest)
         on_collapse:str='raise', # at the scale's floor: 'raise' (naming where overflow starts, the fix) or 'keep_fp32'
         step_in_backward:bool=False, # step in backward, drop each grad (bf16, scale 1, fastai optimizer: less memory)
@@ -182,7 +182,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
         # an error says more
-        if fit_ends and not self.session.failing: warn_all_skipped(self.record.this_fit, self.skip_label)
+        if fit_ends and not self.session.failing:
+            warn_all_skipped(self.record.this_fit, self.skip_label, model_device(self.learn.model))
 
     def resume(self):
         """Back from a pause in the middle of a step (a `before_step` after ours saved or froze): its grads are brought

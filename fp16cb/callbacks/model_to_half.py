@@ -6,7 +6,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device
+from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device, range_remedy
 from ..weights import shared
 from ..compat import Facts, check, float64_layers, FIT, STEP
 from ..session import SessionCallback
@@ -93,8 +93,8 @@ class ModelToHalf(SessionCallback):
         warnings.warn("the validation (or inference) inputs hold values beyond fp16's range (|x| > 65504): cast to "
                       "fp16 as they enter the model, they become inf, and the loss and predictions read nan where FP32 "
                       "gives large finite values. Check the data's normalization (a feature constant in the training "
-                      "split, divided by its std + 1e-7, reaches ~1e7), or train with `learn.to_bf16()` (FP32's "
-                      "range).",
+                      f"split, divided by its std + 1e-7, reaches ~1e7), or train in "
+                      f"{range_remedy(model_device(self.learn.model))}.",
                       RuntimeWarning, stacklevel=2)
 
     def teardown(self):

@@ -97,7 +97,7 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
                 self.record.unscale_left([getattr(p, 'grad', None) for pg in learn.opt.param_lists for p in pg])
         self.record.teardown()
         if not (self.session.suspending or self.session.failing):
-            warn_all_skipped(self.record.this_fit, self.skip_label)
+            warn_all_skipped(self.record.this_fit, self.skip_label, self.device_type or 'cpu')
 
     def resume(self):
         "Back from a pause inside a batch (a later callback's `before_batch` saved, loaded or froze): autocast again."

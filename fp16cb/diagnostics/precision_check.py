@@ -214,7 +214,7 @@ def _advice(df, overflow:dict, rem, prec, device, scale, floor, half_storage, st
             return (f"keep_fp32={[name]!r}: `{prec.call([name])}` ({what}; kept FP32, every module's output follows "
                     f"FP32's)" + (", or `learn.to_bf16()`" if bf16 else '') + '.')
         return (f"differs: {what}, and keeping it FP32 does not bring the outputs back: "
-                + ("`learn.to_bf16()`, or train in FP32." if prec.dtype == torch.float16 else "train in FP32."))
+                + ("`learn.to_bf16()`, or train in FP32." if bf16 else "train in FP32."))
     if overflow:
         starts = ', '.join(shown(o) for o in overflow)
         if rem is not None and rem.checked and not rem.keep and scale > floor:

@@ -4,10 +4,13 @@ keep overflowing."""
 from __future__ import annotations
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from contextlib import contextmanager
+import numpy as np
 import torch
 from torch import nn
 
+from ..dtypes import range_remedy
 from .scalers import LossScaleError, _HINT
 from .check import _by_device
 
@@ -64,13 +67,14 @@ def lr_find_stops_on(learn,
         if err is e: raise
         if err is not None: raise err from None
 
-def warn_all_skipped(skips:list, what:str):
+def warn_all_skipped(skips:list, what:str, device='cpu'):
     """At the end of a fit: warn when every optimizer step of it was skipped for inf/NaN gradients (the weights never
-    moved)."""
+    moved); the remedy for an fp16 overflow as `device` runs fast (`range_remedy`)."""
     if skips and all(skips):
         warnings.warn(f"all {len(skips)} optimizer steps of this fit were skipped for inf/NaN gradients ({what}): the "
                       f"weights did not change. Check the data and the loss for NaN/inf, lower the learning rate, or "
-                      f"try `learn.to_bf16()` if the forward pass overflows in fp16.", RuntimeWarning, stacklevel=2)
+                      f"if the forward pass overflows in fp16, train in {range_remedy(device)}.", RuntimeWarning,
+                      stacklevel=2)
 
 class OverflowLog:
     """Which parameters had inf/NaN gradients at each skipped step: the last `keep` steps (a long run stays bounded)
@@ -89,16 +93,20 @@ class OverflowLog:
 
     def __len__(self): return len(self.entries)
 
-class ScaleHistory:
+class ScaleHistory(Sequence):
     """The loss scale and the skip flag of every optimizer step of one precision setup (the callback a `to_fp16()` call
     made: its fits, whose scale goes on from one to the next), also `learn.loss_scale_history` from that setup's first
     fit on: it stays on the learner after `to_fp32()` has removed the callbacks, as fastai's `Recorder` keeps its values
     after the fit, until a new setup (`to_fp16()` again, `to_bf16()`...) fits. `fp16cb.plot_loss_scale(learn)` draws
-    it. Plain lists: a learner holding it copies, pickles and exports as before."""
+    it. As a sequence it is the loss scales, one per step (`h[-1]`, `list(h)`, `plt.plot(h)`); `.skips` says which
+    steps were skipped. Plain lists: a learner holding it copies, pickles and exports as before."""
     def __init__(self, label:str=''): self.label, self.scales, self.skips = label, [], []
     @property
     def n_skipped(self) -> int: return sum(self.skips)
     def __len__(self): return len(self.scales)
+    def __getitem__(self, i): return self.scales[i]  # a slice gives a list of scales
+    def __iter__(self): return iter(self.scales)
+    def __array__(self, dtype=None, copy=None): return np.asarray(self.scales, dtype=dtype)
     def __repr__(self): return f"{type(self).__name__}({self.label}: {len(self)} steps, {self.n_skipped} skipped)"
 
 class StepRecord:

@@ -23,8 +23,8 @@ def _check_scale_range(min_scale, max_scale) -> tuple:
     return check_real('min_loss_scale', min_scale, 0., max_scale, lo_open=True, hi_name='max_loss_scale'), max_scale
 
 _HINT = ("Likely causes: NaN/inf in the inputs, targets or loss; a learning rate that is too high (the weights "
-         "diverged); or activations beyond the fp16 range in the forward pass (try `learn.to_bf16()`, which has "
-         "FP32's range).")
+         "diverged); or activations beyond the fp16 range in the forward pass (`learn.precision_check()` names where "
+         "they start).")
 
 class LossScaler:
     """Base strategy: `scale` is the current loss scale; `update` is called once per optimizer step after the overflow
