@@ -211,8 +211,9 @@ _FLAGS = ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'avx512_fp16', 'amx_t
 
 def _cpuinfo() -> dict:
     try:
-        with open('/proc/cpuinfo') as f: return {k.strip(): v.strip() for k, v in (l.split(':', 1) for l in f if ':' in l)}
+        with open('/proc/cpuinfo') as f: lines = [l.split(':', 1) for l in f if ':' in l]
     except OSError: return {}  # not Linux: no flags to show
+    return {k.strip(): v.strip() for k, v in lines}
 
 def _cpu_flag_set() -> set:
     "This CPU's flags (x86) or features (Arm), as /proc/cpuinfo lists them; empty where it is not to be read."
