@@ -1,0 +1,229 @@
+"""One copy of the truth: during a fit the model's params are what FP32 fastai holds, whoever reads, writes, loads,
+copies, pickles or replaces them, the optimizer or its state. Each case runs the same code with plain FP32 fastai and
+in a mixed-precision mode, and the mode must match FP32 (dtypes aside). The cases marked `xfail` fail with today's
+design, where the weights the model holds (16-bit) are not the weights that train (FP32 masters in a store): they are
+the targets of the redesign in which the model's params are the FP32 masters and 16 bits is what the forward computes
+with. `strict`: a case that starts passing must lose its mark."""
+import copy, io, pickle
+from functools import partial
+import pytest
+import torch
+from torch import nn
+from fastai.basics import Callback, CancelStepException, CancelBatchException, SGD, Adam
+from fastai.optimizer import OptimWrapper
+
+from conftest import make_learner, quiet_fit, weights
+
+TODAY = "today's design: the model holds 16-bit copies, the FP32 masters live in a store beside it"
+today = partial(pytest.mark.xfail, strict=True, reason=TODAY)
+MODES = {'fp32': None, 'fp16': ('to_fp16', {'max_loss_scale': 2.**8}), 'bf16': ('to_bf16', {}),
+         'bf16-half': ('to_bf16', {'half_storage': True}), 'fp16-flat': ('to_fp16', {'flat_master': True, 'max_loss_scale': 2.**8}),
+         'bf16-state': ('to_bf16', {'state_dtype': torch.bfloat16}), 'bf16-state8': ('to_bf16', {'state_dtype': '8bit'}),
+         'bf16-sib': ('to_bf16', {'step_in_backward': True})}
+
+def learner(mode, opt=None, **kwargs):
+    learn = make_learner(opt_func=opt or Adam, **kwargs)
+    if MODES[mode] is None: return learn
+    name, kw = MODES[mode]
+    return getattr(learn, name)(**kw)
+
+def close(a:list, b:list, tol=2e-2) -> bool:
+    "Each tensor of `a` within `tol` (relative to the largest of `b`'s) of `b`'s, in FP32."
+    return all((x.float() - y.float()).abs().max() <= tol * max(y.float().abs().max(), 1e-3) for x, y in zip(a, b))
+
+# 1, 2: a callback restores earlier weights with `load_state_dict`; a save and the fit's end hold them
+class Restore(Callback):
+    "Keeps the weights after epoch 0; restores them at the end of the last epoch, then saves."
+    order = 60
+    def after_epoch(self):
+        if self.epoch == 0: self.sd = {k: v.detach().clone() for k, v in self.learn.model.state_dict().items()}
+        if self.epoch == self.n_epoch - 1:
+            self.learn.model.load_state_dict(self.sd)
+            self.learn.save('restored')
+            self.seen = {k: v.detach().clone() for k, v in self.learn.model.state_dict().items()}
+
+@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16', 'fp16-flat')] + ['fp32'])
+def test_weights_restored_by_load_state_dict_are_saved_and_kept_exactly(mode, tmp_path):
+    """FP32: after `load_state_dict(sd)` the file `learn.save` writes, `state_dict()` and the fit's end hold `sd` bit
+    for bit. Today: the file and `state_dict()` hold the weights from before the load (0.058 off), and the fit ends
+    with the loaded values rounded to 16 bits (9.7e-4 off in bf16)."""
+    learn, cb = learner(mode, path=tmp_path), Restore()
+    quiet_fit(learn, 2, cbs=cb)
+    saved = torch.load(tmp_path/'models'/'restored.pth', weights_only=False)['model']
+    for k, v in cb.sd.items():
+        assert torch.equal(saved[k], v), k
+        assert torch.equal(cb.seen[k], v), k
+    learn.to_fp32()
+    for k, v in learn.model.state_dict().items(): assert torch.equal(v, cb.sd[k]), k
+
+# 3: the optimizer pickles and copies mid-fit as the user's object
+class PickleOpt(Callback):
+    order = 60
+    def after_batch(self):
+        if not self.training or self.iter != 1: return
+        self.cls = type(self.learn.opt)
+        self.pickled = pickle.loads(pickle.dumps(self.learn.opt))
+        buf = io.BytesIO(); torch.save(self.learn.opt, buf)
+        self.copied = copy.deepcopy(self.learn.opt)
+
+@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')] + ['fp32'])
+def test_the_optimizer_pickles_and_copies_mid_fit_as_the_users_class(mode):
+    "FP32: `pickle.dumps(learn.opt)` and `torch.save(learn.opt)` work mid-fit. Today: `PicklingError` on `Routed[...]`."
+    learn, cb = learner(mode), PickleOpt()
+    cls = type(learn.create_opt() or learn.opt)
+    quiet_fit(learn, 1, cbs=cb)
+    assert cb.cls is cls and type(cb.pickled) is cls and type(cb.copied) is cls
+
+# 4: `learn.create_opt()` from a callback mid-fit
+class NewOpt(Callback):
+    order = 60
+    def after_epoch(self):
+        if self.epoch == 0: self.learn.create_opt()
+
+@pytest.mark.parametrize('mode, opt', [pytest.param('fp16', 'torch-sgd', marks=today()),
+                                       pytest.param('fp16', 'fastai-adam', marks=today()),
+                                       pytest.param('bf16', 'fastai-adam', marks=today()), ('bf16', 'torch-sgd')])
+def test_an_optimizer_made_again_mid_fit_trains_as_in_fp32(mode, opt):
+    """FP32: the new optimizer steps the model's params. Today, `to_fp16()` with torch's SGD: it steps the 16-bit params
+    with loss-scaled grads (the weights move 25.5, against 0.05); fastai's Adam: `Can't detach views in-place`."""
+    opt_func = partial(OptimWrapper, opt=torch.optim.SGD) if opt == 'torch-sgd' else Adam
+    ref = learner('fp32', opt_func); w0 = weights(ref)
+    quiet_fit(ref, 2, cbs=NewOpt())
+    learn = learner(mode, opt_func)
+    quiet_fit(learn, 2, cbs=NewOpt())
+    learn.to_fp32()
+    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)], tol=5e-2)
+
+# 5: `learn.opt.state_dict()` mid-fit is FP32 state per param, and loads into an FP32 learner
+class OptStateAt(Callback):
+    order = 60
+    def after_epoch(self):
+        if self.epoch == 0: self.sd = copy.deepcopy(self.learn.opt.state_dict())
+
+@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16-flat', 'bf16-state', 'bf16-state8')])
+def test_the_optimizers_state_dict_mid_fit_is_fp32_per_param(mode, monkeypatch):
+    """FP32: per-param FP32 state, which an FP32 learner loads and steps with. Today: the store's internal form (one
+    tensor per flat group, which does not load; 8-bit codes; bf16 moments an FP32 learner then keeps for good)."""
+    from fp16cb.weights import state8
+    monkeypatch.setattr(state8, 'MIN_NUMEL', 1)  # the tiny model's moving averages 8-bit too
+    learn, cb = learner(mode), OptStateAt()
+    quiet_fit(learn, 2, cbs=cb)
+    shapes = [p.shape for p in learn.model.parameters()]
+    fp32 = learner('fp32'); fp32.create_opt()
+    fp32.opt.load_state_dict(cb.sd)
+    state = [fp32.opt.state[p] for pg in fp32.opt.param_lists for p in pg]
+    tensors = [(k, v) for st in state for k, v in st.items() if torch.is_tensor(v) and v.dim()]
+    assert tensors and all(v.dtype == torch.float32 for _, v in tensors), {(k, v.dtype) for k, v in tensors}
+    assert all(v.shape in shapes for _, v in tensors)
+    quiet_fit(fp32, 1)
+    assert all(v.dtype == torch.float32 for st in fp32.opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+
+# 6: a callback that saves `learn.opt.zero_grad`, sets a no-op and restores it
+class SavedZeroGrad(Callback):
+    "Gradient accumulation by cancelled steps, holding back the optimizer's `zero_grad` by saving and restoring it."
+    order = 30
+    def before_step(self):
+        if self.train_iter % 2 == 0:
+            self.saved = self.learn.opt.zero_grad
+            self.learn.opt.zero_grad = lambda: None
+            raise CancelStepException()
+    def after_batch(self):
+        if hasattr(self, 'saved'): self.learn.opt.zero_grad = self.saved; del self.saved
+
+@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')])
+def test_zero_grad_saved_and_restored_by_a_callback_accumulates_as_in_fp32(mode):
+    "FP32 trains. Today: `RecursionError`."
+    ref = learner('fp32', SGD); quiet_fit(ref, 2, cbs=SavedZeroGrad())
+    learn = learner(mode, SGD); quiet_fit(learn, 2, cbs=SavedZeroGrad())
+    learn.to_fp32()
+    assert close(weights(learn), weights(ref))
+
+# 7: torch's `AveragedModel` (SWA) averages the FP32 weights
+class SWA(Callback):
+    order = 60
+    def before_fit(self): self.swa, self.seen = torch.optim.swa_utils.AveragedModel(self.learn.model), []
+    def after_epoch(self):
+        self.swa.update_parameters(self.learn.model)
+        self.seen.append([v.detach().clone() for k, v in self.learn.model.state_dict().items() if 'running' not in k
+                          and 'batches' not in k])  # the params, as `state_dict` gives them: FP32
+
+@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')] + ['fp32'])
+def test_swa_averages_the_fp32_weights(mode):
+    """FP32: the average of the FP32 weights at each epoch's end. Today: `to_fp16()` crashes at the first epoch's end,
+    after the weights moved; `to_bf16()` averages the 16-bit weights (the model's params), not the FP32 ones."""
+    cb = SWA()
+    quiet_fit(learner(mode), 2, cbs=cb)
+    avg = [(a + b) / 2 for a, b in zip(*cb.seen)]
+    got = list(cb.swa.module.parameters())
+    assert all(p.dtype == torch.float32 for p in got)
+    for g, a in zip(got, avg): torch.testing.assert_close(g.detach(), a, rtol=1e-6, atol=1e-7)
+
+# 8: timm's Lookahead(AdamW) with 16-bit storage
+def timm_lookahead(params, lr, **kw):
+    from timm.optim import Lookahead
+    return Lookahead(torch.optim.AdamW(params, lr=lr), alpha=.5, k=2)
+
+def adam_state(learn) -> list:
+    "The sum of AdamW's `exp_avg_sq` of each param inside timm's `Lookahead`, in the order of its state dict."
+    return [float(st['exp_avg_sq'].sum()) for st in learn.opt.opt.state_dict()['state'].values()]
+
+@pytest.mark.parametrize('mode', [pytest.param('bf16-half', marks=today()), 'bf16'])
+def test_timms_lookahead_of_adamw_keeps_its_state_where_fp32_does(mode):
+    """After the fit, AdamW's state inside timm's Lookahead is where FP32's is: each param's second moment in its place
+    in the state dict (a checkpoint of it loads into FP32 as it should). Today with `half_storage` the fit gives them
+    back permuted, and the update is 0.40 off FP32's relative to its size (0.19 with FP32 masters)."""
+    opt = partial(OptimWrapper, opt=timm_lookahead)
+    ref = learner('fp32', opt, lr=1e-3); quiet_fit(ref, 2)
+    learn = learner(mode, opt, lr=1e-3); quiet_fit(learn, 2); learn.to_fp32()
+    got, want = adam_state(learn), adam_state(ref)
+    assert len(got) == len(want) and all(abs(g - w) <= .05 * w + 1e-4 for g, w in zip(got, want)), (got, want)
+
+# 9: a gradient accumulator after the precision callback, with the scale growing between micro-batches
+class AccumulateAfter(Callback):
+    "Accumulation by skipping every other batch's step and `zero_grad` (`CancelBatchException` in `before_step`)."
+    order = 30
+    def before_step(self):
+        if self.train_iter % 2 == 0: raise CancelBatchException()
+
+@today()
+def test_accumulation_after_mixed_precision_while_the_scale_grows_updates_as_in_fp32():
+    "FP32: each step adds two micro-batches' grads. Today: the first accumulated update is 0.66x FP32's."
+    ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=AccumulateAfter())
+    learn = make_learner(opt_func=SGD).to_fp16(loss_scale=2.**4, scale_wait=1)
+    quiet_fit(learn, 1, cbs=AccumulateAfter()); learn.to_fp32()
+    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
+
+# 10: step in the backward through freeze, unfreeze, freeze
+class Toggle(Callback):
+    order = 5
+    def before_epoch(self):
+        if self.epoch == 1: self.learn.unfreeze()
+        else: self.learn.freeze()
+
+@today()
+def test_step_in_backward_through_freeze_unfreeze_freeze_trains():
+    """FP32 trains with discriminative lrs, and stepping in the backward the same bf16 math as `to_bf16()`. Today:
+    `cannot register a hook on a tensor that doesn't require gradient` in the third epoch."""
+    ref = learner('bf16'); w0 = weights(ref); quiet_fit(ref, 3, lr=slice(1e-3, 1e-2), cbs=Toggle()); ref.to_fp32()
+    learn = learner('bf16-sib'); quiet_fit(learn, 3, lr=slice(1e-3, 1e-2), cbs=Toggle()); learn.to_fp32()
+    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)], tol=1e-2)
+
+# 11: nothing set on the user's objects outside the patch table
+class Inside(Callback):
+    order = 60
+    def after_batch(self):
+        if not self.training or self.iter != 1: return
+        self.opt = (type(self.learn.opt), set(vars(self.learn.opt)))
+        self.model = [(set(vars(m)), len(m._state_dict_hooks), len(m._state_dict_pre_hooks),
+                       len(m._load_state_dict_pre_hooks)) for m in self.learn.model.modules()]
+
+@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')])
+def test_the_users_optimizer_and_model_hold_what_they_hold_in_fp32(mode):
+    """Mid-fit, `learn.opt` is of the user's class with the attributes it has in FP32, and the model's modules hold no
+    attribute or state-dict hook of ours. Today: `_fp16cb_route` and a routed class on the optimizer, `__deepcopy__`
+    and a `state_dict` hook on the model."""
+    ref, got = Inside(), Inside()
+    quiet_fit(learner('fp32'), 1, cbs=ref)
+    quiet_fit(learner(mode), 1, cbs=got)
+    assert got.opt == ref.opt
+    assert got.model == ref.model
