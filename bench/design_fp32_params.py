@@ -27,6 +27,7 @@ What is measured, all modes interleaved in one process (each round fits every mo
   final weights, relative to the weights' norm and to the update's norm (w50 - w0)."""
 from __future__ import annotations
 import argparse, gc, statistics, time, warnings, weakref
+from functools import partial
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, Adam, CrossEntropyLossFlat, Callback
@@ -72,6 +73,56 @@ class FP32Params(Callback):
         for h in self.handles: h.remove()
         self.handles = []
 
+class _CastBucket(torch.autograd.Function):
+    """The 16-bit copies of a bucket of FP32 params in one fused pass (`_foreach_copy_`), one autograd node for all of
+    them; in the backward their grads come back FP32 in one pass, each on its FP32 param (None where unused)."""
+    @staticmethod
+    def forward(ctx, dtype, *ps):
+        ctx.dtypes = [p.dtype for p in ps]
+        ctx.set_materialize_grads(False)
+        out = [torch.empty(p.shape, dtype=dtype, device=p.device) for p in ps]
+        torch._foreach_copy_(out, list(ps))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        idx = [i for i, g in enumerate(gs) if g is not None]
+        res = [None] * len(gs)
+        got = [torch.empty(gs[i].shape, dtype=ctx.dtypes[i], device=gs[i].device) for i in idx]
+        if got: torch._foreach_copy_(got, [gs[i] for i in idx])
+        for i, g in zip(idx, got): res[i] = g
+        return (None, *res)
+
+class BucketedFP32Params(FP32Params):
+    """`FP32Params` with the casts made per bucket (consecutive modules, about `bucket` elements, as FSDP2 casts per
+    unit): one forward pre-hook on each bucket's first module makes all its copies in one pass (`_CastBucket`), none on
+    the others; the root's forward hook puts every FP32 Parameter back. A bucket's copies live until its backward."""
+    def __init__(self, dtype=torch.bfloat16, bucket:int=2**18): super().__init__(dtype); self.bucket = bucket
+
+    def before_fit(self):
+        model = self.learn.model
+        self.handles = [model.register_forward_pre_hook(lambda m, a, k: (_cast(a, self.dtype), _cast(k, self.dtype)),
+                                                        with_kwargs=True, prepend=True)]
+        self.buckets, cur, n = [], [], 0
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm): continue
+            own = [(m, k, p) for k, p in m._parameters.items()
+                   if p is not None and p.is_floating_point() and p.dtype != self.dtype]
+            cur, n = cur + own, n + sum(p.numel() for _, _, p in own)
+            if cur and n >= self.bucket: self.buckets.append(cur); cur, n = [], 0
+        if cur: self.buckets.append(cur)
+        for b in self.buckets: self.handles.append(b[0][0].register_forward_pre_hook(partial(self._cast_bucket, b)))
+        self.handles.append(model.register_forward_hook(self._restore, always_call=True))
+
+    def _cast_bucket(self, b, m, args):
+        outs = _CastBucket.apply(self.dtype, *[p for _, _, p in b])
+        for (mod, k, _), o in zip(b, outs): mod._parameters[k] = o
+        if self.track is not None: self.track += [weakref.ref(o) for o in outs]
+
+    def _restore(self, m, args, out):
+        for b in self.buckets:
+            for mod, k, p in b: mod._parameters[k] = p
+
 # ------------------------------------------------------------------------------------------------ workloads, modes
 def mlp(): return nn.Sequential(*[o for _ in range(3) for o in (nn.Linear(1024, 1024), nn.ReLU())], nn.Linear(1024, 1024))
 def cnn(c=32):
@@ -85,6 +136,7 @@ WORKLOADS = {'mlp': ('4 x Linear(1024,1024) + ReLU, batch 256', mlp, (1024,), 25
                       (116,), 8)}
 MODES = {'fp32': lambda l: l, 'to_bf16': lambda l: l.to_bf16(),
          'proto_fp32_params': lambda l: l.add_cb(FP32Params(torch.bfloat16)),
+         'proto_bucketed': lambda l: l.add_cb(BucketedFP32Params(torch.bfloat16)),
          'to_bf16_half_storage': lambda l: l.to_bf16(half_storage=True)}
 
 def batches(wl, n, seed=0):
@@ -162,7 +214,7 @@ class MemProbe(Callback):
     def _on(self): return self.training and self.i >= self.at
     def before_batch(self):
         if not self._on(): return
-        self.saved, self.proto = [], next((cb for cb in self.learn.cbs if isinstance(cb, FP32Params)), None)
+        self.saved, self.proto = [], next((cb for cb in self.learn.cbs if isinstance(cb, FP32Params)), None)  # bucketed too
         if self.proto is not None: self.proto.track = []
         def pack(t): self.saved.append(weakref.ref(t)); return t
         self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -214,7 +266,7 @@ def memory(wl, mode, train):
 # -------------------------------------------------------------------------------------------- correctness, parts
 def correctness(wl, steps=50, n_batches=10):
     train, res = batches(wl, n_batches, seed=1), {}
-    for mode in ('fp32', 'to_bf16', 'proto_fp32_params'):
+    for mode in ('fp32', 'to_bf16', 'proto_fp32_params', 'proto_bucketed'):
         learn = learner(wl, mode, train)
         w0 = torch.cat([p.detach().float().flatten().clone() for p in learn.model.parameters()])
         fit(learn, steps // n_batches)
@@ -224,7 +276,8 @@ def correctness(wl, steps=50, n_batches=10):
         d = (wa - wb).norm()
         return {'max_abs': float((wa - wb).abs().max()), 'rel_w': float(d / wb.norm()), 'rel_update': float(d / (wb - w0).norm())}
     return {'proto vs to_bf16': dist('proto_fp32_params', 'to_bf16'), 'proto vs fp32': dist('proto_fp32_params', 'fp32'),
-            'to_bf16 vs fp32': dist('to_bf16', 'fp32')}
+            'to_bf16 vs fp32': dist('to_bf16', 'fp32'), 'bucketed vs to_bf16': dist('proto_bucketed', 'to_bf16'),
+            'bucketed vs proto': dist('proto_bucketed', 'proto_fp32_params')}
 
 def parts(model, reps=7):
     "ms of the bookkeeping each design adds, on `model`'s params: the casts and grad path vs the store's lift + copy-back."

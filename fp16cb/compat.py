@@ -127,6 +127,7 @@ class Facts:
     half_storage: bool = False
     flat_master: bool = False
     step_in_backward: bool = False
+    stochastic_rounding: bool = True  # how 16-bit weights and 16- or 8-bit state are rounded
     clip: bool = False
     unit_scale: bool = False  # the loss scale is 1 and stays 1 (bf16's default)
     scaler_args: tuple = ()  # GradScaler arguments given where no GradScaler runs (native bf16)
@@ -139,7 +140,7 @@ class Facts:
     float64_layers: tuple = ()  # names of float64 params of torch layers (a 16-bit model may feed them 16-bit inputs)
     float64_model: bool = False  # every floating param of the model is float64 (nothing would be 16-bit)
     float64_input: str|None = None  # a float64 torch layer that a 16-bit input reached (seen when it happens), by name
-    cancels_steps: bool = False  # a callback cancelled a step (`CancelStepException` after the backward)
+    cancels_steps: str|None = None  # what a callback raised after the backward to cancel a step, by name
     grads_read: bool = False  # a callback after ours handles `before_step` (it may read or change the grads)
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
@@ -152,6 +153,7 @@ class Facts:
         "The facts `MixedPrecision`'s options tell (`fp16cb.options`: `ScalingOptions`, `StoreOptions`, `ClipOptions`)."
         return cls(dtype=dtype, half_storage=storage.half_storage, flat_master=storage.flat_master,
                    step_in_backward=storage.step_in_backward, state_dtype=storage.state_dtype,
+                   stochastic_rounding=storage.stochastic_rounding,
                    clip=clipping.clip is not None, unit_scale=scaling.unit, **kw)
 
     @classmethod
@@ -162,13 +164,15 @@ class Facts:
         dtype = torch.bfloat16 if bf16 else torch.float16
         known = dict(optimizer=kind, optimizer_name=OPTIMIZERS[opt][1], counts_steps=opt != 'sgd',
                      accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
-                     compiled=ctx == 'compile', cancels_steps=ctx in ('cancel', 'cancelaccum', 'skipbatch'),
+                     compiled=ctx == 'compile', cancels_steps=_CANCELS.get(ctx),
                      grads_read=ctx in ('cancel', 'gradclip', 'userclip', 'cancelaccum'),
                      intermittent='<a branch>' if ctx == 'branch' and kind in ('torch', 'fused') else None)
         if native: return cls(native=True, dtype=dtype, **known)
         return cls.of_options(dtype, *options_of(**(bf16_defaults(kw) if bf16 else kw)), **known)
 
     def knowing(self, **kw) -> Facts: return replace(self, **kw)
+
+_CANCELS = {'cancel': 'CancelStepException', 'cancelaccum': 'CancelStepException', 'skipbatch': 'CancelBatchException'}
 
 # ---- the refusals
 @dataclass(frozen=True)
@@ -208,6 +212,18 @@ RULES = (
     Rule('sib-flat', OPTIONS, lambda f: f.step_in_backward and f.flat_master,
          _SIB + f"flat_master=True: use flat_master=False. Flat masters step a param group at once, and {_SIB_WHY}.",
          reason='flat masters step a whole param group at once; step_in_backward steps each param on its own.'),
+    Rule('half-flat', OPTIONS, lambda f: f.half_storage and f.flat_master,
+         "flat_master=True cannot be used with half_storage=True: drop flat_master, or keep FP32 masters "
+         "(half_storage=False) to have them flat. half_storage keeps no FP32 masters, only the 16-bit weights: there is "
+         "nothing to flatten, and the option would do nothing.",
+         reason='half_storage keeps no FP32 masters: flat_master would have nothing to flatten.'),
+    Rule('rounding-unused', OPTIONS, lambda f: not f.native and not f.stochastic_rounding and not f.half_storage
+                                                and f.state_dtype is None,
+         "stochastic_rounding=False would do nothing here: drop it, or use it with half_storage=True or a 16-bit or "
+         "8-bit state_dtype. It chooses how those are rounded; FP32 masters and FP32 optimizer state are never "
+         "rounded.",
+         reason='stochastic_rounding chooses how 16-bit weights and 16- or 8-bit state are rounded: without them it '
+                'would do nothing.'),
     Rule('native-bf16-scaler', OPTIONS, lambda f: f.native and f.dtype == torch.bfloat16 and bool(f.scaler_args),
          lambda f: f"`to_native_bf16` runs no GradScaler, so {', '.join(map(repr, f.scaler_args))} would do nothing: "
                    f"drop {'it' if len(f.scaler_args) == 1 else 'them'}, or use `learn.to_native_fp16(...)` for fp16 "
@@ -261,8 +277,8 @@ RULES = (
          "`GradientClip`, a probe): train without step_in_backward, or do that work in `after_backward` of a callback "
          "ordered before fp16cb's. The backward steps the params and drops their grads: that callback would see none.",
          reason="a callback's `before_step` would find no grads: step_in_backward consumed them in the backward."),
-    Rule('sib-cancel', STEP, lambda f: f.step_in_backward and f.cancels_steps,
-         "step_in_backward=True cannot undo a step a callback cancelled after the backward (`CancelStepException`): "
+    Rule('sib-cancel', STEP, lambda f: f.step_in_backward and bool(f.cancels_steps),
+         "step_in_backward=True cannot undo a step a callback cancelled after the backward (`{cancels_steps}`): "
          "train without step_in_backward, or cancel before the backward (`CancelBackwardException` in "
          "`before_backward`). The backward had stepped the params: the weights moved where FP32 fastai's would not.",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an "

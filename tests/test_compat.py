@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from fastai.basics import Adam, SGD, OptimWrapper, Callback, ranger
 from fastai.optimizer import Optimizer, sgd_step
-from fastai.callback.core import CancelStepException
+from fastai.callback.core import CancelStepException, CancelBatchException
 
 from fp16cb.compat import MODES, OPTIMIZERS, CONTEXTS, RULES, SEMANTICS, Facts, table, verdict, refusal, FIT, STEP
 from conftest import make_learner, quiet_fit, tiny_model
@@ -33,7 +33,8 @@ def test_every_rule_is_reachable_and_every_axis_named():
              refusal(Facts(step_in_backward=True, unit_scale=True, clip=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, flat_master=True)),
              refusal(Facts(state_dtype=torch.float16)), refusal(Facts(flat_master=True, whole_param="fastai's LAMB")),
-             refusal(Facts(flat_master=True, state_dtype='8bit')),
+             refusal(Facts(flat_master=True, state_dtype='8bit')), refusal(Facts(half_storage=True, flat_master=True)),
+             refusal(Facts(stochastic_rounding=False)),
              refusal(Facts(step_in_backward=True, unit_scale=True, optimizer='fastai', sparse_grads=('emb',)))}
     assert {r.name for r in cells | extra if r is not None} == {r.name for r in RULES}
     assert verdict('bf16', 'adam', 'plain') is None and 'DDP' in verdict('bf16-sib', 'adam', 'ddp')
@@ -61,7 +62,8 @@ def test_step_in_backward_steps_a_branch_not_taken_as_fastai_does(half_storage):
     "Before the fix: the branch's params were not stepped on the steps that skip it; fastai steps them with a zero grad."
     opt = partial(Adam, wd=0.1)
     ref = _updates(None, opt, _Branch, n_epoch=2)
-    got = _updates('to_bf16', opt, _Branch, n_epoch=2, step_in_backward=True, half_storage=half_storage, stochastic_rounding=False)
+    rounding = dict(stochastic_rounding=False) if half_storage else {}  # FP32 masters round nothing: refused there
+    got = _updates('to_bf16', opt, _Branch, n_epoch=2, step_in_backward=True, half_storage=half_storage, **rounding)
     for n in ref:
         err = (got[n] - ref[n]).norm() / ref[n].norm()
         assert err < 5e-2, (n, float(err))
@@ -80,6 +82,44 @@ def test_a_step_cancelled_after_step_in_backward_is_an_error():
     with pytest.raises(ValueError, match="reads or changes the grads in `before_step`"):
         quiet_fit(learn, 1, lr=1e-2, cbs=[_CancelEveryOther()])
     assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # torn down: the FP32 model is back
+
+class _DropAfterBackward(Callback):
+    """Drops the second batch's step after its backward with `exc` (a bad batch found by its gradients): a
+    `CancelBatchException` in `after_backward`, a `CancelStepException` where fastai catches it, in `before_step` (of a
+    callback ordered before fp16cb's: one after it is refused at the set-up, it would find no grads)."""
+    order = 5
+    def __init__(self, exc): self.exc = exc
+    def _drop(self):
+        if self.train_iter == 1: raise self.exc()
+    def after_backward(self):
+        if self.exc is CancelBatchException: self._drop()
+    def before_step(self):
+        if self.exc is CancelStepException: self._drop()
+
+@pytest.mark.parametrize('exc', [CancelBatchException, CancelStepException])
+def test_a_cancel_after_step_in_backward_names_what_the_callback_raised(exc):
+    """The refusal names the exception the user's callback raised: before the fix a `CancelBatchException` was said to
+    be a `CancelStepException`, which the user never raised."""
+    learn = make_learner(opt_func=Adam).to_bf16(step_in_backward=True)
+    with pytest.raises(ValueError) as e: quiet_fit(learn, 1, lr=1e-2, cbs=[_DropAfterBackward(exc)])
+    said, other = str(e.value), ({CancelBatchException, CancelStepException} - {exc}).pop()
+    assert e.value.rule == 'sib-cancel' and f"(`{exc.__name__}`)" in said and other.__name__ not in said, said
+
+@pytest.mark.parametrize('kw, rule', [(dict(half_storage=True, flat_master=True), 'half-flat'),
+                                      (dict(stochastic_rounding=False), 'rounding-unused'),
+                                      (dict(flat_master=True, stochastic_rounding=False), 'rounding-unused')])
+def test_options_that_would_do_nothing_are_refused_with_a_sentence(kw, rule):
+    """Before the fix they were silently ignored, where every other meaningless combination is refused: flat masters
+    with `half_storage` (there are no masters), the rounding choice with nothing 16- or 8-bit to round. Refused when
+    the call is made, through the declaration of what combines; where they mean something they are taken."""
+    for call in ('to_bf16', 'to_fp16'):
+        with pytest.raises(ValueError) as e: getattr(make_learner(), call)(**kw)
+        first = {'half-flat': 'flat_master=True cannot be used with half_storage=True: drop flat_master',
+                 'rounding-unused': 'stochastic_rounding=False would do nothing here: drop it'}[rule]
+        assert e.value.rule == rule and str(e.value).startswith(first), str(e.value)
+    for ok in (dict(half_storage=True, stochastic_rounding=False), dict(state_dtype='bf16', stochastic_rounding=False),
+               dict(state_dtype='8bit', stochastic_rounding=False), dict(half_storage=True), dict(flat_master=True)):
+        assert make_learner().to_bf16(**ok).mixed_precision.storage.stochastic_rounding == ok.get('stochastic_rounding', True)
 
 def test_half_storage_keeps_lookahead_slow_weights_fp32():
     "Before the fix: Lookahead's slow weights were bf16 copies that outlived the fit and rounded the next FP32 fit."

@@ -292,12 +292,13 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         return any(cb is not self and cb.order > self.order and any(event in vars(k) for k in type(cb).__mro__[:-1])
                    for cb in self.learn.cbs)
 
-    def after_cancel_step(self):
-        "Another callback cancelled a step that the backward already took (`step_in_backward`): say so, loudly."
+    def _cancelled(self, exc:str):
+        "Another callback cancelled a step that the backward already took (`step_in_backward`): say so, naming `exc`."
         if self.store is not None and self.store.stepped_in_backward():
-            check(self.facts.knowing(cancels_steps=True), STEP)
+            check(self.facts.knowing(cancels_steps=exc), STEP)
 
-    after_cancel_batch = after_cancel_step  # a batch dropped after its backward (`CancelBatchException`): the same
+    def after_cancel_step(self): self._cancelled('CancelStepException')
+    def after_cancel_batch(self): self._cancelled('CancelBatchException')  # a batch dropped after its backward
 
     def _half_grads(self) -> list:
         "The model's 16-bit grads as the backward left them (the calibrating step's underflow check)."
