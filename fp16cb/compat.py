@@ -214,8 +214,8 @@ RULES = (
          reason='flat masters step a whole param group at once; step_in_backward steps each param on its own.'),
     Rule('half-flat', OPTIONS, lambda f: f.half_storage and f.flat_master,
          "flat_master=True cannot be used with half_storage=True: drop flat_master, or keep FP32 masters "
-         "(half_storage=False) to have them flat. half_storage keeps no FP32 masters, only the 16-bit weights: there is "
-         "nothing to flatten, and the option would do nothing.",
+         "(half_storage=False) to have them flat. half_storage keeps no FP32 masters, only the 16-bit weights: there "
+         "is nothing to flatten, and the option would do nothing.",
          reason='half_storage keeps no FP32 masters: flat_master would have nothing to flatten.'),
     Rule('rounding-unused', OPTIONS, lambda f: not f.native and not f.stochastic_rounding and not f.half_storage
                                                 and f.state_dtype is None,

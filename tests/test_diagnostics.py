@@ -12,7 +12,7 @@ from fastai.callback.core import Callback
 from fp16cb import BackoffScaler, StaticScaler, LogNormalScaler
 from fp16cb.diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, scale_health, scaling_callback,
                                 GradientReport)
-from conftest import DEVICE, make_learner, weights
+from conftest import DEVICE, make_learner, weights, Record
 from conftest import quiet_fit as fit_quietly  # this module's `quiet_fit` hides warnings
 
 def synth_learner(factor=1., n=64, bs=16, seed=0):
@@ -221,6 +221,24 @@ def test_a_skipped_step_names_the_param_whose_grad_overflowed(mode, monkeypatch)
     per_step = 2 if mode == 'native_fp16' else 1  # GradScaler's own read, then the scale (test_native_host_reads_per_step)
     confirm = meth == 'to_bf16' and DEVICE.type == 'cpu'  # a CPU's summed check: the overflow step reads the exact one too
     assert len(calls) == 4 * per_step + confirm, calls  # the attribution is read later, not in the step
+
+@pytest.mark.parametrize('meth', ['to_bf16', 'to_fp16'])
+def test_a_bf16_skip_is_said_at_once_naming_the_params(meth):
+    """bf16 has FP32's range: a step skipped for inf/NaN is never normal. Before the fix a bf16 fit said nothing unless
+    every step was skipped (or 51 in a row). Now the fit's first bf16 skip warns at that step, naming the params whose
+    grads held inf/NaN and their modules; once a fit. fp16's skips stay quiet: its dynamic scale backs off by skipping."""
+    said = lambda w: [str(o.message) for o in w if 'a bf16 step was skipped' in str(o.message)]
+    kw = dict(max_loss_scale=2.**8) if meth == 'to_fp16' else {}
+    learn = getattr(make_learner(), meth)(**kw)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        seen = Record(after_batch=lambda l: len(said(w)))
+        for _ in range(2): fit_quietly(learn, 1, lr=1e-2, cbs=[WriteInto('3.weight', [1, 2], float('nan')), seen])
+    assert sum(_precision_cb(learn).skips) == 4
+    if meth == 'to_fp16': assert said(w) == []; return
+    train = seen.log['after_batch']  # the training batches: 4 a fit
+    assert train == [0, 1, 1, 1, 1, 2, 2, 2], train  # at the first skipped step of each fit, not at its end
+    assert "in the grads of '3.weight' (modules '3')" in said(w)[0] and 'keep_fp32' in said(w)[0]
 
 def test_attribution_spans_fits_and_names_several_params():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)

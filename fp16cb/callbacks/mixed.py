@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from fastai.callback.core import CancelStepException
 
-from ..dtypes import resolve_dtype, model_device, bare_copy
+from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
 from ..weights import FP32Masters, HalfStorage, Stage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
@@ -255,8 +255,22 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         self.record.unscaled()
+        if self.dtype == torch.bfloat16 and sum(self.record.this_fit) == 1: self._warn_bf16_skip()
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
+
+    def _warn_bf16_skip(self):
+        """A bf16 step skipped, the fit's first: said at once (a host read of the overflow log, on this step only),
+        naming the params whose grads held inf/NaN. bf16 has FP32's range: no healthy fit overflows in it."""
+        params = self.record.overflows.read()[-1]['params']
+        mods = list(dict.fromkeys(n.rsplit('.', 1)[0] if '.' in n else '(the model)' for n in params))
+        more = lambda xs: ', '.join(map(repr, xs[:5])) + (f" and {len(xs) - 5} more" if len(xs) > 5 else '')
+        where = f"in the grads of {more(params)} (modules {more(mods)})" if params else "(no param named)"
+        warnings.warn(f"a bf16 step was skipped for inf/NaN gradients {where}: the weights did not move. bfloat16 has "
+                      f"FP32's range, so no healthy fit overflows in it: the data or the loss hold NaN/inf, or a "
+                      f"module fails in 16 bits (`learn.precision_check()` names where it starts; "
+                      f"`learn.to_bf16(keep_fp32=[...])` keeps it FP32). Said once a fit; `learn.mixed_precision."
+                      f"overflows` lists every skipped step.", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _unscale_for_others(self):
         """A callback after ours handles `before_step` (a clip of its own, a probe of the grads, a skip): it reads the
