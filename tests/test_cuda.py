@@ -53,12 +53,14 @@ def on_device_fp32(learn) -> bool:
                                     dict(dtype=torch.bfloat16, loss_scale=1., dynamic=False),
                                     dict(dtype=torch.bfloat16, loss_scale=1., dynamic=False, flat_master=True)])
 def test_one_sync_per_step(monkeypatch, kwargs):
-    "MixedPrecision's step work synchronises with the GPU once per step (its one `.tolist()`), skipped steps included."
+    """MixedPrecision's step work synchronises with the GPU once per step (its one `.tolist()`), skipped steps included,
+    but for a bf16 fit's first skipped step, never normal, which reads the overflow log to say so at once."""
     log = count_syncs(monkeypatch, MixedPrecision)
     learn = make_learner().to_fp16(max_loss_scale=2.**8, **kwargs)
     quiet_fit(learn, 1, lr=1e-2, cbs=Inject([1]))
     monkeypatch.undo()
-    assert per_step(log) == [1] * 4, log
+    said = kwargs.get('dtype') == torch.bfloat16
+    assert per_step(log) == [1, 1 + said, 1, 1], log
     assert learn.mixed_precision.skips == [False, True, False, False]
     assert on_device_fp32(learn)
 
