@@ -20,7 +20,9 @@ __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision',
            'NativeMixedPrecision', 'BNStatsGuard']
 
-from .diagnostics import (plot_loss_scale, gradient_report, plot_gradient_range, GradientReport, precision_check,
+from .diagnostics import (plot_loss_scale, plot_precision_health, gradient_report, plot_gradient_range, GradientReport,
+                          precision_check,
                           plot_precision_check)
-__all__ += ['plot_loss_scale', 'gradient_report', 'plot_gradient_range', 'GradientReport', 'precision_check',
+__all__ += ['plot_loss_scale', 'plot_precision_health', 'gradient_report', 'plot_gradient_range', 'GradientReport',
+            'precision_check',
             'plot_precision_check']

@@ -69,6 +69,9 @@ CATEGORIES = {
     'softmax': ("Softmax, LogSoftmax, Softmin modules", _is_softmax),
 }
 _NATIVE_MIXED = (nn.modules.batchnorm._BatchNorm,)  # torch's kernels take 16-bit inputs with FP32 params: no casts
+# a parametrization computes its tensor in FP32, cast to the module's dtype as it leaves: torch's orthogonal maps have
+# no 16-bit CPU kernels (cayley, householder) or give NaN in 16 bits (matrix_exp); FP32 is what the user's code computed
+PARAMETRIZATION = "a parametrization: computed in FP32, its tensor cast to 16 bits for the module"
 _ATTR = 'fp16cb_dtype'  # the per-module override
 
 class _IsType:
@@ -246,7 +249,8 @@ class PrecisionPolicy:
         by_spec, kept = self._spec_reasons(model), {}
         def visit(name, m, inherited):
             dt = self._override(name, m)
-            reason = ((inherited or by_spec.get(id(m))) if dt is None else
+            own = PARAMETRIZATION if isinstance(m, nn.utils.parametrize.ParametrizationList) else by_spec.get(id(m))
+            reason = ((inherited or own) if dt is None else
                       (f"{_ATTR}=float32" if dt == torch.float32 else None))
             if reason is not None: kept[id(m)] = reason
             for cn, c in _children(name, m): visit(cn, c, f"inside {name or 'the model'}" if reason else None)

@@ -222,10 +222,10 @@ def test_a_skipped_step_names_the_param_whose_grad_overflowed(mode, monkeypatch)
     confirm = meth == 'to_bf16' and DEVICE.type == 'cpu'  # a CPU's summed check: the overflow step reads the exact one too
     # the attribution is read later, not in the step; but a bf16 fit's first skip, never normal, is said at once,
     # naming the params: one read more on that step (test_a_bf16_skip_is_said_at_once_naming_the_params)
-    said = meth == 'to_bf16'
+    said = meth in ('to_bf16', 'to_native_bf16')
     assert len(calls) == 4 * per_step + confirm + said, calls
 
-@pytest.mark.parametrize('meth', ['to_bf16', 'to_fp16'])
+@pytest.mark.parametrize('meth', ['to_bf16', 'to_fp16', 'to_native_bf16'])
 def test_a_bf16_skip_is_said_at_once_naming_the_params(meth):
     """bf16 has FP32's range: a step skipped for inf/NaN is never normal. Before the fix a bf16 fit said nothing unless
     every step was skipped (or 51 in a row). Now the fit's first bf16 skip warns at that step, naming the params whose
@@ -239,9 +239,29 @@ def test_a_bf16_skip_is_said_at_once_naming_the_params(meth):
         for _ in range(2): fit_quietly(learn, 1, lr=1e-2, cbs=[WriteInto('3.weight', [1, 2], float('nan')), seen])
     assert sum(_precision_cb(learn).skips) == 4
     if meth == 'to_fp16': assert said(w) == []; return
-    train = seen.log['after_batch']  # the training batches: 4 a fit
+    train = seen.log['after_batch']  # the training batches: 4 a fit (before, `to_native_bf16` said nothing: [0]*8)
     assert train == [0, 1, 1, 1, 1, 2, 2, 2], train  # at the first skipped step of each fit, not at its end
     assert "in the grads of '3.weight' (modules '3')" in said(w)[0] and 'keep_fp32' in said(w)[0]
+
+BURSTS = {'to_fp16': dict(max_loss_scale=2.**8), 'to_native_fp16': dict(init_scale=2.**8)}
+
+@pytest.mark.parametrize('meth', list(BURSTS))
+@pytest.mark.parametrize('steps,burst', [((4, 5, 6, 7), True), ((4, 6, 9), False)])
+def test_an_fp16_fit_that_skips_more_than_a_healthy_one_is_told_at_once(meth, steps, burst):
+    """4 of 8 steps skipped once the scale has settled: no healthy fp16 fit measured skips so often (at most 3 of 8
+    with the scale trying to grow every 20 steps: `python -m bench.skip_rates`). Said at the 4th skip, naming the param,
+    once a fit; 3 of 8 stays quiet. Before, only the epoch's end said it (more than 5 and 10% of 200 steps), or the
+    51st skip in a row."""
+    burst_said = lambda w: [str(o.message) for o in w if 'no healthy fp16 fit skips so often' in str(o.message)]
+    learn = getattr(make_learner(), meth)(**BURSTS[meth])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        seen = Record(after_batch=lambda l: len(burst_said(w)))
+        fit_quietly(learn, 3, lr=1e-2, cbs=[WriteInto('3.weight', steps), seen])
+    assert [i for i, s in enumerate(_precision_cb(learn).skips) if s] == list(steps)
+    if not burst: assert burst_said(w) == []; return
+    assert seen.log['after_batch'] == [0] * 7 + [1] * 5  # at the 4th skip, not at the epoch's end, and once
+    assert "'3.weight' (modules '3')" in burst_said(w)[0] and 'keep_fp32' in burst_said(w)[0]
 
 def test_attribution_spans_fits_and_names_several_params():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)

@@ -9,14 +9,15 @@ from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
 from ..weights import FP32Masters, HalfStorage, Stage
-from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args
+from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
-                      warn_all_skipped)
+                      warn_all_skipped, warn_skips)
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
 from ..distributed import patch_fastai, is_ddp, syncs, step_reducer
 from .model_to_half import ModelToHalf
+from .health import PrecisionWatch
 
 __all__ = ['MixedPrecision']
 
@@ -58,12 +59,14 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         on_collapse:str='raise', # at the scale's floor: 'raise' (naming where overflow starts, the fix) or 'keep_fp32'
         step_in_backward:bool=False, # step in backward, drop each grad (bf16, scale 1, fastai optimizer: less memory)
         state_dtype=None, # the optimizer's state between steps: torch.bfloat16, '8bit' (torchao's codes), None: FP32
+        health_every:int=100, # every so many steps some 16-bit modules run again in FP32: one far off is said (0: off)
     ):
         self.dtype = resolve_dtype(dtype)
         self.scaling = ScalingOptions(loss_scale, dynamic, max_loss_scale, min_loss_scale, div_factor, scale_wait,
                                       max_skipped, scaler, on_collapse)
         self.storage = StoreOptions(flat_master, half_storage, stochastic_rounding, step_in_backward, state_dtype)
         self.clipping = ClipOptions(clip, clip_global)
+        self.health_every, self.health = check_int('health_every', health_every, 0), None
         self.scaler = make_scaler(self.scaling.scaler, dtype=self.dtype, **self.scaling.scaler_kwargs)
         check(self.facts, OPTIONS)
         self.store, self.max_grad, self._rng, self._rng_state = None, None, None, None
@@ -88,6 +91,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    health_checks = property(lambda self: [] if self.health is None else self.health.checks,
+                             doc="The precision-health checks so far: `{'step', 'module', 'rel_diff'}`.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
                        doc="Whether the last step was skipped.")
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs,
@@ -146,6 +151,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
         self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)
+        if half and self.health_every and (self.health is None or self.health.model is not model):
+            kept = mth.policy.resolve(model, warn=False).kept
+            self.health = PrecisionWatch(model, kept, self.dtype, self.health_every)
 
     def _expose_fp32(self, mth):
         """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
@@ -170,6 +178,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         go)."""
         fit_ends = not self.session.suspending
         self._unexpose()
+        if self.health is not None:
+            self.health.disarm()
+            if fit_ends and not self.session.failing: self.health.read(final=True)
         if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
         self.record.teardown()
         self.drop_scale_columns(fit_ends)
@@ -221,6 +232,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self._data_writes: self.store.follow_writes(everything=True)  # fastai's WGAN clipped the weights via `.data`
         self._follow_trainable()
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
+        if self.health is not None and self.health.due(self.learn.train_iter): self.health.read(); self.health.arm(
+            self.learn.train_iter)
+
+    def after_loss(self):
+        if self.health is not None and self.health.armed: self.health.compare()  # the check step's forward is done
 
     def before_backward(self):
         if self.store is not None: self.store.backward()
@@ -255,22 +271,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             return
         self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
         self.record.unscaled()
-        if self.dtype == torch.bfloat16 and sum(self.record.this_fit) == 1: self._warn_bf16_skip()
+        if warn_skips(self.record, self.dtype, self.scaler.is_dynamic, model_device(self.learn.model)) == 'burst':
+            self.__dict__.setdefault('_health_warned', set()).add('skips')  # said: not again at the epoch's end
         with lr_find_stops_on(self.learn, self._collapse): self.scaler.update(found, self.max_grad, underflow=under)
         raise CancelStepException()
-
-    def _warn_bf16_skip(self):
-        """A bf16 step skipped, the fit's first: said at once (a host read of the overflow log, on this step only),
-        naming the params whose grads held inf/NaN. bf16 has FP32's range: no healthy fit overflows in it."""
-        params = self.record.overflows.read()[-1]['params']
-        mods = list(dict.fromkeys(n.rsplit('.', 1)[0] if '.' in n else '(the model)' for n in params))
-        more = lambda xs: ', '.join(map(repr, xs[:5])) + (f" and {len(xs) - 5} more" if len(xs) > 5 else '')
-        where = f"in the grads of {more(params)} (modules {more(mods)})" if params else "(no param named)"
-        warnings.warn(f"a bf16 step was skipped for inf/NaN gradients {where}: the weights did not move. bfloat16 has "
-                      f"FP32's range, so no healthy fit overflows in it: the data or the loss hold NaN/inf, or a "
-                      f"module fails in 16 bits (`learn.precision_check()` names where it starts; "
-                      f"`learn.to_bf16(keep_fp32=[...])` keeps it FP32). Said once a fit; `learn.mixed_precision."
-                      f"overflows` lists every skipped step.", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _unscale_for_others(self):
         """A callback after ours handles `before_step` (a clip of its own, a probe of the grads, a skip): it reads the
@@ -359,7 +363,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self._reduce = step_reducer(self.learn.model)
         if syncs(self.learn.model): self.store.broadcast_from(0)
 
-    def after_epoch(self): scale_health(self)
+    def after_epoch(self):
+        scale_health(self)
+        if self.health is not None: self.health.read()
 
     def state_dict(self) -> dict:
         "What a checkpoint keeps of this callback: the loss scaler's state, and the stochastic rounding's generator."

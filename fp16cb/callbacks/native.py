@@ -11,7 +11,7 @@ from ..dtypes import resolve_dtype, warn_slow_half, model_device
 from .casts import cast_floats
 from ..session import SessionCallback
 from ..scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip, lr_find_stops_on,
-                      warn_all_skipped, nonfinite_flags)
+                      warn_all_skipped, warn_skips, nonfinite_flags)
 # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
 from ..monitor import scale_health, ScaleColumns
 from ..distributed import reduce_max_
@@ -160,6 +160,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
         self._scale = scale = self.loss_scale
         if not self.skipped: return
         self.record.record(scale, True, self._overflowing())  # BatchNorm's statistics back
+        if warn_skips(self.record, self.dtype, self.loss_scaler.is_dynamic, self.device_type or 'cpu') == 'burst':
+            self.__dict__.setdefault('_health_warned', set()).add('skips')  # said: not again at the epoch's end
         with lr_find_stops_on(self.learn, self._collapse):
             self.skipped_in_a_row = count_skip(self.skipped_in_a_row, True, self.max_skipped,
                                                f"{self.dtype} autocast, loss scale {scale:g}")

@@ -10,7 +10,7 @@ from ..monitor import scale_health
 from ..scaling import ScaleHistory
 
 __all__ = ['state_bytes', 'FP16_MAX', 'FP16_MIN_NORMAL', 'FP16_MIN_SUBNORMAL', 'scaling_callback', 'plot_loss_scale',
-           'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
+           'plot_precision_health', 'GradientReport', 'gradient_report', 'plot_gradient_range', 'scale_health']
 
 
 def _axes(ax, size:tuple):
@@ -48,6 +48,32 @@ def plot_loss_scale(
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale')
     name = cb.label if isinstance(cb, ScaleHistory) else type(cb).__name__
     ax.set_title(title or f'{name}: {len(over)} of {len(scales)} steps skipped')
+    ax.legend(loc='best', fontsize='small')
+    return ax
+
+def plot_precision_health(
+    obj, # a `Learner` set up with `to_fp16()`/`to_bf16()` (during or after a fit), or its `MixedPrecision`
+    ax=None, # matplotlib axes to draw on (a new figure when None)
+):
+    """Beside the loss scale's plot: the fit's precision-health checks (`MixedPrecision(health_every=...)`), each
+    checked module's output off its FP32 output (relative, log axis) at the step it was checked, the line over which a
+    module is named (`DIVERGES`), the named modules labelled, and the skipped steps marked at the foot. Returns `ax`."""
+    from ..callbacks.health import DIVERGES
+    cb = scaling_callback(obj)
+    checks, skips = list(getattr(cb, 'health_checks', [])), list(cb.skips)
+    ax = _axes(ax, (6, 3))
+    finite = [c['rel_diff'] for c in checks if math.isfinite(c['rel_diff']) and c['rel_diff'] > 0]
+    top = max(finite + [DIVERGES]) * 4
+    ax.scatter([c['step'] for c in checks], [min(c['rel_diff'], top) if c['rel_diff'] > 0 else 1e-6 for c in checks],
+               s=12, label='a module checked (its output vs FP32)')
+    ax.axhline(DIVERGES, color='red', ls='--', lw=1, label=f'named over {DIVERGES:.0%}')
+    for c in checks:
+        if c['rel_diff'] > DIVERGES: ax.annotate(c['module'], (c['step'], min(c['rel_diff'], top)), fontsize='small')
+    over = [i for i, s in enumerate(skips) if s]
+    if over: ax.scatter(over, [1e-6] * len(over), marker='|', color='red', label=f'step skipped ({len(over)})')
+    ax.set_yscale('log'); ax.set_xlabel('step'); ax.set_ylabel('relative difference')
+    named = sum(c['rel_diff'] > DIVERGES for c in checks)
+    ax.set_title(f'precision health: {len(checks)} checks, {named} over the line')
     ax.legend(loc='best', fontsize='small')
     return ax
 

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..dtypes import range_remedy
+from ..dtypes import range_remedy, user_stacklevel
 from .scalers import LossScaleError, _HINT
 from .check import _by_device
 
 __all__ = ['BNStatsGuard', 'count_skip', 'lr_find_stops_on', 'warn_all_skipped', 'OverflowLog', 'ScaleHistory',
-           'StepRecord']
+           'StepRecord', 'settled', 'BURST']
 
 class BNStatsGuard:
     "Snapshot BatchNorm running statistics before a step's forward pass; put them back when the step is skipped."
@@ -76,6 +76,48 @@ def warn_all_skipped(skips:list, what:str, device='cpu'):
                       f"if the forward pass overflows in fp16, train in {range_remedy(device)}.", RuntimeWarning,
                       stacklevel=2)
 
+# a fit whose loss scale has settled and that skips this many of this many steps is told so at once: the most that any
+# healthy fp16 fit of `python -m bench.skip_rates` skipped was 3 of 8 (with the scale trying to grow every 20 steps)
+BURST = (4, 8)
+
+def settled(skips:list, scales:list, dynamic:bool) -> list:
+    """The skip flags of a fit's steps once its loss scale has settled: all of a static scale's; a dynamic one's from
+    its first applied step, or from its first at scale 1 or under (an overflow there is the model's own)."""
+    if not dynamic: return list(skips)
+    return list(skips[next((i for i, (k, s) in enumerate(zip(skips, scales)) if not k or s <= 1), len(skips)):])
+
+def _where(params:list) -> str:
+    "The params named in an overflow log entry, and their modules."
+    mods = list(dict.fromkeys(n.rsplit('.', 1)[0] if '.' in n else '(the model)' for n in params))
+    more = lambda xs: ', '.join(map(repr, xs[:5])) + (f" and {len(xs) - 5} more" if len(xs) > 5 else '')
+    return f"in the grads of {more(params)} (modules {more(mods)})" if params else "(no param named)"
+
+def warn_skips(record, dtype, dynamic:bool, device='cpu') -> str|None:
+    """After a skipped step: say at once what no healthy fit shows (once a fit each), naming the params whose grads
+    held inf/NaN (a host read of the overflow log, on this step only): a bf16 step skipped (bf16 has FP32's range), or
+    `BURST` skips among the last settled steps. The warning's kind ('bf16', 'burst'), or None."""
+    fit = record.this_fit
+    if dtype == torch.bfloat16: kind = 'bf16' if sum(fit) == 1 else None
+    else:
+        n, w = BURST
+        kind = 'burst' if sum(settled(fit, record.scales[record.fit_start:], dynamic)[-w:]) >= n else None
+    if kind is None or kind in record.said: return None
+    record.said.add(kind)
+    where = _where(record.overflows.read()[-1]['params'])
+    fix = "(`learn.precision_check()` names where it starts; `keep_fp32=[...]` keeps that module FP32)"
+    if kind == 'bf16':
+        msg = (f"a bf16 step was skipped for inf/NaN gradients {where}: the weights did not move. bfloat16 has FP32's "
+               f"range, so no healthy fit overflows in it: the data or the loss hold NaN/inf, or a module fails in 16 "
+               f"bits {fix}.")
+    else:
+        msg = (f"{sum(settled(fit, record.scales[record.fit_start:], dynamic)[-BURST[1]:])} of the last {BURST[1]} "
+               f"optimizer steps were skipped for inf/NaN gradients once the loss scale had settled, the last "
+               f"{where}: the weights did not move on those steps, and no healthy fp16 fit skips so often. The data "
+               f"or the loss hold NaN/inf, or a module overflows in fp16 {fix}; or train in {range_remedy(device)}.")
+    warnings.warn(msg + " Said once a fit; `overflows` on the callback lists every skipped step.", RuntimeWarning,
+                  stacklevel=user_stacklevel())
+    return kind
+
 class OverflowLog:
     """Which parameters had inf/NaN gradients at each skipped step: the last `keep` steps (a long run stays bounded)
     and their `count`. The per-parameter flags stay on the device until `read` (no host sync in the step)."""
@@ -118,12 +160,12 @@ class StepRecord:
     ends before its step divides them by (`unscale_left`)."""
     def __init__(self, label:str=''):
         self.history, self.fit_start, self.bn, self.overflows = ScaleHistory(label), 0, None, OverflowLog()
-        self.grad_scale = None
+        self.grad_scale, self.said = None, set()
     scales = property(lambda self: self.history.scales)
     skips = property(lambda self: self.history.skips)
     def new_fit(self, learn=None):
         "A fit starts: its steps are those recorded from now on; `learn.loss_scale_history` is this record's history."
-        self.fit_start, self.grad_scale = len(self.skips), None
+        self.fit_start, self.grad_scale, self.said = len(self.skips), None, set()
         if learn is not None: learn.loss_scale_history = self.history
     def setup(self, model): self.bn = BNStatsGuard(model)
     def teardown(self): self.bn = None

@@ -1,0 +1,162 @@
+"""The precision-health check of a fit (`MixedPrecision(health_every=...)`): what `learn.precision_check()` finds when
+asked, said during a fit that nobody asked about. Every `every` steps, on that step's training batch, a share of the
+modules that compute in 16 bits (rotating through the model: all of them every `SHARE` checks) is run again in FP32 on
+the same inputs, from a hookless FP32 copy and the same random state. A module whose 16-bit output is over `DIVERGES`
+off its FP32 output (a hand-written norm whose `x**2` overflows fp16 gives 0 where FP32 gives the norm) is said once,
+with the `keep_fp32` that keeps it FP32. A module that diverges only because one of its modules does is not named:
+that one is. No host sync: a check's figures are read at the next check (on a GPU from a non-blocking copy that has
+landed by then), or at the epoch's end. Each check is kept in `checks`, the record `plot_precision_health` draws."""
+from __future__ import annotations
+import math, warnings
+import torch
+from torch import nn
+
+from ..dtypes import bare_copy, user_stacklevel
+from ..policy import named_modules, is_compiled
+
+__all__ = ['PrecisionWatch', 'DIVERGES', 'SHARE']
+
+DIVERGES = .2  # as `precision_check`: a module's output this far from FP32's (relative) is named
+SHARE = 8  # a check runs 1/SHARE of the watched modules again in FP32
+FIRST = 20  # the first SHARE checks come this often: a module that fails from the start is named within ~180 steps
+_SKIP = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.modules.dropout._DropoutNd)
+
+def _floats(x) -> list:
+    "The floating tensors of an output (a tensor, or tuples, lists and dicts of them)."
+    if torch.is_tensor(x): return [x] if x.is_floating_point() else []
+    if isinstance(x, (list, tuple)): return [t for v in x for t in _floats(v)]
+    if isinstance(x, dict): return [t for v in x.values() for t in _floats(v)]
+    return []
+
+def _widened(x):
+    "`x` with its 16-bit floating tensors in FP32 (what the FP32 copy takes)."
+    if torch.is_tensor(x): return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if isinstance(x, (list, tuple)): return type(x)(_widened(v) for v in x) if not hasattr(x, '_fields') else \
+        type(x)(*(_widened(v) for v in x))
+    if isinstance(x, dict): return {k: _widened(v) for k, v in x.items()}
+    return x
+
+def rel_diff(out16, out32) -> torch.Tensor:
+    """`||out16 - out32|| / ||out32||` over the floating tensors of two outputs, on the device (no host read); inf where
+    the 16-bit output holds inf/NaN and FP32's does not. Where FP32's own is not finite: 0 (not 16 bits' doing)."""
+    a, b = _floats(out16), _floats(out32)
+    if not a or len(a) != len(b): return None
+    num = sum(((x.float() - y.float()) ** 2).sum() for x, y in zip(a, b))
+    den = sum((y.float() ** 2).sum() for y in b)
+    fp32_ok = torch.isfinite(den)
+    rel = torch.where(torch.isfinite(num), (num / den.clamp_min(1e-30)).sqrt(), torch.full_like(num, math.inf))
+    return torch.where(fp32_ok, rel, torch.zeros_like(rel))
+
+class PrecisionWatch:
+    "The check of one learner's model: which modules, which turn, the hooks of a check step, the figures so far."
+    def __init__(self,
+        model:nn.Module, # the 16-bit model of the fit
+        kept:dict, # `id(module) -> reason` of the modules kept FP32 (`PrecisionPolicy.resolve(...).kept`)
+        dtype:torch.dtype, # the 16-bit dtype
+        every:int, # steps between checks
+    ):
+        self.model, self.dtype, self.every, self.turn = model, dtype, every, 0
+        # the modules that compute in 16 bits, less torch's containers and parameterless layers (their ops are exact
+        # or computed in FP32 inside torch's kernels); a parameterless module of one's own is watched
+        mods = [(n, m) for n, m in named_modules(model) if n and id(m) not in kept and not isinstance(m, _SKIP)]
+        own = lambda m: not type(m).__module__.startswith('torch.nn.')
+        self.mods = [(n, m) for n, m in mods if own(m) or any(True for _ in m.parameters())]
+        self.names = [n for n, _ in self.mods]
+        self.checks, self.said, self.flagged, self._pending, self._hooks, self._seen = [], set(), {}, [], [], {}
+        self.active = bool(self.mods) and not any(is_compiled(m) for m in model.modules())
+
+    def due(self, step:int) -> bool:
+        "Whether `step` is checked: every `every`th, and in a first round every `FIRST`th (the whole model early on)."
+        first = min(FIRST, self.every)
+        return self.active and step > 0 and (step % self.every == 0 or (step % first == 0 and step <= first * SHARE))
+    armed = property(lambda self: bool(self._hooks), doc="Whether this step's forward is being watched.")
+
+    def arm(self, step:int):
+        "A check step: the hooks that keep the inputs and outputs of this turn's modules (and their random state)."
+        k = max(1, math.ceil(len(self.mods) / SHARE))
+        start = (self.turn * k) % len(self.mods)
+        chosen = (self.mods + self.mods)[start:start + min(k, len(self.mods))]
+        self.turn += 1
+        self._step, self._seen = step, {}
+        for n, m in chosen:
+            self._hooks.append(m.register_forward_pre_hook(self._before(n), with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._after(n), with_kwargs=True))
+
+    def _before(self, name):
+        def hook(m, args, kwargs):
+            dev = next((t.device for t in _floats(args) + _floats(kwargs)), torch.device('cpu'))
+            cuda = torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None
+            self._seen.setdefault(name, {})['rng'] = (torch.get_rng_state(), dev, cuda)
+        return hook
+
+    def _after(self, name):
+        def hook(m, args, kwargs, out):
+            seen = self._seen.setdefault(name, {})
+            if 'out' not in seen: seen.update(module=m, args=args, kwargs=kwargs, out=out)  # its first call only
+        return hook
+
+    def compare(self):
+        "After the check step's forward: each module run again in FP32 on its inputs; the figures stay on the device."
+        self.disarm()
+        names, rels = [], []
+        with torch.no_grad():
+            for name, seen in self._seen.items():
+                if 'out' not in seen: continue
+                rel = self._fp32_diff(seen)
+                if rel is not None: names.append(name); rels.append(rel)
+        self._seen = {}
+        if rels: self._pending.append((self._step, names, _landing(torch.stack(rels))))
+
+    def _fp32_diff(self, seen):
+        cpu, dev, cuda = seen['rng']
+        shadow = bare_copy(seen['module'])
+        now = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if cuda is not None else None)
+        try:
+            torch.set_rng_state(cpu)  # the random draws of the 16-bit forward (dropout inside the module)
+            if cuda is not None: torch.cuda.set_rng_state(cuda, dev)
+            out32 = shadow(*_widened(seen['args']), **_widened(seen['kwargs']))
+        except Exception: return None  # a module that cannot run alone (state outside it): not checked
+        finally:
+            torch.set_rng_state(now[0])
+            if cuda is not None: torch.cuda.set_rng_state(now[1], dev)
+        return rel_diff(seen['out'], out32)
+
+    def disarm(self):
+        for h in self._hooks: h.remove()
+        self._hooks = []
+
+    def read(self, final:bool=False) -> list:
+        "The figures that have landed (all of them when `final`): recorded, and what diverges said; the new warnings."
+        keep, said = [], []
+        for step, names, (host, ready) in self._pending:
+            if not (final or ready()): keep.append((step, names, (host, ready))); continue
+            for n, r in zip(names, host.tolist()):
+                self.checks.append(dict(step=step, module=n, rel_diff=r))
+                if r > DIVERGES: self.flagged.setdefault(n, (step, r))
+        self._pending = keep
+        checked = {c['module'] for c in self.checks}
+        for n, (step, r) in list(self.flagged.items()):
+            if n in self.said: continue
+            inner = [c for c in self.names if c.startswith(n + '.')]
+            if any(c in self.flagged for c in inner): self.said.add(n); continue  # one of its modules is named
+            if all(c in checked for c in inner): said.append(self._warn(n, step, r))
+        return said
+
+    def _warn(self, name:str, step:int, rel:float) -> str:
+        self.said.add(name)
+        m = dict(self.mods)[name]
+        off = "holds inf/NaN where FP32's is finite" if math.isinf(rel) else f"is {rel:.0%} off its FP32 output"
+        msg = (f"module {name!r} ({type(m).__name__}) computes in {str(self.dtype)[6:]}, and its output {off} on the "
+               f"same inputs (a training batch at step {step}): the fit loses precision there. `keep_fp32=[{name!r}]` "
+               f"keeps it FP32 (`learn.precision_check()` says more). Checked every {self.every} steps; "
+               f"`health_every=0` turns the check off.")
+        warnings.warn(msg, RuntimeWarning, stacklevel=user_stacklevel())
+        return msg
+
+def _landing(t:torch.Tensor) -> tuple:
+    "`(host tensor, ready())`: a GPU's figures copied without waiting (read once the copy has landed)."
+    if t.device.type != 'cuda': return t, lambda: True
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event(); ev.record()
+    return host, ev.query
