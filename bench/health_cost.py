@@ -1,11 +1,11 @@
 """What the in-fit precision-health check costs (`MixedPrecision(health_every=100)`, on by default): each workload
 trained with the check on and off, side by side in one process (the two learners' fits interleaved, medians).
 
-A check runs 1/8 of the 16-bit modules again in FP32 on its step's batch, every 100 steps, and every 20 in a first round
-of 8 checks. Reported per workload and mode:
+A check runs 1/16 of the 16-bit modules again in FP32 on its step's batch, every 100 steps, and every 20 in a first
+round of 16 checks. Reported per workload and mode:
 - `check ms`: the median time of a check step's extra work (the hooks, the FP32 copies' forwards, the comparison);
 - `steady`: that time over 100 steps of the step time with the check off: the cost once the first round is done;
-- `first round`: that time over 20 steps of the step time: the cost of a fit's first 160 steps;
+- `first round`: that time over 20 steps of the step time: the cost of a fit's first 320 steps;
 - `fit ratio`: a whole fit of `--steps` steps, on over off (medians of `--rounds`; noisy, the direct reading).
 
     python -m bench.health_cost --json bench/results_health_cost.json

@@ -125,3 +125,15 @@ def test_model_left_on_the_cpu(mode, kw):
     ids = {id(p) for p in learn.model.parameters()}
     assert all(id(p) in ids and p.is_cuda for pg in learn.opt.param_lists for p in pg)
     assert learn.recorder.values[-1][0] < learn.recorder.values[0][0]
+
+def test_the_health_check_adds_no_sync(monkeypatch):
+    """The precision-health check (`health_every`): its hooks, the FP32 copies' forwards, the comparison and the read of
+    the last check's figures (a non-blocking copy to pinned memory, read once it has landed) make no synchronising CUDA
+    call. Every 2nd step is checked here; `before_batch` (the read, the hooks) and `after_loss` (the comparison) are
+    watched."""
+    log = count_syncs(monkeypatch, MixedPrecision, events=('before_batch', 'after_loss'))
+    learn = make_learner().to_fp16(max_loss_scale=2.**8, health_every=2)
+    quiet_fit(learn, 3, lr=1e-2)
+    monkeypatch.undo()
+    assert len(learn.mixed_precision.health_checks) >= 3  # checks were made and read
+    assert [w for _, n, w in log if n] == [], log

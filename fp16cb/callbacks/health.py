@@ -17,8 +17,8 @@ from ..policy import named_modules, is_compiled
 __all__ = ['PrecisionWatch', 'DIVERGES', 'SHARE']
 
 DIVERGES = .2  # as `precision_check`: a module's output this far from FP32's (relative) is named
-SHARE = 8  # a check runs 1/SHARE of the watched modules again in FP32
-FIRST = 20  # the first SHARE checks come this often: a module that fails from the start is named within ~180 steps
+SHARE = 16  # a check runs 1/SHARE of the watched modules again in FP32
+FIRST = 20  # the first SHARE checks come this often: a module that fails from the start is named within ~340 steps
 _SKIP = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.modules.dropout._DropoutNd)
 
 def _floats(x) -> list:
@@ -57,8 +57,11 @@ class PrecisionWatch:
     ):
         self.model, self.dtype, self.every, self.turn = model, dtype, every, 0
         # the modules that compute in 16 bits, less torch's containers and parameterless layers (their ops are exact
-        # or computed in FP32 inside torch's kernels); a parameterless module of one's own is watched
-        mods = [(n, m) for n, m in named_modules(model) if n and id(m) not in kept and not isinstance(m, _SKIP)]
+        # or computed in FP32 inside torch's kernels); a parameterless module of one's own is watched. Not a module
+        # holding a dropout layer: on a GPU its FP32 copy draws another mask from the same random state (seen on an
+        # H200), so it is watched through its modules
+        mods = [(n, m) for n, m in named_modules(model) if n and id(m) not in kept and not isinstance(m, _SKIP)
+                and not any(isinstance(d, nn.modules.dropout._DropoutNd) and d.p > 0 for d in m.modules())]
         own = lambda m: not type(m).__module__.startswith('torch.nn.')
         self.mods = [(n, m) for n, m in mods if own(m) or any(True for _ in m.parameters())]
         self.names = [n for n, _ in self.mods]
