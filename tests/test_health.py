@@ -89,3 +89,19 @@ def test_health_every_is_checked_and_the_record_plots():
     learn, _ = fit(rms_model, epochs=3)
     ax = plot_precision_health(learn)
     assert 'precision health' in ax.get_title() and ax.get_lines()  # the line over which a module is named
+
+def test_a_module_named_as_a_category_is_given_by_its_name():
+    "A module named 'norm' is named by a regex: `keep_fp32=['norm']` would keep every norm layer (the category)."
+    from collections import OrderedDict
+    make = lambda: nn.Sequential(OrderedDict(flat=nn.Flatten(), stem=nn.Linear(64, 128), amp=Scale(), norm=RMSNorm(128),
+                                             act=nn.ReLU(), head=nn.Linear(128, 10)))
+    _, said = fit(make)
+    assert len(said) == 1 and "keep_fp32=['re:norm']" in said[0], said
+
+def test_an_in_place_op_after_the_module_is_no_divergence():
+    """fastai's `LinBnDrop` puts `ReLU(inplace=True)` after its Linear: the Linear's output is changed in place after
+    its forward. Before the fix the check compared the ReLU'd output with the Linear's FP32 one and named a healthy
+    Linear 70% off (fastai's tabular model in the troubleshooting notebook); the output is now kept as it left."""
+    make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
+    learn, said = fit(make)
+    assert said == [] and max(c['rel_diff'] for c in learn.mixed_precision.health_checks) < DIVERGES / 4

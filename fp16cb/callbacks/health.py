@@ -7,12 +7,12 @@ with the `keep_fp32` that keeps it FP32. A module that diverges only because one
 that one is. No host sync: a check's figures are read at the next check (on a GPU from a non-blocking copy that has
 landed by then), or at the epoch's end. Each check is kept in `checks`, the record `plot_precision_health` draws."""
 from __future__ import annotations
-import math, warnings
+import math, re, warnings
 import torch
 from torch import nn
 
 from ..dtypes import bare_copy, user_stacklevel
-from ..policy import named_modules, is_compiled
+from ..policy import named_modules, is_compiled, CATEGORIES
 
 __all__ = ['PrecisionWatch', 'DIVERGES', 'SHARE']
 
@@ -34,6 +34,14 @@ def _widened(x):
     if isinstance(x, (list, tuple)): return type(x)(_widened(v) for v in x) if not hasattr(x, '_fields') else \
         type(x)(*(_widened(v) for v in x))
     if isinstance(x, dict): return {k: _widened(v) for k, v in x.items()}
+    return x
+
+def _kept(x):
+    "`x` with its tensors copied: what a later in-place op (a `ReLU(inplace=True)` after the module) cannot change."
+    if torch.is_tensor(x): return x.detach().clone()
+    if isinstance(x, (list, tuple)): return type(x)(_kept(v) for v in x) if not hasattr(x, '_fields') else \
+        type(x)(*(_kept(v) for v in x))
+    if isinstance(x, dict): return {k: _kept(v) for k, v in x.items()}
     return x
 
 def rel_diff(out16, out32) -> torch.Tensor:
@@ -66,6 +74,7 @@ class PrecisionWatch:
         self.mods = [(n, m) for n, m in mods if own(m) or any(True for _ in m.parameters())]
         self.names = [n for n, _ in self.mods]
         self.checks, self.said, self.flagged, self._pending, self._hooks, self._seen = [], set(), {}, [], [], {}
+        self.unchecked = {}  # name -> why: modules that could not be copied or run alone, left out of the check
         self.active = bool(self.mods) and not any(is_compiled(m) for m in model.modules())
 
     def due(self, step:int) -> bool:
@@ -76,6 +85,7 @@ class PrecisionWatch:
 
     def arm(self, step:int):
         "A check step: the hooks that keep the inputs and outputs of this turn's modules (and their random state)."
+        if not self.mods: return
         k = max(1, math.ceil(len(self.mods) / SHARE))
         start = (self.turn * k) % len(self.mods)
         chosen = (self.mods + self.mods)[start:start + min(k, len(self.mods))]
@@ -87,15 +97,28 @@ class PrecisionWatch:
 
     def _before(self, name):
         def hook(m, args, kwargs):
+            seen = self._seen.setdefault(name, {})
+            if 'rng' in seen or name in self.unchecked: return  # its first call only
             dev = next((t.device for t in _floats(args) + _floats(kwargs)), torch.device('cpu'))
             cuda = torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None
-            self._seen.setdefault(name, {})['rng'] = (torch.get_rng_state(), dev, cuda)
+            seen['rng'] = (torch.get_rng_state(), dev, cuda)
+            seen['args'], seen['kwargs'] = _kept(args), _kept(kwargs)  # as they were before the forward
+            # the FP32 copy as the module is before its forward: a module that keeps state (an RNN's hidden state)
+            # starts from the same one
+            try: seen['shadow'] = bare_copy(m)
+            except Exception as e: self._leave_out(name, e)  # a non-leaf tensor held as an attribute, say
         return hook
+
+    def _leave_out(self, name:str, e:Exception):
+        "A module that cannot be copied or run alone: out of the check, with why (`unchecked`)."
+        self.unchecked[name] = f"{type(e).__name__}: {e}"[:200]
+        self.mods = [(n, m) for n, m in self.mods if n != name]
+        if name in self.names: self.names.remove(name)
 
     def _after(self, name):
         def hook(m, args, kwargs, out):
             seen = self._seen.setdefault(name, {})
-            if 'out' not in seen: seen.update(module=m, args=args, kwargs=kwargs, out=out)  # its first call only
+            if 'out' not in seen and 'rng' in seen: seen['out'] = _kept(out)  # its first call only
         return hook
 
     def compare(self):
@@ -104,21 +127,20 @@ class PrecisionWatch:
         names, rels = [], []
         with torch.no_grad():
             for name, seen in self._seen.items():
-                if 'out' not in seen: continue
-                rel = self._fp32_diff(seen)
+                if 'out' not in seen or 'shadow' not in seen: continue
+                try: rel = self._fp32_diff(seen)
+                except Exception as e: self._leave_out(name, e); continue  # it cannot run alone (state outside it)
                 if rel is not None: names.append(name); rels.append(rel)
         self._seen = {}
         if rels: self._pending.append((self._step, names, _landing(torch.stack(rels))))
 
     def _fp32_diff(self, seen):
-        cpu, dev, cuda = seen['rng']
-        shadow = bare_copy(seen['module'])
+        cpu, dev, cuda, shadow = *seen['rng'], seen['shadow']
         now = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if cuda is not None else None)
         try:
-            torch.set_rng_state(cpu)  # the random draws of the 16-bit forward (dropout inside the module)
+            torch.set_rng_state(cpu)  # the random draws of the 16-bit forward (random ops inside the module)
             if cuda is not None: torch.cuda.set_rng_state(cuda, dev)
             out32 = shadow(*_widened(seen['args']), **_widened(seen['kwargs']))
-        except Exception: return None  # a module that cannot run alone (state outside it): not checked
         finally:
             torch.set_rng_state(now[0])
             if cuda is not None: torch.cuda.set_rng_state(now[1], dev)
@@ -149,8 +171,9 @@ class PrecisionWatch:
         self.said.add(name)
         m = dict(self.mods)[name]
         off = "holds inf/NaN where FP32's is finite" if math.isinf(rel) else f"is {rel:.0%} off its FP32 output"
+        spec = name if name not in CATEGORIES else 're:' + re.escape(name)  # 'norm' alone is the category
         msg = (f"module {name!r} ({type(m).__name__}) computes in {str(self.dtype)[6:]}, and its output {off} on the "
-               f"same inputs (a training batch at step {step}): the fit loses precision there. `keep_fp32=[{name!r}]` "
+               f"same inputs (a training batch at step {step}): the fit loses precision there. `keep_fp32=[{spec!r}]` "
                f"keeps it FP32 (`learn.precision_check()` says more). Checked every {self.every} steps; "
                f"`health_every=0` turns the check off.")
         warnings.warn(msg, RuntimeWarning, stacklevel=user_stacklevel())
