@@ -3,7 +3,8 @@ trained with the check on and off, side by side in one process (the two learners
 
 A check runs 1/16 of the 16-bit modules again in FP32 on its step's batch, every 100 steps, and every 20 in a first
 round of 16 checks. Reported per workload and mode:
-- `check ms`: the median time of a check step's extra work (the hooks, the FP32 copies' forwards, the comparison);
+- `check ms`: what a check step takes more than the other steps (medians of the same learner's steps: the copies of
+  the modules and their inputs and outputs, the FP32 forwards, the comparison, the read of the last check);
 - `steady`: that time over 100 steps of the step time with the check off: the cost once the first round is done;
 - `first round`: that time over 20 steps of the step time: the cost of a fit's first 320 steps;
 - `fit ratio`: a whole fit of `--steps` steps, on over off (medians of `--rounds`; noisy, the direct reading).
@@ -14,7 +15,7 @@ round of 16 checks. Reported per workload and mode:
 from __future__ import annotations
 import argparse, copy, json, statistics, time, warnings
 import torch
-from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
+from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat, Callback
 
 import fp16cb  # noqa: F401
 from fp16cb.callbacks import health
@@ -32,15 +33,17 @@ def _learner(init, batches, valid, device, mode, every):
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     return MODES[mode](learn, health_every=every)
 
-def _timed_checks(device) -> list:
-    "Patch the check's two halves to add their time to the returned list (one entry per check step)."
-    times, orig_arm, orig_cmp = [], health.PrecisionWatch.arm, health.PrecisionWatch.compare
-    def arm(self, step):
-        sync(device); t = time.perf_counter(); orig_arm(self, step); sync(device); times.append(time.perf_counter() - t)
-    def compare(self):
-        sync(device); t = time.perf_counter(); orig_cmp(self); sync(device); times[-1] += time.perf_counter() - t
-    health.PrecisionWatch.arm, health.PrecisionWatch.compare = arm, compare
-    return times
+class StepTimes(Callback):
+    "Each training step's time (`before_batch` to `after_batch`, the device synchronised), and whether it was checked."
+    order = -100
+    def __init__(self, device): self.device, self.steps = device, []
+    def before_batch(self):
+        if self.training: sync(self.device); self.t = time.perf_counter()
+    def after_batch(self):
+        if not self.training: return
+        sync(self.device)
+        watch = self.learn.mixed_precision.health
+        self.steps.append((time.perf_counter() - self.t, watch is not None and watch.due(self.learn.train_iter)))  # before fastai counts it
 
 def _fit(learn, device) -> float:
     with warnings.catch_warnings(), learn.no_logging():
@@ -55,13 +58,14 @@ def measure(wl:str, device:str, mode:str, steps:int, rounds:int) -> dict:
     batches, valid = make_data(wl, s, device, steps)
     on, off = _learner(init, batches, valid, device, mode, 100), _learner(init, batches, valid, device, mode, 0)
     _fit(on, device); _fit(off, device)  # warm-up: kernels, the scale's calibration
-    times = _timed_checks(device)
+    clock = StepTimes(device); on.add_cb(clock)
     t_on, t_off = [], []
     for r in range(rounds):
         for learn, ts in ((on, t_on), (off, t_off))[:: 1 if r % 2 == 0 else -1]: ts.append(_fit(learn, device))
-    check = statistics.median(times) if times else float('nan')
+    checked, plain = [t for t, c in clock.steps if c], [t for t, c in clock.steps if not c]
+    check = statistics.median(checked) - statistics.median(plain) if checked and plain else float('nan')
     step = statistics.median(t_off) / steps
-    return dict(workload=wl, mode=mode, steps=steps, n_checks=len(times) // max(rounds, 1), check_ms=1e3 * check,
+    return dict(workload=wl, mode=mode, steps=steps, n_checks=len(checked) // max(rounds, 1), check_ms=1e3 * check,
                 step_ms=1e3 * step, steady=check / (100 * step), first_round=check / (health.FIRST * step),
                 fit_ratio=statistics.median(t_on) / statistics.median(t_off))
 

@@ -180,6 +180,12 @@ MODES = {
     'bf16-emb':  ('fp16cb learn.to_bf16(keep_fp32=\'embedding\'): embeddings stay FP32', lambda l, d: l.to_bf16(keep_fp32='embedding')),
     'fp16-norm': ('fp16cb learn.to_fp16(keep_fp32=\'norm\')', lambda l, d: l.to_fp16(keep_fp32='norm')),
     'fp16-cls':  ('fp16cb learn.to_fp16(keep_fp32=\'classifier\')', lambda l, d: l.to_fp16(keep_fp32='classifier')),
+    # the precision-health check on every step (by default every 100th, never in the benchmark's short fits): what a
+    # check step costs, side by side with 'bf16'/'fp16' (`--modes health`); `python -m bench.health_cost` amortizes it
+    'bf16-check': ('fp16cb learn.to_bf16(health_every=1): the in-fit precision-health check on every step',
+                   lambda l, d: l.to_bf16(health_every=1)),
+    'fp16-check': ('fp16cb learn.to_fp16(health_every=1): the in-fit precision-health check on every step',
+                   lambda l, d: l.to_fp16(health_every=1)),
     PLAIN:       ('reference: a plain PyTorch loop, autocast + GradScaler + fused AdamW, no fastai (bf16 on CPU)', None),
     # the compiled comparison (opt-in: `--modes compile` or `--compile`); the first (compiling) epoch is in the warm-up
     'bf16-compile': ('fp16cb learn.to_bf16() with learn.model = torch.compile(learn.model) (backend: --compile-backend)',
@@ -189,7 +195,8 @@ MODES = {
 COMPILED_MODES = ('bf16-compile', PLAIN_COMPILED)
 COMPILE_MODES = ('bf16', 'bf16-compile', PLAIN, PLAIN_COMPILED)  # to_bf16 and the plain loop, eager and compiled
 MEMORY_MODES = ('fp32', 'bf16', 'bf16-half', 'bf16-sib', 'bf16-half-sib')  # the modes that trade speed for memory
-MODE_SETS = {'compile': COMPILE_MODES, 'memory': MEMORY_MODES}
+HEALTH_MODES = ('bf16', 'bf16-check', 'fp16', 'fp16-check')  # the precision-health check: off (in 3-step fits) and on
+MODE_SETS = {'compile': COMPILE_MODES, 'memory': MEMORY_MODES, 'health': HEALTH_MODES}
 
 POLICY_MODES = ('bf16-norm', 'bf16-cls', 'bf16-emb', 'fp16-norm', 'fp16-cls')  # opt-in: `--modes` names them
 
