@@ -9,7 +9,7 @@ from fastai.optimizer import OptimWrapper
 from fp16cb import MixedPrecision, convert_network, to_master_grads, to_model_params
 from bench import run_bench, defaults, targets, format_table, main, Batches, CPU_MODES, MODES, move_state, PlainAMP
 from bench.workloads import GPT
-from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, MEMORY_MODES, pick_compile_backend
+from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, MEMORY_MODES, HEALTH_MODES, pick_compile_backend
 from bench.modes import PLAIN, PLAIN_COMPILED, fused_adamw_ok, AutocastCB, FastaiAMP
 import bench.modes
 from bench.measure import evaluate
@@ -242,7 +242,8 @@ def test_defaults_by_device_and_module_entry(capsys, monkeypatch):
     assert defaults(True) == (('resnet50', 'resnet50_cl', 'lm', 'book'), CPU_MODES + ('torch-amp',), ('adam', 'fused'))
     assert defaults(False) == (('mlp', 'book', 'conv', 'act'), CPU_MODES, ('adam',))
     # the policy's opt-ins and the compiled modes: named with --modes (or --compile)
-    assert set(CPU_MODES) == set(MODES) - {'torch-amp'} - set(POLICY_MODES) - set(COMPILED_MODES) - (set(MEMORY_MODES) - set(CPU_MODES))
+    assert set(CPU_MODES) == (set(MODES) - {'torch-amp'} - set(POLICY_MODES) - set(COMPILED_MODES)
+                              - (set(MEMORY_MODES) - set(CPU_MODES)) - (set(HEALTH_MODES) - set(CPU_MODES)))
     monkeypatch.setattr(sys, 'argv', ['bench', '--help'])
     with pytest.raises(SystemExit) as e: runpy.run_module('bench', run_name='__main__')
     assert e.value.code == 0 and capsys.readouterr().out.startswith('usage: python -m bench')
