@@ -8,6 +8,7 @@ that one is. No host sync: a check's figures are read at the next check (on a GP
 landed by then), or at the epoch's end. Each check is kept in `checks`, the record `plot_precision_health` draws."""
 from __future__ import annotations
 import math, re, warnings
+from collections import deque
 import torch
 from torch import nn
 
@@ -18,6 +19,7 @@ __all__ = ['PrecisionWatch', 'DIVERGES', 'SHARE']
 
 DIVERGES = .2  # as `precision_check`: a module's output this far from FP32's (relative) is named
 SHARE = 16  # a check runs 1/SHARE of the watched modules again in FP32
+KEEP = 10_000  # the checks kept (the latest): a long fit's record stays bounded
 FIRST = 20  # the first SHARE checks come this often: a module that fails from the start is named within ~340 steps
 _SKIP = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.modules.dropout._DropoutNd)
 
@@ -73,7 +75,8 @@ class PrecisionWatch:
         own = lambda m: not type(m).__module__.startswith('torch.nn.')
         self.mods = [(n, m) for n, m in mods if own(m) or any(True for _ in m.parameters())]
         self.names = [n for n, _ in self.mods]
-        self.checks, self.said, self.flagged, self._pending, self._hooks, self._seen = [], set(), {}, [], [], {}
+        self.checks = deque(maxlen=KEEP)  # `{'step', 'module', 'rel_diff'}` of each module checked
+        self.said, self.flagged, self._pending, self._hooks, self._seen = set(), {}, [], [], {}
         self.unchecked = {}  # name -> why: modules that could not be copied or run alone, left out of the check
         self.active = bool(self.mods) and not any(is_compiled(m) for m in model.modules())
 
@@ -169,10 +172,11 @@ class PrecisionWatch:
 
     def _warn(self, name:str, step:int, rel:float) -> str:
         self.said.add(name)
-        m = dict(self.mods)[name]
+        m = dict(named_modules(self.model)).get(name)
         off = "holds inf/NaN where FP32's is finite" if math.isinf(rel) else f"is {rel:.0%} off its FP32 output"
         spec = name if name not in CATEGORIES else 're:' + re.escape(name)  # 'norm' alone is the category
-        msg = (f"module {name!r} ({type(m).__name__}) computes in {str(self.dtype)[6:]}, and its output {off} on the "
+        kind = type(m).__name__ if m is not None else 'a module'
+        msg = (f"module {name!r} ({kind}) computes in {str(self.dtype)[6:]}, and its output {off} on the "
                f"same inputs (a training batch at step {step}): the fit loses precision there. `keep_fp32=[{spec!r}]` "
                f"keeps it FP32 (`learn.precision_check()` says more). Checked every {self.every} steps; "
                f"`health_every=0` turns the check off.")

@@ -91,7 +91,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
-    health_checks = property(lambda self: [] if self.health is None else self.health.checks,
+    health_checks = property(lambda self: [] if self.health is None else list(self.health.checks),
                              doc="The precision-health checks so far: `{'step', 'module', 'rel_diff'}`.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
                        doc="Whether the last step was skipped.")
