@@ -89,6 +89,11 @@ def test_health_every_is_checked_and_the_record_plots():
     learn, _ = fit(rms_model, epochs=3)
     ax = plot_precision_health(learn)
     assert 'precision health' in ax.get_title() and ax.get_lines()  # the line over which a module is named
+    causes = learn.mixed_precision.skip_causes
+    assert set(causes.values()) <= {'inf/NaN', 'underflow'} and sorted(causes) == [
+        i for i, s in enumerate(learn.mixed_precision.skips) if s]  # every skipped step, with why
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert all(any(f'step skipped: {why}' in t for t in labels) for why in set(causes.values()))
 
 def test_a_module_named_as_a_category_is_given_by_its_name():
     "A module named 'norm' is named by a regex: `keep_fp32=['norm']` would keep every norm layer (the category)."

@@ -324,6 +324,7 @@ def test_a_calibrating_step_whose_gradients_underflow_is_skipped():
     assert_close_updates(updates(learn, lr=1e4), ref)
     mp = learn.mixed_precision
     assert mp.skips == [True, False, False, False] and mp.n_skipped == 1 and mp.scales == [1.] + [2.**24] * 3
+    assert mp.skip_causes == {0: 'underflow'}  # said apart from an overflow (`plot_precision_health` marks it so)
     learn = _tiny(synth_learner(n_train=64)).to_bf16(dynamic=True)
     quiet_fit(learn, 1, lr=1e4)
     assert learn.mixed_precision.skips == [False] * 4 and learn.mixed_precision.scaler.calibrated

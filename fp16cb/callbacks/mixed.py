@@ -91,6 +91,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    skip_causes = property(lambda self: dict(self.record.causes),
+                           doc="Why each skipped step was skipped: `{step: 'inf/NaN' or 'underflow'}`.")
     health_checks = property(lambda self: [] if self.health is None else list(self.health.checks),
                              doc="The precision-health checks so far: `{'step', 'module', 'rel_diff'}`.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
@@ -269,7 +271,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             if not self.store.grads_final and scale != 1.: self._unscale_for_others()
             return
-        self.record.record(scale, True, self.store.skip())  # which params overflowed; BatchNorm's statistics back
+        # which params overflowed; BatchNorm's statistics back
+        self.record.record(scale, True, self.store.skip(), 'underflow' if under and not found else 'inf/NaN')
         self.record.unscaled()
         if warn_skips(self.record, self.dtype, self.scaler.is_dynamic, model_device(self.learn.model)) == 'burst':
             self.__dict__.setdefault('_health_warned', set()).add('skips')  # said: not again at the epoch's end

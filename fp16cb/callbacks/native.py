@@ -128,6 +128,8 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
     def after_batch(self): self._exit_autocast()
     scales = property(lambda self: self.record.scales, doc="The loss scale of every optimizer step so far.")
     skips = property(lambda self: self.record.skips, doc="Whether each optimizer step so far was skipped.")
+    skip_causes = property(lambda self: dict(self.record.causes),
+                           doc="Why each skipped step was skipped: `{step: 'inf/NaN'}` (GradScaler's only cause).")
     n_skipped = property(lambda self: self.record.overflows.count, doc="Steps skipped for inf/NaN gradients so far.")
     overflows = property(lambda self: self.record.overflows.read(),
                          doc="The last 100 skipped steps: `{'step', 'scale', 'params'}` (the params whose grads held "

@@ -57,7 +57,8 @@ def plot_precision_health(
 ):
     """Beside the loss scale's plot: the fit's precision-health checks (`MixedPrecision(health_every=...)`), each
     checked module's output off its FP32 output (relative, log axis) at the step it was checked, the line over which a
-    module is named (`DIVERGES`), the named modules labelled, and the skipped steps marked at the foot. Returns `ax`."""
+    module is named (`DIVERGES`), the named modules labelled, and the skipped steps marked at the foot by cause
+    (inf/NaN gradients, or a calibrating step's underflow). Returns `ax`."""
     from ..callbacks.health import DIVERGES
     cb = scaling_callback(obj)
     checks, skips = list(getattr(cb, 'health_checks', [])), list(cb.skips)
@@ -69,8 +70,10 @@ def plot_precision_health(
     ax.axhline(DIVERGES, color='red', ls='--', lw=1, label=f'named over {DIVERGES:.0%}')
     for c in checks:
         if c['rel_diff'] > DIVERGES: ax.annotate(c['module'], (c['step'], min(c['rel_diff'], top)), fontsize='small')
-    over = [i for i, s in enumerate(skips) if s]
-    if over: ax.scatter(over, [1e-6] * len(over), marker='|', color='red', label=f'step skipped ({len(over)})')
+    causes = getattr(cb, 'skip_causes', {})
+    for why, color in (('inf/NaN', 'red'), ('underflow', 'orange')):
+        at = [i for i, s in enumerate(skips) if s and causes.get(i, 'inf/NaN') == why]
+        if at: ax.scatter(at, [1e-6] * len(at), marker='|', color=color, label=f'step skipped: {why} ({len(at)})')
     ax.set_yscale('log'); ax.set_xlabel('step'); ax.set_ylabel('relative difference')
     named = sum(c['rel_diff'] > DIVERGES for c in checks)
     ax.set_title(f'precision health: {len(checks)} checks, {named} over the line')

@@ -161,6 +161,7 @@ class StepRecord:
     def __init__(self, label:str=''):
         self.history, self.fit_start, self.bn, self.overflows = ScaleHistory(label), 0, None, OverflowLog()
         self.grad_scale, self.said = None, set()
+        self.causes = {}  # step -> why it was skipped: 'inf/NaN', or 'underflow' (a calibrating step's gradients)
     scales = property(lambda self: self.history.scales)
     skips = property(lambda self: self.history.skips)
     def new_fit(self, learn=None):
@@ -171,10 +172,13 @@ class StepRecord:
     def teardown(self): self.bn = None
     def snapshot(self):
         if self.bn is not None: self.bn.snapshot()
-    def record(self, scale:float, skipped:bool, found:tuple|None=None):
-        """One optimizer step done (or skipped: BatchNorm's statistics go back to the snapshot, and `found`, the
-        store's `(flags, names)` of the params whose grads held inf/NaN, is logged); the next one re-arms."""
-        if skipped: self.overflows.add(len(self.skips), scale, *(found or ()))
+    def record(self, scale:float, skipped:bool, found:tuple|None=None, cause:str='inf/NaN'):
+        """One optimizer step done (or skipped, for `cause`: BatchNorm's statistics go back to the snapshot, and
+        `found`, the store's `(flags, names)` of the params whose grads held inf/NaN, is logged); the next one
+        re-arms."""
+        if skipped:
+            self.overflows.add(len(self.skips), scale, *(found or ()))
+            self.causes[len(self.skips)] = cause
         self.scales.append(scale); self.skips.append(skipped)
         if self.bn is not None:
             if skipped: self.bn.restore()
