@@ -14,6 +14,7 @@ from torch import nn
 
 from ..dtypes import bare_copy, user_stacklevel
 from ..policy import named_modules, is_compiled, CATEGORIES
+from .casts import cast_floats, _floats, _values, _rebuild
 
 __all__ = ['PrecisionWatch', 'DIVERGES', 'SHARE']
 
@@ -23,28 +24,13 @@ KEEP = 10_000  # the checks kept (the latest): a long fit's record stays bounded
 FIRST = 20  # the first SHARE checks come this often: a module that fails from the start is named within ~340 steps
 _SKIP = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.modules.dropout._DropoutNd)
 
-def _floats(x) -> list:
-    "The floating tensors of an output (a tensor, or tuples, lists and dicts of them)."
-    if torch.is_tensor(x): return [x] if x.is_floating_point() else []
-    if isinstance(x, (list, tuple)): return [t for v in x for t in _floats(v)]
-    if isinstance(x, dict): return [t for v in x.values() for t in _floats(v)]
-    return []
+def _kept(b):
+    "`b` with its tensors copied: what a later in-place op (a `ReLU(inplace=True)` after the module) cannot change."
+    if torch.is_tensor(b): return b.detach().clone()
+    vals = _values(b)
+    return _rebuild(b, [_kept(v) for v in vals]) if vals else b
 
-def _widened(x):
-    "`x` with its 16-bit floating tensors in FP32 (what the FP32 copy takes)."
-    if torch.is_tensor(x): return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    if isinstance(x, (list, tuple)): return type(x)(_widened(v) for v in x) if not hasattr(x, '_fields') else \
-        type(x)(*(_widened(v) for v in x))
-    if isinstance(x, dict): return {k: _widened(v) for k, v in x.items()}
-    return x
-
-def _kept(x):
-    "`x` with its tensors copied: what a later in-place op (a `ReLU(inplace=True)` after the module) cannot change."
-    if torch.is_tensor(x): return x.detach().clone()
-    if isinstance(x, (list, tuple)): return type(x)(_kept(v) for v in x) if not hasattr(x, '_fields') else \
-        type(x)(*(_kept(v) for v in x))
-    if isinstance(x, dict): return {k: _kept(v) for k, v in x.items()}
-    return x
+def _widened(b): return cast_floats(b, torch.float32, keep64=True)  # what the FP32 copy takes
 
 def rel_diff(out16, out32) -> torch.Tensor:
     """`||out16 - out32|| / ||out32||` over the floating tensors of two outputs, on the device (no host read); inf where

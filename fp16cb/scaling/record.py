@@ -96,11 +96,9 @@ def warn_skips(record, dtype, dynamic:bool, device='cpu') -> str|None:
     """After a skipped step: say at once what no healthy fit shows (once a fit each), naming the params whose grads
     held inf/NaN (a host read of the overflow log, on this step only): a bf16 step skipped (bf16 has FP32's range), or
     `BURST` skips among the last settled steps. The warning's kind ('bf16', 'burst'), or None."""
-    fit = record.this_fit
-    if dtype == torch.bfloat16: kind = 'bf16' if sum(fit) == 1 else None
-    else:
-        n, w = BURST
-        kind = 'burst' if sum(settled(fit, record.scales[record.fit_start:], dynamic)[-w:]) >= n else None
+    fit, (n, w) = record.this_fit, BURST
+    recent = sum(settled(fit, record.scales[record.fit_start:], dynamic)[-w:]) if dtype != torch.bfloat16 else 0
+    kind = ('bf16' if sum(fit) == 1 else None) if dtype == torch.bfloat16 else 'burst' if recent >= n else None
     if kind is None or kind in record.said: return None
     record.said.add(kind)
     where = _where(record.overflows.read()[-1]['params'])
@@ -110,7 +108,7 @@ def warn_skips(record, dtype, dynamic:bool, device='cpu') -> str|None:
                f"range, so no healthy fit overflows in it: the data or the loss hold NaN/inf, or a module fails in 16 "
                f"bits {fix}.")
     else:
-        msg = (f"{sum(settled(fit, record.scales[record.fit_start:], dynamic)[-BURST[1]:])} of the last {BURST[1]} "
+        msg = (f"{recent} of the last {w} "
                f"optimizer steps were skipped for inf/NaN gradients once the loss scale had settled, the last "
                f"{where}: the weights did not move on those steps, and no healthy fp16 fit skips so often. The data "
                f"or the loss hold NaN/inf, or a module overflows in fp16 {fix}; or train in {range_remedy(device)}.")
