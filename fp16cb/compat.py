@@ -81,6 +81,7 @@ MODES = {m.name: m for m in (
     Mode('bf16-half-state8', 'to_bf16', dict(half_storage=True, state_dtype='8bit')),
     Mode('bf16-half-sib-state8', 'to_bf16', dict(half_storage=True, step_in_backward=True, state_dtype='8bit')),
     Mode('fp16-clip', 'to_fp16', dict(clip=1.)),
+    Mode('bf16-check', 'to_bf16', dict(health_every=1)),  # the precision-health check on every step (default: 100th)
     Mode('fp16-lognormal', 'to_fp16', dict(scaler='lognormal')),
     Mode('fp16-static', 'to_fp16', dict(dynamic=False, loss_scale=1024.)),
     Mode('native-fp16', 'to_native_fp16'),
