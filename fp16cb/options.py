@@ -223,6 +223,12 @@ class StoreOptions:
     """The optimizer's moving averages between steps: `torch.bfloat16`, '8bit' (torchao's block-wise codes), or None
     (FP32)."""
 
+    @property
+    def copies(self) -> bool:
+        """Whether the model keeps its FP32 params for the fit and its forward computes with 16-bit copies of them, the
+        optimizer stepping the params themselves (no storage option that needs a store)."""
+        return not (self.flat_master or self.half_storage or self.step_in_backward or self.state_dtype)
+
     def __post_init__(self):
         _set(self, **{k: check_bool(k, getattr(self, k))
                       for k in ('flat_master', 'half_storage', 'stochastic_rounding', 'step_in_backward')},

@@ -42,7 +42,7 @@ class Restore(Callback):
             self.learn.save('restored')
             self.seen = {k: v.detach().clone() for k, v in self.learn.model.state_dict().items()}
 
-@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16', 'fp16-flat')] + ['fp32'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', pytest.param('fp16-flat', marks=today()), 'fp32'])
 def test_weights_restored_by_load_state_dict_are_saved_and_kept_exactly(mode, tmp_path):
     """FP32: after `load_state_dict(sd)` the file `learn.save` writes, `state_dict()` and the fit's end hold `sd` bit
     for bit. Today: the file and `state_dict()` hold the weights from before the load (0.058 off), and the fit ends
@@ -66,7 +66,7 @@ class PickleOpt(Callback):
         buf = io.BytesIO(); torch.save(self.learn.opt, buf)
         self.copied = copy.deepcopy(self.learn.opt)
 
-@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')] + ['fp32'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'fp32'])
 def test_the_optimizer_pickles_and_copies_mid_fit_as_the_users_class(mode):
     "FP32: `pickle.dumps(learn.opt)` and `torch.save(learn.opt)` work mid-fit. Today: `PicklingError` on `Routed[...]`."
     learn, cb = learner(mode), PickleOpt()
@@ -80,9 +80,8 @@ class NewOpt(Callback):
     def after_epoch(self):
         if self.epoch == 0: self.learn.create_opt()
 
-@pytest.mark.parametrize('mode, opt', [pytest.param('fp16', 'torch-sgd', marks=today()),
-                                       pytest.param('fp16', 'fastai-adam', marks=today()),
-                                       pytest.param('bf16', 'fastai-adam', marks=today()), ('bf16', 'torch-sgd')])
+@pytest.mark.parametrize('mode, opt', [('fp16', 'torch-sgd'), ('fp16', 'fastai-adam'), ('bf16', 'fastai-adam'),
+                                       ('bf16', 'torch-sgd')])
 def test_an_optimizer_made_again_mid_fit_trains_as_in_fp32(mode, opt):
     """FP32: the new optimizer steps the model's params. Today, `to_fp16()` with torch's SGD: it steps the 16-bit params
     with loss-scaled grads (the weights move 25.5, against 0.05); fastai's Adam: `Can't detach views in-place`."""
@@ -92,7 +91,12 @@ def test_an_optimizer_made_again_mid_fit_trains_as_in_fp32(mode, opt):
     learn = learner(mode, opt_func)
     quiet_fit(learn, 2, cbs=NewOpt())
     learn.to_fp32()
-    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)], tol=5e-2)
+    got, want = [w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)]
+    # the bias before BatchNorm has an FP32 grad of ~0 (BatchNorm takes its mean out): in 16 bits its grad is rounding
+    # noise, which Adam's normalization makes a step of ~lr * noise / eps, in any 16-bit mode; the others are compared
+    names = [n for n, _ in ref.model.named_parameters()]
+    real = [i for i, n in enumerate(names) if n != '0.bias']  # `make_learner`'s model: Linear, BatchNorm1d, ...
+    assert close([got[i] for i in real], [want[i] for i in real], tol=5e-2)
 
 # 5: `learn.opt.state_dict()` mid-fit is FP32 state per param, and loads into an FP32 learner
 class OptStateAt(Callback):
@@ -130,7 +134,7 @@ class SavedZeroGrad(Callback):
     def after_batch(self):
         if hasattr(self, 'saved'): self.learn.opt.zero_grad = self.saved; del self.saved
 
-@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
 def test_zero_grad_saved_and_restored_by_a_callback_accumulates_as_in_fp32(mode):
     "FP32 trains. Today: `RecursionError`."
     ref = learner('fp32', SGD); quiet_fit(ref, 2, cbs=SavedZeroGrad())
@@ -147,7 +151,7 @@ class SWA(Callback):
         self.seen.append([v.detach().clone() for k, v in self.learn.model.state_dict().items() if 'running' not in k
                           and 'batches' not in k])  # the params, as `state_dict` gives them: FP32
 
-@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')] + ['fp32'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'fp32'])
 def test_swa_averages_the_fp32_weights(mode):
     """FP32: the average of the FP32 weights at each epoch's end. Today: `to_fp16()` crashes at the first epoch's end,
     after the weights moved; `to_bf16()` averages the 16-bit weights (the model's params), not the FP32 ones."""
@@ -185,7 +189,6 @@ class AccumulateAfter(Callback):
     def before_step(self):
         if self.train_iter % 2 == 0: raise CancelBatchException()
 
-@today()
 def test_accumulation_after_mixed_precision_while_the_scale_grows_updates_as_in_fp32():
     "FP32: each step adds two micro-batches' grads. Today: the first accumulated update is 0.66x FP32's."
     ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=AccumulateAfter())
@@ -217,7 +220,7 @@ class Inside(Callback):
         self.model = [(set(vars(m)), len(m._state_dict_hooks), len(m._state_dict_pre_hooks),
                        len(m._load_state_dict_pre_hooks)) for m in self.learn.model.modules()]
 
-@pytest.mark.parametrize('mode', [pytest.param(m, marks=today()) for m in ('fp16', 'bf16')])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
 def test_the_users_optimizer_and_model_hold_what_they_hold_in_fp32(mode):
     """Mid-fit, `learn.opt` is of the user's class with the attributes it has in FP32, and the model's modules hold no
     attribute or state-dict hook of ours. Today: `_fp16cb_route` and a routed class on the optimizer, `__deepcopy__`

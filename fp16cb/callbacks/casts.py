@@ -163,8 +163,9 @@ class EntryCasts:
       params of their own cast their floating inputs of another dtype to `dtype` as they are entered (a no-op when
       they are in `dtype`). None when no FP32 island holds params (the default: BatchNorm takes 16-bit inputs as it is).
     No hook at all when the whole model is FP32 (its 16-bit parts are islands: cast on entry already)."""
-    def __init__(self, model:nn.Module, res, dtype:torch.dtype):
+    def __init__(self, model:nn.Module, res, dtype:torch.dtype, copies=None):
         self.dtype, self.handles, self.depth, self._outer = dtype, [], 0, None  # depth: the model's calls under way
+        self.copies = copies  # the model keeps its FP32 params: a child called on its own computes with its copies
         root = uncompiled(model)
         if isinstance(root, (nn.DataParallel, nn.parallel.DistributedDataParallel)): root = uncompiled(root.module)
         if id(root) in res.kept: return
@@ -191,11 +192,13 @@ class EntryCasts:
         "The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are not)."
         if torch.compiler.is_compiling() or self.depth: return None  # compiled: within the model's graph
         self.depth, self._outer = 1, module
+        if self.copies is not None: self.copies.enter(module)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def _child_out(self, module, args, out):
         if torch.compiler.is_compiling() or self._outer is not module: return None
         self.reset()
+        if self.copies is not None: self.copies.leave()
         return cast_floats(out, torch.float32)
 
     def _beside(self, root:nn.Module, res):

@@ -8,7 +8,7 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
-from ..weights import FP32Masters, HalfStorage, Stage
+from ..weights import FP32Masters, HalfStorage, Stage, ModelParams
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
@@ -137,6 +137,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending:  # a new fit
             self.record.new_fit(self.learn); self._per_param = False; self._trained = ()
+        if mth is not None and mth.copies is not None: return self._on_copies(mth, model, names)
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
                   state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,
                   generator=self.rng(model) if self.half_storage or self.state_dtype else None)
@@ -156,6 +157,18 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if half and self.health_every and (self.health is None or self.health.model is not model):
             kept = mth.policy.resolve(model, warn=False).kept
             self.health = PrecisionWatch(model, kept, self.dtype, self.health_every)
+
+    def _on_copies(self, mth, model, names:dict):
+        """The model keeps its FP32 params for the fit and computes with 16-bit copies: the optimizer steps the params
+        themselves, their grads arriving FP32 and unscaled (`ModelParams`)."""
+        copies, self._exposed, self._remembered, self._data_writes = mth.copies, None, {}, False
+        self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)})
+        self.show_scale_columns()
+        self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
+        self.record.setup(model)
+        if self.health_every and (self.health is None or self.health.model is not model):
+            self.health = PrecisionWatch(model, mth.policy.resolve(model, warn=False).kept, self.dtype,
+                                         self.health_every)
 
     def _expose_fp32(self, mth):
         """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
@@ -230,6 +243,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             self._make_store()
         if self.store.stage is Stage.NEW: self._sync_ranks()
         elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
+        elif self.store.stage is Stage.CHECKED and self._on_model: self._end_step(cancelled=True)  # CancelBatch
         self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
         if self._data_writes: self.store.follow_writes(everything=True)  # fastai's WGAN clipped the weights via `.data`
         self._follow_trainable()
@@ -241,8 +255,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.health is not None and self.health.armed: self.health.compare()  # the check step's forward is done
 
     def before_backward(self):
-        if self.store is not None: self.store.backward()
-        self.record.scaled(self.loss_scale)  # what the grads carry until the step (a fit ending before it divides them)
+        if self.store is not None: self.store.backward(self.loss_scale)
+        # what the grads carry until the step (a fit ending before it divides them); none when they arrive unscaled
+        if not isinstance(self.store, ModelParams): self.record.scaled(self.loss_scale)
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def _follow_trainable(self):
@@ -253,6 +268,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             with self.session.suspended(): pass  # the store made again; the grads so far brought in again
 
     def before_step(self):
+        self._step_cancelled = False
         self._follow_trainable()  # made trainable after our `before_batch`: its grad is this step's
         scale, calibrating = self.loss_scale, self.scaler.calibrating
         self.store.grads_final = not self._runs_after('before_step')  # then the grads it checks are the ones stepped
@@ -318,11 +334,14 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.store is not None and self.store.stepped_in_backward():
             check(self.facts.knowing(cancels_steps=exc), STEP)
 
-    def after_cancel_step(self): self._cancelled('CancelStepException')
+    def after_cancel_step(self):
+        self._cancelled('CancelStepException')
+        self._step_cancelled = True  # by us (a skip) or another callback: the optimizer did not step
     def after_cancel_batch(self): self._cancelled('CancelBatchException')  # a batch dropped after its backward
 
     def _half_grads(self) -> list:
         "The model's 16-bit grads as the backward left them (the calibrating step's underflow check)."
+        if isinstance(self.store, ModelParams): return self.store.half_grads(self.dtype)
         return [g for g in self.store.checked if g.dtype == self.dtype]
 
     def after_step(self):
@@ -330,11 +349,15 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         stepping)."""
         self._end_step()
 
-    def _end_step(self):
+    _on_model = property(lambda self: isinstance(self.store, ModelParams), doc="The optimizer steps the model's params.")
+
+    def _end_step(self, cancelled:bool=None):
         """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that
         another callback cancelled after our `before_step` changes nothing, as in FP32: the scaler sees nothing of
         it."""
         stage = self.store.stage
+        if cancelled is None: cancelled, self._step_cancelled = self.__dict__.get('_step_cancelled', False), False
+        if stage is Stage.CHECKED and self._on_model and not cancelled: stage = Stage.STEPPED  # no route tells it
         # in the backward: stepped there
         if stage is Stage.STEPPED or (stage is Stage.CHECKED and self.store.in_backward):
             self.record.record(self.store.scale, False)

@@ -13,6 +13,7 @@ from ..session import SessionCallback
 from ..policy import PrecisionPolicy, policy_report, named_modules
 from ..distributed import rewrap, is_ddp
 from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, EntryCasts, RangeWatch
+from .copies import ComputeCopies
 
 __all__ = ['ModelToHalf']
 
@@ -40,6 +41,7 @@ class ModelToHalf(SessionCallback):
     ):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
         self.originals, self.masters, self._hook, self.islands, self._trained = None, {}, None, None, False
+        self.copies = None  # the 16-bit copies the forward computes with, the model keeping its FP32 params
 
     def check_model(self, model:nn.Module):
         """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the
@@ -54,8 +56,19 @@ class ModelToHalf(SessionCallback):
 
     @property
     def converted(self) -> bool:
-        "Whether the model is in 16-bit now (set up by the session for a fit, until its end)."
+        "Whether the model's params are in 16-bit now (set up by the session for a fit, until its end)."
         return self.originals is not None
+
+    @property
+    def computing(self) -> bool:
+        "Whether the model computes in 16-bit now: its params converted, or copies of them made for each forward."
+        return self.converted or self.copies is not None
+
+    def _uses_copies(self) -> bool:
+        "Whether this fit keeps the model's FP32 params and computes with copies (the learner's `MixedPrecision` says)."
+        from .mixed import MixedPrecision
+        mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        return mp is not None and mp.storage.copies
 
     def setup(self):
         # on the data's device first (fastai's TrainEvalCallback moves it there only later, at order -10): the exact
@@ -65,10 +78,11 @@ class ModelToHalf(SessionCallback):
         warn_slow_half(self.dtype, model_device(model))
         self.check_model(model)  # before the model is converted
         res = self.policy.resolve(model, warn=False)
-        self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
+        if self._uses_copies(): self.copies = ComputeCopies(model, res.kept, self.dtype)
+        else: self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
-        self.rewrapped = self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
+        self.rewrapped = self.copies is None and self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
         self._range = RangeWatch() if in_dtype == torch.float16 else None  # fp16: eval inputs beyond its range
         # a `validate`/`get_preds` changes no param: its teardown gives the originals back as they are
         self._trained = False
@@ -78,11 +92,13 @@ class ModelToHalf(SessionCallback):
                          for n, m in named_modules(model) if _float64_layer(m)]
         self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True,
                                                                 prepend=True)
-        self.entries = EntryCasts(self.learn.model, res, self.dtype)  # calls from outside its forward, kept weights
+        # calls from outside its forward, kept weights
+        self.entries = EntryCasts(self.learn.model, res, self.dtype, self.copies)
 
     def before_batch(self):
         if self.training: self._trained = True  # from now on a param's value may differ from its original
         if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
+        if self.copies is not None: self.copies.reset()
 
     def after_validate(self):
         """Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not.
@@ -104,7 +120,8 @@ class ModelToHalf(SessionCallback):
         self._float64 = []
         if self.islands is not None: self.islands.remove()
         if getattr(self, 'entries', None) is not None: self.entries.remove()
-        self._hook = self.islands = self.entries = None
+        if self.copies is not None: self.copies.remove()
+        self._hook = self.islands = self.entries = self.copies = None
         was_converted = self.converted
         self._restore_model()
         if was_converted and getattr(self, 'rewrapped', False) and is_ddp(self.learn.model):
@@ -131,12 +148,13 @@ class ModelToHalf(SessionCallback):
         return policy_report(model, self.policy, self.dtype, leaves=leaves)
 
     def after_pred(self):
-        if self.converted: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
+        if self.copies is not None: self.copies.reset()  # the params back, even if the forward's hook did not run
+        if self.computing: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
 
     def keep_too(self, names:list):
         "Keep the modules `names` FP32 too, now: in a fit, the session pauses and sets up again with the new policy."
         self.policy = self.policy.adding(names)
-        if self.converted:
+        if self.computing:
             with self.session.suspended(): pass
 
     def fp32_of(self, p) -> torch.Tensor:

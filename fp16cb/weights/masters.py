@@ -288,7 +288,7 @@ class FP32Masters(WeightStore):
     def _after_broadcast(self): self.master_to_model()
     def follow_writes(self, everything:bool=False): self.writes.follow(everything)
 
-    def backward(self):
+    def backward(self, scale:float=1.):
         super().backward()
         if self.in_backward: self.writes.follow()  # the backward steps the params: from what other code wrote
 

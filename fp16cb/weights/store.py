@@ -181,7 +181,7 @@ class WeightStore:
         if not self.cleared: self.zero_model_grads()
         self.stage, self.cleared, self._fresh = Stage.READY, False, True
 
-    def backward(self):
+    def backward(self, scale:float=1.):
         "A backward is coming: the model's grads will hold something again (`zero_grad` clears them then)."
         self._fresh = False
 

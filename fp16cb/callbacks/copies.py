@@ -1,0 +1,165 @@
+"""The copies a forward computes with. During a fit the model's params stay the user's FP32 Parameters: what the
+optimizer steps, what `state_dict`, `deepcopy`, a save or any callback reads and writes (the one copy of the truth,
+as PyTorch FSDP2's `MixedPrecisionPolicy` keeps them). As the model's forward starts, one fused pass makes the copies
+its modules compute with (16-bit outside the FP32 islands; inside them, trainable params get same-dtype copies that
+only carry the grads back) and puts them in the modules' places for that forward; as it returns, the Parameters are
+back. In the backward the copies' grads come back onto the FP32 params, a fused pass per device and dtype, divided
+by the loss scale on the way: `p.grad` is FP32 and unscaled, as FP32 fastai holds it, whoever reads it and whenever."""
+from __future__ import annotations
+import torch
+from torch import nn
+
+from ..policy import uncompiled
+from ..scaling.check import _by_device
+
+__all__ = ['GradSink', 'ComputeCopies', 'hook_target']
+
+class GradSink:
+    """Where the copies' grads arrive: in their sources' dtypes, divided by the loss scale of the backward that made
+    them (`inv_scale`, set by the callback before each backward). The inf/NaN check reads `p.grad` at the step, which
+    sees whatever else wrote into it too."""
+    inv_scale = 1.
+
+    def arrive(self, grads:list, dtypes:list) -> list:
+        "The grads of the copies (None: unused) as the grads of their sources: in `dtypes`, unscaled."
+        res = [None] * len(grads)
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        if not idx: return res
+        srcs = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
+        outs = [torch.empty_like(g, dtype=dtypes[i]) for i, g in zip(idx, srcs)]
+        torch._foreach_copy_(outs, srcs)
+        if self.inv_scale != 1.:
+            for ts in _by_device(outs).values(): torch._foreach_mul_(ts, self.inv_scale)
+        for i, t in zip(idx, outs): res[i] = t
+        return res
+
+class _Cast(torch.autograd.Function):
+    """The copies of a set of params in one fused pass, one autograd node for all; in the backward their grads come
+    back through the `GradSink` (one fused pass per device and dtype), each onto its param (None where unused)."""
+    @staticmethod
+    def forward(ctx, sink:GradSink, dtypes:tuple, *ps):
+        ctx.sink, ctx.src_dtypes = sink, [p.dtype for p in ps]
+        ctx.set_materialize_grads(False)
+        out = [torch.empty_like(p, dtype=d) for p, d in zip(ps, dtypes)]
+        torch._foreach_copy_(out, list(ps))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, None, *ctx.sink.arrive(list(gs), ctx.src_dtypes))
+
+def dtype_for(t:torch.Tensor, half:bool, dtype:torch.dtype):
+    """The dtype of `t`'s copy in a forward (`half`: its module computes in 16-bit), None for no copy: FP32 floats
+    of 16-bit modules are cast; trainable params of other dtypes (FP32 islands, float64, complex) get a copy of their
+    own dtype, through which their grads arrive unscaled; a buffer keeps its own dtype, and an integer stays as is."""
+    if not (t.is_floating_point() or t.is_complex()): return None
+    if half and t.dtype == torch.float32: return dtype
+    return t.dtype if isinstance(t, nn.Parameter) and t.requires_grad else None
+
+def hook_target(model:nn.Module) -> nn.Module:
+    """The module whose forward is the model's call: a DDP wrapper's module (DDP broadcasts its buffers first), a
+    compiled model's wrapper (the copies are made outside the compiled graph, which takes them as inputs)."""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)): model = model.module
+    return model
+
+def _plan(slots:list, dtype:torch.dtype) -> tuple:
+    """`(grad, nograd, live)` of the tensors in `slots` now (`(module, kind, name, half)`: read at each forward, so that
+    a `.to()`, a param replaced or frozen since is followed): the trainable params and the others, each `(tensor,
+    dtype of its copy)` once, and `(module, kind, name, tensor)` of every place to swap."""
+    grad, nograd, live, seen = [], [], [], set()
+    for m, kind, n, half in slots:
+        t = getattr(m, kind).get(n)
+        if t is None: continue
+        to = dtype_for(t, half, dtype)
+        if to is None: continue
+        live.append((m, kind, n, t))
+        if id(t) in seen: continue
+        seen.add(id(t))
+        (grad if kind == '_parameters' and t.requires_grad else nograd).append((t, to))
+    return grad, nograd, live
+
+class ComputeCopies:
+    """The copies the model computes with during a fit (module docstring). `dtype`: the compute dtype outside the FP32
+    islands; `kept`: the ids of the modules that stay FP32 (`PrecisionPolicy.resolve(...).kept`)."""
+    def __init__(self, model:nn.Module, kept, dtype:torch.dtype, sink:GradSink=None):
+        self.model, self.dtype, self.sink = model, dtype, sink or GradSink()
+        self.root, self.depth, self._live, self._cache, self.handles = uncompiled(hook_target(model)), 0, None, None, []
+        self.kept, self._subsets = kept, {}
+        self.slots = self._slots(self.root)
+        target = hook_target(model)
+        self.handles = [target.register_forward_pre_hook(self._enter_root, prepend=True),
+                        target.register_forward_hook(self._leave_root, always_call=True)]
+
+    def _slots(self, root:nn.Module) -> list:
+        "`(module, kind, name, half)` of every param and buffer under `root` (`half`: its module computes in 16-bit)."
+        res = []
+        for m in root.modules():  # each module once (a shared one too)
+            half = id(m) not in self.kept
+            res += [(m, '_parameters', n, half) for n in m._parameters]
+            if half: res += [(m, '_buffers', n, True) for n in m._buffers]
+        return res
+
+    def computed_in(self, dtype) -> list:
+        "The trainable params that compute in `dtype` now (their grads were `dtype` grads before they arrived)."
+        return [t for t, dt in _plan(self.slots, self.dtype)[0] if dt == dtype]
+
+    def _subset(self, module:nn.Module) -> list:
+        key = id(module)
+        if key not in self._subsets:
+            mods = {id(m) for m in uncompiled(module).modules()}
+            self._subsets[key] = [s for s in self.slots if id(s[0]) in mods]
+        return self._subsets[key]
+
+    def _make(self, grad:list, nograd:list, whole:bool) -> dict:
+        "`{id(source): copy}`: one autograd node for the trainable params when grad is on (`whole`: the whole model)."
+        if torch.is_grad_enabled() and grad:
+            self._cache = None
+            srcs = [t for t, _ in grad]
+            copies = dict(zip(map(id, srcs), _Cast.apply(self.sink, tuple(dt for _, dt in grad), *srcs)))
+            rest = nograd
+        else: copies, rest = {}, grad + nograd
+        if rest: copies.update(self._nograd(rest, cache=whole and not copies))
+        return copies
+
+    def _nograd(self, pairs:list, cache:bool) -> dict:
+        "Copies made without autograd (frozen params, buffers, inference), kept while their sources do not change."
+        stamp = tuple((t.data_ptr(), t._version) for t, _ in pairs) if cache else None
+        if cache and self._cache is not None and self._cache[0] == stamp: return self._cache[1]
+        with torch.no_grad():
+            outs = [torch.empty_like(t, dtype=dt) for t, dt in pairs]
+            torch._foreach_copy_(outs, [t for t, _ in pairs])
+        res = {id(t): o for (t, _), o in zip(pairs, outs)}
+        self._cache = (stamp, res) if cache else None
+        return res
+
+    def enter(self, module:nn.Module=None):
+        "A forward of the model (or, `module`, of a part of it called on its own) starts: its copies in place."
+        self.depth += 1
+        if self.depth > 1: return
+        grad, nograd, live = _plan(self.slots if module is None else self._subset(module), self.dtype)
+        copies = self._make(grad, nograd, module is None)
+        self._live = [(m, kind, n, t, copies[id(t)], copies[id(t)]._version) for m, kind, n, t in live]
+        for m, kind, n, _, c, _ in self._live: getattr(m, kind)[n] = c
+
+    def leave(self):
+        "The forward returns: the sources back in place (a buffer the forward changed gets the change)."
+        self.depth = max(self.depth - 1, 0)
+        if self.depth or self._live is None: return
+        live, self._live = self._live, None
+        for m, kind, n, t, c, v in live:
+            getattr(m, kind)[n] = t
+            if kind == '_buffers' and c._version != v:
+                with torch.no_grad(): t.copy_(c)
+
+    def _enter_root(self, module, args): self.enter()
+    def _leave_root(self, module, args, out): self.leave()
+
+    def reset(self):
+        "A forward that raised before its hook could return: the sources back."
+        self.depth = min(self.depth, 1)
+        self.leave()
+
+    def remove(self):
+        self.reset()
+        for h in self.handles: h.remove()
+        self.handles, self._cache, self._subsets = [], None, {}

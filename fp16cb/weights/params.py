@@ -1,0 +1,114 @@
+"""The model's own FP32 params as what the optimizer steps: the store of a fit whose forward computes with copies
+(`callbacks/copies.py`). Nothing moves: the optimizer is the user's, on the model's Parameters, with their FP32 grads,
+which arrive unscaled and checked (`GradSink`). What is left for a step: read the check, skip (the grads go, which
+params held inf/NaN is noted), or clip the grads in place, on the device. The check reads `p.grad` as it is at the
+step, so that an inf written there by other code after the backward skips the step too."""
+from __future__ import annotations
+from contextlib import contextmanager
+import torch
+
+from ..scaling import OverflowCheck, nonfinite_flags, _real
+from ..distributed import broadcast_
+from .functional import check_unique_params
+from .optstate import innermost
+from .store import Stage
+
+__all__ = ['ModelParams']
+
+class ModelParams:
+    """What a step needs of the model's FP32 params during a fit whose forward computes with copies: the interface of
+    `WeightStore` that `MixedPrecision` uses, where most of it has nothing to do (`p.grad` is always FP32 fastai's)."""
+    flat, in_backward, checked, lift_chunk, stepped_hook = False, False, (), None, None
+    grads_final = property(lambda self: True, lambda self, v: None)  # the grads are unscaled as they arrive
+    def __init__(self,
+        learn, # the learner: its optimizer (read at each step: a callback may make a new one) and model
+        sink, # the copies' `GradSink`: where the grads arrive, divided by the loss scale of their backward
+        names:dict=None, # `{id(param): name}`, for the overflow log and error messages
+        computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
+    ):
+        self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
+        check_unique_params(innermost(learn.opt).param_lists, self.names)
+        self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
+
+    @property
+    def model_pgs(self) -> list:
+        "The trainable params of the optimizer, per group (the optimizer of now: `create_opt` may have made a new one)."
+        return [[p for p in pg if p.requires_grad] for pg in innermost(self.learn.opt).param_lists]
+    own_pgs = property(lambda self: [[] for _ in self.model_pgs])
+    old_param_lists = property(lambda self: [list(pg) for pg in innermost(self.learn.opt).param_lists])
+    params = property(lambda self: [p for pg in self.model_pgs for p in pg])
+    # the FP32 masters are the model's params themselves
+    master_pgs = property(lambda self: self.model_pgs)
+    master_params = masters = params
+
+    def _grads(self) -> tuple:
+        ps = [p for p in self.params if p.grad is not None]
+        return ps, [p.grad for p in ps]
+
+    def backward(self, scale:float=1.):
+        "A backward at loss scale `scale` is coming: its grads arrive divided by it."
+        self.sink.inv_scale = 1. / scale
+
+    def prepare_grads(self, scale:float, with_max:bool=False):
+        """`[found, (max |grad|)]` on the device (no sync): the grads as they are now (unscaled, whatever wrote into
+        them), checked in one fused read-only pass; None when no param has a grad."""
+        ps, grads = self._grads()
+        if not grads: return None
+        self.checked, self.stage, self.scale = grads, Stage.CHECKED, scale
+        return self.check(grads, 1., with_max=with_max)
+
+    def recheck(self):
+        "`[found]` from the exact check (the sums of a CPU's check overflowed: an inf/NaN, or not)."
+        return self.check.exact(self.checked)
+
+    def half_grads(self, dtype) -> list:
+        "The grads of the params that computed in `dtype` (at scale 1, their exact 16-bit values, widened)."
+        return [p.grad for p in self.computed.get(dtype, ()) if p.grad is not None]
+
+    def clip(self, max_norm:float, global_norm:bool=False):
+        """Clip the grads in place as `torch.nn.utils.clip_grad_norm_` would: each param group's norm, or all groups'
+        together (`global_norm`); the coefficient stays on the device (no host sync)."""
+        groups = [[p.grad for p in pg if p.grad is not None] for pg in self.model_pgs]
+        for gis in ([list(range(len(groups)))] if global_norm else [[i] for i in range(len(groups))]):
+            gs = [g for i in gis for g in groups[i]]
+            real = _real(gs)
+            if not real: continue
+            dev = real[0].device
+            norms = torch._foreach_norm(real, 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]))
+            coef = (max_norm / (total + 1e-6)).clamp_(max=1.)
+            with torch.no_grad(): torch._foreach_mul_(gs, coef)
+
+    def skip(self) -> tuple:
+        """The step overflowed: its grads go (None), nothing of them reaches the weights. Returns which params' grads
+        held inf/NaN, looked at before they go: `(flags on the device, their names)` (no host sync)."""
+        ps, grads = self._grads()
+        found = nonfinite_flags(grads), [self.names.get(id(p), '?') for p in ps]
+        for p in ps: p.grad = None
+        self._done(Stage.SKIPPED)
+        return found
+
+    def _done(self, stage): self.stage, self.checked = stage, ()
+
+    def finish(self): self._done(Stage.READY)  # the optimizer's `zero_grad` (fastai calls it) clears the grads
+    def cancel(self): self.stage = Stage.READY  # cancelled by another callback: the grads stay, unscaled, as in FP32
+    def unscale_grads(self): pass
+    def divided(self, scale:float): pass
+    def became_trainable(self) -> bool: return False
+    def presence_changed(self): return None
+    def follow_writes(self, everything:bool=False): pass
+    def check_linked(self): pass
+    def stepped_in_backward(self) -> bool: return False
+    def fp32_views(self) -> dict: return {p: p.detach() for p in self.params}
+    def restore(self): self.checked = ()
+
+    def broadcast_from(self, src:int=0):
+        "Every rank starts from rank `src`'s weights (the model's params)."
+        broadcast_([p.data for p in self.params], src)
+
+    @contextmanager
+    def opt_view(self):
+        "The optimizer as it is: its params are the model's."
+        yield self.learn.opt
+
+    def fp32_state_dict(self, opt, stream) -> dict: return opt.state_dict()
