@@ -190,7 +190,11 @@ def bare_copy(
     buffers in FP32 (float64 and complex as they are): the FP32 model of that moment."""
     # and `__deepcopy__`
     saved = [(m, {k: m.__dict__[k] for k in _HOOK_DICTS if k in m.__dict__}) for m in model.modules()]
-    memo = {}
+    # the exact FP32 values in place of what the model holds (mid-forward: the copies it computes with, which are not
+    # leaves and do not deep-copy)
+    memo = {id(p): (nn.Parameter(v.detach().float().clone(), requires_grad=p.requires_grad or v.requires_grad)
+                    if isinstance(p, nn.Parameter) or isinstance(v, nn.Parameter) else v.detach().clone())
+            for p, v in (fp32_of or {}).items()}
     try:
         for m, hooks in saved:
             for k, v in hooks.items():

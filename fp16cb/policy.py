@@ -303,9 +303,11 @@ def _storage(m:nn.Module, dtype:torch.dtype, kept:bool) -> str:
     conv = {torch.float32, torch.float16, torch.bfloat16}
     return '/'.join(sorted({_dtype_name(d if kept or d not in conv else dtype) for d in dts}))
 
-def policy_report(model:nn.Module, policy:PrecisionPolicy, dtype:torch.dtype, leaves:bool=False):
+def policy_report(model:nn.Module, policy:PrecisionPolicy, dtype:torch.dtype, leaves:bool=False,
+                  stored16:bool=True):
     """Each module of `model` (`leaves`: the modules without children, and the islands) with its storage dtype (its own
-    params, during a fit), compute dtype, the casts inserted at its edges and why it is FP32: a pandas DataFrame."""
+    params, during a fit: `stored16`, 16-bit where it computes in 16 bits; else as they are, the model keeping its
+    FP32 params), compute dtype, the casts inserted at its edges and why it is FP32: a pandas DataFrame."""
     import pandas as pd
     res, model = policy.resolve(model), uncompiled(model)
     islands, rows, seen = {id(i.module): i for i in res.islands}, [], set()
@@ -316,7 +318,8 @@ def policy_report(model:nn.Module, policy:PrecisionPolicy, dtype:torch.dtype, le
         if not (leaves and any(True for _ in m.children()) and island is None):
             native = kept and not parent_kept and island is None  # a BatchNorm leaf of a 16-bit parent: no cast
             compute = (f"float32 (16-bit in/out)" if native else 'float32') if kept else _dtype_name(dtype)
-            rows.append(dict(module=name or '(model)', type=type(m).__name__, storage=_storage(m, dtype, kept),
+            rows.append(dict(module=name or '(model)', type=type(m).__name__,
+                             storage=_storage(m, dtype, kept or not stored16),
                              compute=compute, casts=_casts(island, dtype) if m is not model else '-',
                              fp32_because=res.kept.get(id(m), '-')))
         for cn, c in _children(name, m): visit(cn, c, kept)

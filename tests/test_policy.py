@@ -117,7 +117,10 @@ def test_policy_report_columns_and_delegation():
     rep = learn.mixed_precision.policy_report()
     assert list(rep.columns) == ['module', 'type', 'storage', 'compute', 'casts', 'fp32_because']
     row = rep.set_index('module')
-    assert row.loc['0', 'storage'] == 'bfloat16' and row.loc['0', 'compute'] == 'bfloat16'
+    # the model keeps its FP32 params and computes with bf16 copies; with 16-bit storage its params are bf16
+    assert row.loc['0', 'storage'] == 'float32' and row.loc['0', 'compute'] == 'bfloat16'
+    half = make_learner().to_bf16(keep_fp32=['classifier'], half_storage=True).mixed_precision.policy_report()
+    assert half.set_index('module').loc['0', 'storage'] == 'bfloat16'
     assert row.loc['1', 'storage'] == 'float32' and row.loc['1', 'compute'] == 'float32 (16-bit in/out)'
     assert row.loc['3', 'casts'].startswith('in: -> float32') and row.loc['3', 'fp32_because'] == 'classifier'
     assert set(CATEGORIES) >= {'batchnorm', 'norm', 'embedding', 'classifier', 'softmax'}

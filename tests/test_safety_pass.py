@@ -84,7 +84,9 @@ def test_keep_fp32_on_a_compiled_model_takes_either_name(name):
         warnings.simplefilter('error', UserWarning)
         warnings.filterwarnings('ignore', message='.*(jit|deprecated|TorchScript).*')
         quiet_fit(learn, 1, cbs=Dtypes())
-    assert seen and all(s == (torch.float32, torch.bfloat16) for s in seen)
+    assert seen and all(s == (torch.float32, torch.float32) for s in seen)  # the model keeps its FP32 params
+    report = learn.mixed_precision.policy_report().set_index('module')
+    assert report.loc[['0', '2'], 'compute'].tolist() == ['float32', 'bfloat16']
 
 class _UnusedHead(nn.Module):
     "A linear model and a head never called (switched on later in training, say)."
@@ -258,9 +260,9 @@ def test_inference_between_fits_makes_no_weight_store(monkeypatch, call):
     """`get_preds`/`validate`/`predict` between fits run the 16-bit model: no FP32 masters, flat buffers or optimizer
     moves (a bf16 `get_preds` on an 8.4M-param MLP took 6.7x FP32's time, 2.2x now: `bench/RESULTS.md`). The predictions are the 16-bit model's
     as before, and a fit afterwards makes its store and trains."""
-    from fp16cb.weights import FP32Masters, HalfStorage
+    from fp16cb.weights import FP32Masters, HalfStorage, ModelParams
     made = []
-    for cls in (FP32Masters, HalfStorage):
+    for cls in (FP32Masters, HalfStorage, ModelParams):
         init = cls.__init__
         monkeypatch.setattr(cls, '__init__', lambda self, *a, _init=init, **k: (made.append(type(self).__name__), _init(self, *a, **k))[1])
     learn = getattr(make_learner(), call)()

@@ -6,10 +6,11 @@ only carry the grads back) and puts them in the modules' places for that forward
 back. In the backward the copies' grads come back onto the FP32 params, a fused pass per device and dtype, divided
 by the loss scale on the way: `p.grad` is FP32 and unscaled, as FP32 fastai holds it, whoever reads it and whenever."""
 from __future__ import annotations
+import warnings
 import torch
 from torch import nn
 
-from ..policy import uncompiled
+from ..policy import uncompiled, is_compiled
 from ..scaling.check import _by_device
 
 __all__ = ['GradSink', 'ComputeCopies', 'hook_target']
@@ -87,6 +88,8 @@ class ComputeCopies:
         self.kept, self._subsets = kept, {}
         self.slots = self._slots(self.root)
         target = hook_target(model)
+        # dynamo reads `.grad` of the tensors a compiled forward takes, which warns for copies (not leaves): quiet there
+        self._quiet, self._quieted = is_compiled(target), None
         self.handles = [target.register_forward_pre_hook(self._enter_root, prepend=True),
                         target.register_forward_hook(self._leave_root, always_call=True)]
 
@@ -136,6 +139,10 @@ class ComputeCopies:
         "A forward of the model (or, `module`, of a part of it called on its own) starts: its copies in place."
         self.depth += 1
         if self.depth > 1: return
+        if self._quiet:
+            self._quieted = warnings.catch_warnings()
+            self._quieted.__enter__()
+            warnings.filterwarnings('ignore', message='The .grad attribute of a Tensor that is not a leaf')
         grad, nograd, live = _plan(self.slots if module is None else self._subset(module), self.dtype)
         copies = self._make(grad, nograd, module is None)
         self._live = [(m, kind, n, t, copies[id(t)], copies[id(t)]._version) for m, kind, n, t in live]
@@ -144,12 +151,19 @@ class ComputeCopies:
     def leave(self):
         "The forward returns: the sources back in place (a buffer the forward changed gets the change)."
         self.depth = max(self.depth - 1, 0)
-        if self.depth or self._live is None: return
+        if self.depth: return
+        quieted, self._quieted = self._quieted, None
+        if quieted is not None: quieted.__exit__(None, None, None)
+        if self._live is None: return
         live, self._live = self._live, None
         for m, kind, n, t, c, v in live:
             getattr(m, kind)[n] = t
             if kind == '_buffers' and c._version != v:
                 with torch.no_grad(): t.copy_(c)
+
+    def sources(self) -> dict:
+        "`{copy: its source}` of the copies in place now (mid-forward), for code that wants the FP32 truth of a module."
+        return {c: t for _, _, _, t, c, _ in self._live or ()}
 
     def _enter_root(self, module, args): self.enter()
     def _leave_root(self, module, args, out): self.leave()

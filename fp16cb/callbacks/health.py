@@ -50,8 +50,9 @@ class PrecisionWatch:
         kept:dict, # `id(module) -> reason` of the modules kept FP32 (`PrecisionPolicy.resolve(...).kept`)
         dtype:torch.dtype, # the 16-bit dtype
         every:int, # steps between checks
+        sources=None, # `() -> {tensor the forward computes with: its FP32 source}` (the model keeps FP32 params)
     ):
-        self.model, self.dtype, self.every, self.turn = model, dtype, every, 0
+        self.model, self.dtype, self.every, self.turn, self.sources = model, dtype, every, 0, sources
         # the modules that compute in 16 bits, less torch's containers and parameterless layers (their ops are exact
         # or computed in FP32 inside torch's kernels); a parameterless module of one's own is watched. Not a module
         # holding a dropout layer: on a GPU its FP32 copy draws another mask from the same random state (seen on an
@@ -94,7 +95,7 @@ class PrecisionWatch:
             seen['args'], seen['kwargs'] = _kept(args), _kept(kwargs)  # as they were before the forward
             # the FP32 copy as the module is before its forward: a module that keeps state (an RNN's hidden state)
             # starts from the same one
-            try: seen['shadow'] = bare_copy(m)
+            try: seen['shadow'] = bare_copy(m, self.sources() if self.sources is not None else None)
             except Exception as e: self._leave_out(name, e)  # a non-leaf tensor held as an attribute, say
         return hook
 

@@ -168,7 +168,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self.record.setup(model)
         if self.health_every and (self.health is None or self.health.model is not model):
             self.health = PrecisionWatch(model, mth.policy.resolve(model, warn=False).kept, self.dtype,
-                                         self.health_every)
+                                         self.health_every, sources=copies.sources)
 
     def _expose_fp32(self, mth):
         """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:

@@ -145,7 +145,8 @@ class ModelToHalf(SessionCallback):
     ):
         "Each module's storage and compute dtype during a fit and the casts inserted at its edges (a DataFrame)."
         model = model if model is not None else self.learn.model
-        return policy_report(model, self.policy, self.dtype, leaves=leaves)
+        stored16 = getattr(self, 'learn', None) is None or not self._uses_copies()
+        return policy_report(model, self.policy, self.dtype, leaves=leaves, stored16=stored16)
 
     def after_pred(self):
         if self.copies is not None: self.copies.reset()  # the params back, even if the forward's hook did not run

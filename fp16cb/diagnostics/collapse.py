@@ -15,7 +15,7 @@ def masters_collapse(self:MixedPrecision, err:Exception):
     """The scale cannot go lower: the error naming where the overflow starts and the remedy, found on copies of the
     model; or, with `on_collapse='keep_fp32'`, those modules kept FP32 from now on (None)."""
     mth = self._model_to_half()
-    half = mth is not None and mth.converted
+    half = mth is not None and mth.computing
     prec = Precision(self.dtype, mth.policy if half else None)
     diag = diagnose_collapse(self.learn, prec, self.record.scales[-1], err, self.record.overflows,
                              fp32_of=self.store.fp32_views(), fixable=self.on_collapse == 'keep_fp32' and half)
