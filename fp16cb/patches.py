@@ -44,6 +44,8 @@ CHANGES = (
     Change(Learner, '__deepcopy__', session.deepcopy_fp32,
            "new: `copy.deepcopy(learn)` mid-fit copies the FP32 learner"),
     Change(Learner, 'restore_precision', session.restore_precision, "new: back to the between-fits state"),
+    Change(Learner, '_step', session.counted_step,
+           "fastai's `_step` (`opt.step()`), counted: a step whose `after_step` never came is still finished"),
     # checkpoints (`checkpoint`): the FP32 file of plain fastai, written atomically; mid-fit as between fits
     Change(Learner, 'save', checkpoint.save,
            "fastai's `save`: the FP32 masters' values, the precision callbacks' state, written atomically"),

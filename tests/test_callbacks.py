@@ -46,15 +46,19 @@ def test_dtypes_at_each_event(dtype):
     rec, val, spy = _event_recorder(), _event_recorder(train_only=False), StepSpy()
     seen = []
     h = learn.model.register_forward_pre_hook(lambda m, args: seen.append([a.dtype for a in args]))
+    computes = []  # what the modules compute with, inside the forward: 16-bit copies, BatchNorm's params FP32
+    hs = [learn.model[i].register_forward_pre_hook(lambda m, a: computes.append(m.weight.dtype)) for i in (0, 1, 3)]
     quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
-    h.remove()
+    for x in [h] + hs: x.remove()
     log = rec.log
-    assert log['before_fit'] == [_expect(dtype)]  # 16-bit model, BatchNorm FP32
+    fp32 = _expect(torch.float32)
+    assert log['before_fit'] == [fp32]  # the model keeps its FP32 params: they are the masters
     assert seen == [[dtype]] * (4 + 2)  # the model gets its floating inputs in 16-bit (train and valid)
+    assert computes == [dtype, torch.float32, dtype] * (4 + 2)
     assert len(log['before_batch']) == 4
     for xs, ys, model, bn_stat in log['before_batch']:
         assert xs == [torch.float32] and ys == [torch.float32]  # learn.xb as the data gave it (callbacks such as MixUp mix FP32)
-        assert model == _expect(dtype) and bn_stat == torch.float32
+        assert model == fp32 and bn_stat == torch.float32
     assert log['after_pred'] == [torch.float32]*4  # predictions back to FP32 -> loss in FP32
     for loss_dt, lg_dt, loss, recomputed in log['after_loss']:
         assert loss_dt == lg_dt == torch.float32 and loss == recomputed
@@ -62,9 +66,9 @@ def test_dtypes_at_each_event(dtype):
         assert lg == loss * scale  # what is backpropagated is scaled (exactly: a power of 2 in FP32)
         assert scale == (2.**8 if dtype == torch.float16 else 1.)
     for grads in log['after_backward']:
-        assert grads == _expect(dtype)  # model grads in the model's dtypes
-    for masters, grads in log['before_step']:  # the masters get FP32 grads only as the optimizer steps them
-        assert set(masters) == {torch.float32} and len(masters) == 6 and grads == [None] * 6
+        assert grads == fp32  # the grads arrive FP32 on the FP32 params
+    for masters, grads in log['before_step']:  # the masters are the params, with their FP32 grads
+        assert set(masters) == {torch.float32} and len(masters) == 6 and {g.dtype for g in grads} == {torch.float32}
     assert [{g.dtype for g in gs} for gs in spy.grads()] == [{torch.float32}] * 4  # FP32 grads, every element once
     assert sum(g.numel() for g in spy.grads()[0]) == sum(p.numel() for p in learn.model.parameters())
     assert log['after_fit'] == [{n: torch.float32 for n in _expect(dtype)}]
@@ -99,7 +103,7 @@ def test_integer_inputs_untouched():
     assert rec.log['before_batch'] == [[torch.float32, torch.long]]*4  # learn.xb as the data gave it
     assert seen[:4] == [[torch.float16, torch.long]]*4  # floating inputs cast as they enter the model; ints untouched
     assert rec.log['after_pred'] == [torch.float32]*4
-    assert rec.log['before_fit'] == [(torch.float16, torch.float32)]
+    assert rec.log['before_fit'] == [(torch.float32, torch.float32)]  # the model keeps its FP32 params
     assert learn.model.emb.weight.dtype == torch.float32
 
 def test_recorded_loss_is_unscaled_and_matches_fp32():
@@ -147,7 +151,7 @@ def test_mixed_precision_exposed_while_fitting():
     quiet_fit(learn, 1, lr=1e-2, cbs=rec)
     scale, model_dt, master_dt, same = rec.log['before_step'][0]
     assert isinstance(scale, float) and scale == 2.**8
-    assert model_dt == [[torch.float16]*2 + [torch.float32]*2, [torch.float16]*2] and same
+    assert model_dt == [[torch.float32]*4, [torch.float32]*2] and same  # the model's params, FP32: the masters
     assert master_dt == [[torch.float32]*4, [torch.float32]*2]
     assert isinstance(learn.mixed_precision, MixedPrecision)
     assert learn.mixed_precision.model_pgs is None and learn.mixed_precision.master_pgs is None  # fit is over
@@ -242,8 +246,8 @@ def test_interrupted_fit_then_refit():
     with pytest.raises(Boom): quiet_fit(learn, 1, lr=1e-2, cbs=Record(before_step=boom))
     rec = Record(before_fit=lambda l: _dtypes(l.model), after_fit=lambda l: _dtypes(l.model))
     quiet_fit(learn, 1, lr=1e-2, cbs=rec)
-    assert rec.log['before_fit'] == [_expect(torch.float16)]
-    assert rec.log['after_fit'] == [{n: torch.float32 for n in _expect(torch.float16)}]
+    assert rec.log['before_fit'] == [_expect(torch.float32)]  # the model keeps its FP32 params
+    assert rec.log['after_fit'] == [_expect(torch.float32)]
     assert all(torch.isfinite(p).all() for p in learn.model.parameters())
     ids = {id(p) for p in learn.model.parameters()}
     assert all(id(p) in ids for pg in learn.opt.param_lists for p in pg)

@@ -45,9 +45,13 @@ def test_to_bf16_defaults_and_overrides():
 
 def test_to_fp32_toggle():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)
-    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.model[0].weight.dtype))
+    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.pred.dtype))
+    computes = []
+    h = learn.model[0].register_forward_pre_hook(lambda m, a: computes.append(m.weight.dtype))
     quiet_fit(learn, 1, lr=1e-2, cbs=dt)
-    assert dt.log['after_pred'] == [(torch.float16, torch.float16)]*4
+    h.remove()
+    assert dt.log['after_pred'] == [(torch.float32, torch.float32)]*4  # the model keeps its FP32 params
+    assert computes == [torch.float16] * 6  # and computes with fp16 copies (4 training, 2 validation batches)
     w = [p.detach().clone() for p in learn.model.parameters()]
     assert learn.to_fp32() is learn and learn.precision_callbacks() == []
     assert all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))  # to_fp32 leaves the weights alone
@@ -55,9 +59,13 @@ def test_to_fp32_toggle():
     quiet_fit(learn, 1, lr=1e-2, cbs=dt)
     assert dt.log['after_pred'] == [(torch.float32, torch.float32)]*4
     learn.to_fp16(max_loss_scale=2.**8)
-    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.model[0].weight.dtype))
+    dt = Record(after_pred=lambda l: (l.model[0].weight.dtype, l.pred.dtype))
+    computes = []
+    h = learn.model[0].register_forward_pre_hook(lambda m, a: computes.append(m.weight.dtype))
     quiet_fit(learn, 1, lr=1e-2, cbs=dt)
-    assert dt.log['after_pred'] == [(torch.float16, torch.float16)]*4
+    h.remove()
+    assert dt.log['after_pred'] == [(torch.float32, torch.float32)]*4  # the model keeps its FP32 params
+    assert computes == [torch.float16] * 6  # and computes with fp16 copies (4 training, 2 validation batches)
     assert learn.model[0].weight.dtype == torch.float32
     learn.to_fp32(); learn.to_fp32()  # idempotent
     assert learn.precision_callbacks() == []
@@ -136,9 +144,14 @@ def test_removing_a_precision_callback_mid_fit_goes_on_in_fp32():
     learn = make_learner().to_fp16(max_loss_scale=2.**8)
     def drop(l):
         if l.epoch == 0: l.remove_cb(MixedPrecision)
-    dt = Record(after_pred=lambda l: {p.dtype for p in l.model.parameters()}, after_epoch=drop)
+    dt = Record(after_pred=lambda l: l.mixed_precision.loss_scale if hasattr(l, 'mixed_precision') else None,
+                after_epoch=drop)
+    computes = []
+    h = learn.model[0].register_forward_pre_hook(lambda m, a: computes.append(m.weight.dtype))
     quiet_fit(learn, 2, lr=1e-2, cbs=dt)
-    assert dt.log['after_pred'] == [{torch.float16, torch.float32}]*4 + [{torch.float32}]*4
+    h.remove()
+    assert None not in dt.log['after_pred'][:4] and dt.log['after_pred'][4:] == [None]*4
+    assert computes == [torch.float16] * 6 + [torch.float32] * 6  # train, valid: fp16 copies, then FP32
     assert learn.precision_callbacks() == [] and all(p.dtype == torch.float32 for p in learn.model.parameters())
 
 def test_signatures_show_the_callback_arguments():

@@ -162,7 +162,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         """The model keeps its FP32 params for the fit and computes with 16-bit copies: the optimizer steps the params
         themselves, their grads arriving FP32 and unscaled (`ModelParams`)."""
         copies, self._exposed, self._remembered, self._data_writes = mth.copies, None, {}, False
-        self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)})
+        self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
+                                 steps=lambda: self.session.steps)
         self.show_scale_columns()
         self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)
@@ -196,7 +197,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.health is not None:
             self.health.disarm()
             if fit_ends and not self.session.failing: self.health.read(final=True)
-        if fit_ends and self.store is not None and self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()
+        if fit_ends and self.store is not None and (self.store.stage in (Stage.STEPPED, Stage.SKIPPED)
+                                                    or self._on_model and self.store.stepped()): self._end_step(False)
         self.record.teardown()
         self.drop_scale_columns(fit_ends)
         if self.store is None: return
@@ -243,7 +245,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             self._make_store()
         if self.store.stage is Stage.NEW: self._sync_ranks()
         elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
-        elif self.store.stage is Stage.CHECKED and self._on_model: self._end_step(cancelled=True)  # CancelBatch
+        elif self.store.stage is Stage.CHECKED and self._on_model:  # a step whose `after_step` did not come
+            self._end_step(cancelled=not self.store.stepped())  # (cancelled by `CancelBatchException`: not stepped)
         self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
         if self._data_writes: self.store.follow_writes(everything=True)  # fastai's WGAN clipped the weights via `.data`
         self._follow_trainable()

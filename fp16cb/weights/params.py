@@ -25,8 +25,9 @@ class ModelParams:
         sink, # the copies' `GradSink`: where the grads arrive, divided by the loss scale of their backward
         names:dict=None, # `{id(param): name}`, for the overflow log and error messages
         computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
+        steps=lambda: 0, # the optimizer steps fastai's loop took so far (`PrecisionSession.steps`)
     ):
-        self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
+        self.learn, self.sink, self.names, self.computed, self.steps = learn, sink, names or {}, computed_in or {}, steps
         check_unique_params(innermost(learn.opt).param_lists, self.names)
         self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
 
@@ -55,6 +56,7 @@ class ModelParams:
         ps, grads = self._grads()
         if not grads: return None
         self.checked, self.stage, self.scale = grads, Stage.CHECKED, scale
+        self._steps = self.steps()  # `stepped` compares
         stats = self.check(grads, 1., with_max=with_max)
         # FP32 grads: their sums pass FP32's range only where a grad is near it, an overflow of its own; no recheck
         self.check.approx = False
@@ -92,6 +94,10 @@ class ModelParams:
         return found
 
     def _done(self, stage): self.stage, self.checked = stage, ()
+
+    def stepped(self) -> bool:
+        "Whether fastai's loop stepped the optimizer since `prepare_grads` (a step whose `after_step` did not come)."
+        return self.stage is Stage.CHECKED and self.steps() != getattr(self, '_steps', None)
 
     def finish(self): self._done(Stage.READY)  # the optimizer's `zero_grad` (fastai calls it) clears the grads
     def cancel(self): self.stage = Stage.READY  # cancelled by another callback: the grads stay, unscaled, as in FP32
