@@ -181,6 +181,24 @@ _HOOK_DICTS = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_a
                '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks', '__deepcopy__',
                '_state_dict_hooks')
 _HALF = (torch.float16, torch.bfloat16)
+OUR_HOOKS = set()  # the ids of the hooks fp16cb put on the user's modules (`ours`), which their deep copies leave behind
+
+def ours(handle):
+    "`handle` (a `RemovableHandle`) is of a hook of ours: a deep copy of its module does not take it."
+    OUR_HOOKS.add(handle.id)
+    return handle
+
+def deepcopy_module(self:nn.Module, memo:dict) -> nn.Module:
+    """`copy.deepcopy` of a module, as Python's default makes it, without the hooks of ours (`OUR_HOOKS`): a copy
+    taken mid-fit (an EMA, keep-the-best) is the plain FP32 model FP32 fastai would give, with the user's own hooks."""
+    saved = {}
+    for k in _HOOK_DICTS[:-2]:
+        d = self.__dict__.get(k)
+        if d and any(i in OUR_HOOKS for i in d):
+            saved[k] = d
+            self.__dict__[k] = type(d)((i, f) for i, f in d.items() if i not in OUR_HOOKS)
+    try: return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+    finally: self.__dict__.update(saved)
 
 def bare_copy(
     model:nn.Module, # the model to copy (a 16-bit one mid-fit: its copy is widened to FP32)

@@ -10,7 +10,8 @@ from typing import NamedTuple
 from fastai.learner import Learner
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import learner, session, distributed, checkpoint
+from torch import nn
+from . import learner, session, distributed, checkpoint, dtypes
 from .diagnostics import precision_check
 
 __all__ = ['Change', 'CHANGES', 'install']
@@ -51,6 +52,9 @@ CHANGES = (
            "fastai's `save`: the FP32 masters' values, the precision callbacks' state, written atomically"),
     Change(Learner, 'load', checkpoint.load, "fastai's `load`: also the loss scaler's state, into 16-bit or FP32"),
     Change(Learner, 'export', checkpoint.export, "fastai's `export`: the FP32 learner without fp16cb's callbacks"),
+    # torch's modules: a deep copy mid-fit (an EMA's, keep-the-best) is the plain FP32 model, without our hooks
+    Change(nn.Module, '__deepcopy__', dtypes.deepcopy_module,
+           "new (Python's default copy): fp16cb's hooks on the model stay behind"),
     # torch's DDP: a re-wrap after the model's conversion takes the user's arguments
     Change(DDP, '__init__', distributed.recording_init(DDP.__init__), "torch's, which also keeps its arguments"),
 )

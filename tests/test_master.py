@@ -120,9 +120,9 @@ def test_master_update_is_fp32_sgd_of_unscaled_grads(dtype, wd, one_cycle):
         for g, m0, m1, p, lr, dwd in zip(g16, before, after, model, lr_of, do_wd):
             assert m0.dtype == m1.dtype == torch.float32
             # FP32 SGD (mom=0; decoupled wd on the FP32 master, where the param's flag allows) of the unscaled
-            # grad: g (16-bit, scaled) -> FP32 exactly, / 64 exactly
+            # grad: the model's FP32 grad arrived unscaled (the 16-bit grad -> FP32 exactly, / 64 exactly)
             m = m0.mul(1 - lr*wd) if wd and dwd else m0
-            assert torch.equal(m1, m.add(g.float() / scale, alpha=-lr))
+            assert g.dtype == torch.float32 and torch.equal(m1, m.add(g, alpha=-lr))
             assert torch.equal(p, m1.to(p.dtype))  # the model holds the master rounded once
     assert len(all_lrs) == (4 if one_cycle else 1)  # the scheduler's lrs reached the optimizer of the masters
 
@@ -329,10 +329,15 @@ def test_masters_have_fp32_grads_only_while_the_optimizer_steps_them(flat):
     rec.order = 5  # before ours: a `before_step` after ours would see the grads unscaled for it (another path)
     spy = StepSpy(lambda p: (p.dtype, p.grad.dtype, p.grad.data_ptr()))
     quiet_fit(learn, 1, lr=1e-2, cbs=[rec, spy])
-    assert all(g is None for gs in rec.log['before_batch'] + rec.log['before_step'] for g in gs)
     assert len(spy.steps) == 4 and all(dt == gdt == torch.float32 for step in spy.steps for _, (dt, gdt, _) in step)
     n = len(list(learn.model.parameters()))
     assert all(len({id(p) for p, _ in step}) == len(step) for step in spy.steps)  # each master stepped once per step
+    if not flat:  # the model's own FP32 params and grads, as FP32 fastai: grads from the backward to `zero_grad`
+        assert all(g is None or not g.any() for gs in rec.log['before_batch'] for g in gs)  # fastai's zero_grad zeroes
+        assert all(g.dtype == torch.float32 for gs in rec.log['before_step'] for g in gs)
+        assert len(spy.steps[0]) == n and rec.log['after_epoch'] == [False]
+        return
+    assert all(g is None for gs in rec.log['before_batch'] + rec.log['before_step'] for g in gs)
     # every element once: a few flat tensors per group (flat masters; fastai's loop on per-param masters steps each run of
     # consecutive masters with equal state as one flat tensor, `FusedRun`)
     assert sum(p.numel() for p, _ in spy.steps[0]) == sum(p.numel() for p in learn.model.parameters())

@@ -256,7 +256,10 @@ def test_awd_lstm_with_its_embedding_kept_fp32_trains(mode):
     "Before: `ValueError: RNN input dtype (torch.float32) does not match weight dtype (torch.bfloat16)`."
     ref, _, _ = _lm_fit('fp32')
     losses, dtypes, learn = _lm_fit(mode, keep_fp32='embedding')
-    assert dtypes == {(torch.float32, dict(fp16=torch.float16, bf16=BF)[mode])}  # the embedding FP32, the LSTMs 16-bit
+    assert dtypes == {(torch.float32, torch.float32)}  # the model keeps its FP32 params
+    report = learn.mixed_precision.policy_report().set_index('module')['compute']
+    half = str(dict(fp16=torch.float16, bf16=BF)[mode]).replace('torch.', '')
+    assert report['0.encoder'] == 'float32' and report['0.rnns.0'] == half  # the embedding FP32, the LSTMs 16-bit
     assert all(math.isfinite(o) for o in losses) and losses == pytest.approx(ref, rel=.01)
     assert learn.model[0].encoder.weight.dtype == torch.float32
 

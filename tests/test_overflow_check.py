@@ -227,12 +227,12 @@ def test_clip_unscaled_master_grads(clip, clip_global, per_param_steps):
             assert norm <= clip * (1 + 1e-5)
             # the FP32 reference: unscale the 16-bit grads in FP32, clip the (group's or global) norm to `clip`
             ref = [nn.Parameter(torch.zeros_like(g, dtype=torch.float32)) for g in pg16]
-            for r, g in zip(ref, pg16): r.grad = g.float() / 128.
+            for r, g in zip(ref, pg16): r.grad = g.float().clone()  # (the grads arrive FP32 and unscaled)
             total = nn.utils.clip_grad_norm_(ref, clip)
             for r, g in zip(ref, pgm): torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=1e-9)
             if total > clip: assert norm.item() == pytest.approx(clip, rel=1e-4)  # clipping was active here (.item(): a CUDA norm too)
     if clip == 1e-3:  # grads of this regression are ~0.1-10: the small clip must have acted on every step
-        assert all(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in pg])) > 1e-3 * 128
+        assert all(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in pg])) > 1e-3
                    for g16 in rec.log['after_backward'] for pg in g16)
 
 # ---- one host synchronisation per step ---------------------------------------------------------------------------

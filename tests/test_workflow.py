@@ -307,10 +307,12 @@ class InferDuringFit(Callback):
     def after_epoch(self):
         if self.busy: return  # get_preds itself fires after_epoch
         self.busy = True
-        try:
-            half = {p.dtype for p in self.learn.model.head.parameters()}
+        try:  # what the model's head computes with (the model keeps its FP32 params)
+            seen = []
+            h = self.learn.model.head.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
             preds, targs = self.learn.get_preds(dl=self.dls.valid, reorder=False)  # fastai cannot reorder dicts
-            self.res.append((preds, half))
+            h.remove()
+            self.res.append((preds, seen[0]))
         finally: self.busy = False
 
 @pytest.mark.parametrize('mode', list(MODES))

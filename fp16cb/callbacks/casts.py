@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..dtypes import convert_network_keeping
+from ..dtypes import convert_network_keeping, ours
 from ..policy import PrecisionPolicy, uncompiled, named_modules
 
 __all__ = ['cast_floats', 'IslandHooks', 'EntryCasts', 'RangeWatch', 'to_half']
@@ -113,9 +113,10 @@ class IslandHooks:
         for name, m, fp32 in islands:
             if m is root: continue  # the whole model is FP32: its inputs are cast up by `ModelToHalf`'s own hook
             inside, outside = (torch.float32, dtype) if fp32 else (dtype, torch.float32)
-            self.handles.append(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(partial(self._cast_out, dtype=outside)))
-        if self.handles: self.handles.append(root.register_forward_hook(self._model_out))
+            self.handles.append(ours(m.register_forward_pre_hook(partial(self._cast_in, dtype=inside),
+                                                                 with_kwargs=True)))
+            self.handles.append(ours(m.register_forward_hook(partial(self._cast_out, dtype=outside))))
+        if self.handles: self.handles.append(ours(root.register_forward_hook(self._model_out)))
 
     def _counted(self, *bs):
         if not torch.compiler.is_compiling(): self.n_casts += len(_floats(bs))
@@ -178,11 +179,11 @@ class EntryCasts:
         if not kids: return
         # no `always_call` hooks: dynamo guards on their ids, and each fit's new ones would compile the model again;
         # a forward that raised leaves the counts behind: `reset` (`ModelToHalf.before_batch`) clears them
-        self.handles += [model.register_forward_pre_hook(self._enter, prepend=True),
-                         model.register_forward_hook(self._leave)]
+        self.handles += [ours(model.register_forward_pre_hook(self._enter, prepend=True)),
+                         ours(model.register_forward_hook(self._leave))]
         for c in kids:
-            self.handles += [c.register_forward_pre_hook(self._child_in, with_kwargs=True),
-                             c.register_forward_hook(self._child_out)]
+            self.handles += [ours(c.register_forward_pre_hook(self._child_in, with_kwargs=True)),
+                             ours(c.register_forward_hook(self._child_out))]
 
     def _enter(self, module, args): self.depth += 1
     def _leave(self, module, args, out): self.depth = max(self.depth - 1, 0)
@@ -215,7 +216,8 @@ class EntryCasts:
         for c in map(uncompiled, m.children()):
             if id(c) in kept or id(c) in seen: continue  # a kept subtree: FP32, its 16-bit parts are islands
             seen.add(id(c))
-            if _own_params(c): self.handles.append(c.register_forward_pre_hook(self._cast_entry, with_kwargs=True))
+            if _own_params(c):
+                self.handles.append(ours(c.register_forward_pre_hook(self._cast_entry, with_kwargs=True)))
             else: self._hook_under(c, kept, seen)
 
     def _cast_entry(self, module, args, kwargs):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..policy import uncompiled, is_compiled
+from ..dtypes import ours
 from ..scaling.check import _by_device
 
 __all__ = ['GradSink', 'ComputeCopies', 'hook_target']
@@ -90,8 +91,8 @@ class ComputeCopies:
         target = hook_target(model)
         # dynamo reads `.grad` of the tensors a compiled forward takes, which warns for copies (not leaves): quiet there
         self._quiet, self._quieted = is_compiled(target), None
-        self.handles = [target.register_forward_pre_hook(self._enter_root, prepend=True),
-                        target.register_forward_hook(self._leave_root, always_call=True)]
+        self.handles = [ours(target.register_forward_pre_hook(self._enter_root, prepend=True)),
+                        ours(target.register_forward_hook(self._leave_root, always_call=True))]
 
     def _slots(self, root:nn.Module) -> list:
         "`(module, kind, name, half)` of every param and buffer under `root` (`half`: its module computes in 16-bit)."

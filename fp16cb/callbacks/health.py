@@ -12,7 +12,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from ..dtypes import bare_copy, user_stacklevel
+from ..dtypes import bare_copy, user_stacklevel, ours
 from ..policy import named_modules, is_compiled, CATEGORIES
 from .casts import cast_floats, _floats, _values, _rebuild
 
@@ -82,8 +82,8 @@ class PrecisionWatch:
         self.turn += 1
         self._step, self._seen = step, {}
         for n, m in chosen:
-            self._hooks.append(m.register_forward_pre_hook(self._before(n), with_kwargs=True))
-            self._hooks.append(m.register_forward_hook(self._after(n), with_kwargs=True))
+            self._hooks.append(ours(m.register_forward_pre_hook(self._before(n), with_kwargs=True)))
+            self._hooks.append(ours(m.register_forward_hook(self._after(n), with_kwargs=True)))
 
     def _before(self, name):
         def hook(m, args, kwargs):

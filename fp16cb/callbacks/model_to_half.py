@@ -6,7 +6,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device, range_remedy
+from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device, range_remedy, ours
 from ..weights import shared
 from ..compat import Facts, check, float64_layers, FIT, STEP
 from ..session import SessionCallback
@@ -87,11 +87,11 @@ class ModelToHalf(SessionCallback):
         # a `validate`/`get_preds` changes no param: its teardown gives the originals back as they are
         self._trained = False
         # refused if a 16-bit input reaches one
-        self._float64 = [m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype),
-                                                     with_kwargs=True)
+        self._float64 = [ours(m.register_forward_pre_hook(partial(_float64_input, name=n, dtype=self.dtype),
+                                                          with_kwargs=True))
                          for n, m in named_modules(model) if _float64_layer(m)]
-        self._hook = self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range), with_kwargs=True,
-                                                                prepend=True)
+        self._hook = ours(self.learn.model.register_forward_pre_hook(_cast_inputs(in_dtype, self._range),
+                                                                     with_kwargs=True, prepend=True))
         # calls from outside its forward, kept weights
         self.entries = EntryCasts(self.learn.model, res, self.dtype, self.copies)
 
