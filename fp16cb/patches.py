@@ -11,7 +11,7 @@ from fastai.learner import Learner
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torch import nn
-from . import learner, session, distributed, checkpoint, dtypes
+from . import learner, session, distributed, checkpoint, dtypes, weights
 from .diagnostics import precision_check
 
 __all__ = ['Change', 'CHANGES', 'install']
@@ -45,7 +45,7 @@ CHANGES = (
     Change(Learner, '__deepcopy__', session.deepcopy_fp32,
            "new: `copy.deepcopy(learn)` mid-fit copies the FP32 learner"),
     Change(Learner, 'restore_precision', session.restore_precision, "new: back to the between-fits state"),
-    Change(Learner, '_step', session.counted_step,
+    Change(Learner, '_step', weights.counted_step,
            "fastai's `_step` (`opt.step()`), counted: a step whose `after_step` never came is still finished"),
     # checkpoints (`checkpoint`): the FP32 file of plain fastai, written atomically; mid-fit as between fits
     Change(Learner, 'save', checkpoint.save,

@@ -46,7 +46,6 @@ class PrecisionSession:
         self.suspending = False  # within `suspended()`: the teardowns are a pause, not the end of the fit
         self.failing = False  # the fit raised: teardowns do nothing collective (the other ranks are not there)
         self.notes = []  # what the teardown of a failed fit did that the user should know, added to their exception
-        self.steps = 0  # optimizer steps fastai's loop took (`counted_step`): did a step whose `after_step` never came?
 
     def __reduce__(self):
         "A copied or pickled learner gets an empty session: a fit's state belongs to that fit, not to a copy."
@@ -143,11 +142,6 @@ def session_of(learn) -> PrecisionSession:
         s = PrecisionSession(learn)
         learn.__dict__[_KEY] = s
     return s
-
-def counted_step(self:Learner):
-    "fastai's `Learner._step` (the optimizer's step), counted in the learner's session."
-    self.opt.step()
-    session_of(self).steps += 1
 
 class SessionCallback(Callback):
     """A precision callback of ours: the learner's `PrecisionSession` calls its `setup`/`teardown` (once per fit, not

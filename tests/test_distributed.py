@@ -22,6 +22,7 @@ WORLD = 2
 TIMEOUT = 90  # seconds for the 2 processes to run every scenario (about 25 s on 2 idle cores)
 MODES = ('to_fp16', 'to_fp16_flat', 'to_bf16', 'to_native_fp16')
 HALF = {'to_fp16': 'torch.float16', 'to_fp16_flat': 'torch.float16', 'to_bf16': 'torch.bfloat16'}
+STORE = ('to_fp16_flat',)  # the modes whose model is converted to 16 bits for the fit (a store beside it)
 
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
@@ -50,16 +51,20 @@ def test_ranks_bit_identical(ranks, order, mode):
     assert (a['device'], b['device']) == (ranks[0]['_where']['device'], ranks[1]['_where']['device'])  # the rank's own
     assert a['fp'] == b['fp']  # different inits and data, the same FP32 weights and buffers, bit for bit
     assert a['skips'] == b['skips'] and not any(a['skips'])  # steps were taken
-    assert a['dtypes'] == sorted(['torch.float32', HALF[mode]] if mode in HALF else ['torch.float32'])
+    # what the all-reduce moves: the FP32 grads of the model's own params (as FSDP2 reduces in FP32); 16-bit buckets
+    # where a store converts the model (flat masters)
+    assert a['dtypes'] == sorted(['torch.float32', HALF[mode]] if mode in STORE else ['torch.float32'])
 
 @pytest.mark.parametrize('order', ['after', 'before'])
-def test_16bit_buckets_halve_allreduce_bytes(ranks, order):
-    "16-bit gradient buckets: the all-reduce moves half the bytes of FP32 (plus BatchNorm's FP32 params)."
+def test_allreduce_bytes_by_mode(ranks, order):
+    """The model's own FP32 params (the default): the all-reduce moves FP32 grads, as autocast's does. Flat masters (a
+    16-bit model): 16-bit gradient buckets, half the bytes (plus BatchNorm's FP32 params)."""
     fp32 = both(ranks, f'identical_{order}_to_native_fp16')[0]['bytes_per_step']  # autocast keeps FP32 params and grads
     n_params, n_bn = 70913, 512
     assert fp32 == 4 * n_params
     for mode in HALF:
-        assert both(ranks, f'identical_{order}_{mode}')[0]['bytes_per_step'] == 2 * (n_params - n_bn) + 4 * n_bn
+        want = 2 * (n_params - n_bn) + 4 * n_bn if mode in STORE else 4 * n_params
+        assert both(ranks, f'identical_{order}_{mode}')[0]['bytes_per_step'] == want
 
 def test_user_ddp_is_an_fp32_ddp_again_after_the_fit(ranks):
     "A model the user wrapped before `to_fp16` is converted and wrapped again; after the fit it all-reduces in FP32."
@@ -113,7 +118,7 @@ def test_fastai_distrib_ctx(ranks, mode):
     a, b = both(ranks, f'fastai_{mode}')
     assert (a['device'], b['device']) == (ranks[0]['_where']['device'], ranks[1]['_where']['device'])
     assert a['fp'] == b['fp'] and a['skips'] == b['skips']
-    assert a['dtypes'] == (['torch.float16', 'torch.float32'] if mode == 'to_fp16' else ['torch.float32'])
+    assert a['dtypes'] == ['torch.float32']  # the model's own FP32 params' grads (autocast's too)
 
 def test_single_process_does_nothing():
     "No process group: nothing is all-reduced or broadcast, and nothing needs to be."

@@ -162,8 +162,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         """The model keeps its FP32 params for the fit and computes with 16-bit copies: the optimizer steps the params
         themselves, their grads arriving FP32 and unscaled (`ModelParams`)."""
         copies, self._exposed, self._remembered, self._data_writes = mth.copies, None, {}, False
-        self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
-                                 steps=lambda: self.session.steps)
+        self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)})
         self.show_scale_columns()
         self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)

@@ -24,9 +24,9 @@ from .store import Stage, WeightStore
 from .masters import FP32Masters, FlatMasters, ParamMasters
 from .half import HalfStorage, round_stochastic, round_to
 from .state_storage import StateStorage
-from .params import ModelParams
+from .params import ModelParams, counted_step
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
-           'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'dense_strides', 'flat_views',
+           'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'counted_step', 'dense_strides', 'flat_views',
            'flatten_like', 'with_layout_of', 'owns_storage', 'shared', 'Stream']

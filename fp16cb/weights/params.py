@@ -4,6 +4,7 @@ which arrive unscaled and checked (`GradSink`). What is left for a step: read th
 params held inf/NaN is noted), or clip the grads in place, on the device. The check reads `p.grad` as it is at the
 step, so that an inf written there by other code after the backward skips the step too."""
 from __future__ import annotations
+import weakref
 from contextlib import contextmanager
 import torch
 
@@ -14,7 +15,14 @@ from .functional import check_unique_params
 from .optstate import innermost
 from .store import Stage
 
-__all__ = ['ModelParams']
+__all__ = ['ModelParams', 'counted_step']
+
+STEPS = weakref.WeakKeyDictionary()  # learner -> the optimizer steps fastai's loop took (`counted_step`)
+
+def counted_step(self):
+    "fastai's `Learner._step` (the optimizer's step), counted: a step whose `after_step` never came is still known."
+    self.opt.step()
+    STEPS[self] = STEPS.get(self, 0) + 1
 
 class ModelParams:
     """What a step needs of the model's FP32 params during a fit whose forward computes with copies: the interface of
@@ -26,9 +34,10 @@ class ModelParams:
         sink, # the copies' `GradSink`: where the grads arrive, divided by the loss scale of their backward
         names:dict=None, # `{id(param): name}`, for the overflow log and error messages
         computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
-        steps=lambda: 0, # the optimizer steps fastai's loop took so far (`PrecisionSession.steps`)
     ):
-        self.learn, self.sink, self.names, self.computed, self.steps = learn, sink, names or {}, computed_in or {}, steps
+        self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
+        self.steps = lambda: STEPS.get(learn, 0)
+        self._dtypes = [(n, p, p.dtype) for n, p in learn.model.named_parameters()]
         check_unique_params(innermost(learn.opt).param_lists, self.names)
         self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
 
@@ -107,7 +116,13 @@ class ModelParams:
     def became_trainable(self) -> bool: return False
     def presence_changed(self): return None
     def follow_writes(self, everything:bool=False): pass
-    def check_linked(self): pass
+    def check_linked(self):
+        "A param whose dtype changed since the set-up (`model.half()` mid-fit would train it without its FP32 values)."
+        for n, p, dt in self._dtypes:
+            if p.dtype != dt:
+                raise RuntimeError(f"parameter {n} changed dtype since the fit's set-up ({dt} -> {p.dtype}): the model "
+                                   f"keeps its FP32 params during a fit, and computes in 16 bits with copies of them; "
+                                   f"convert it before `to_fp16()`/`to_bf16()`, or not at all.")
     def stepped_in_backward(self) -> bool: return False
     def fp32_views(self) -> dict: return {p: p.detach() for p in self.params}
     def restore(self): self.checked = ()
