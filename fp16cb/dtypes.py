@@ -181,7 +181,7 @@ _HOOK_DICTS = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_a
                '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks', '__deepcopy__',
                '_state_dict_hooks')
 _HALF = (torch.float16, torch.bfloat16)
-OUR_HOOKS = set()  # the ids of the hooks fp16cb put on the user's modules (`ours`), which their deep copies leave behind
+OUR_HOOKS = set()  # ids of the hooks fp16cb put on the user's modules (`ours`), which their deep copies leave behind
 
 def ours(handle):
     "`handle` (a `RemovableHandle`) is of a hook of ours: a deep copy of its module does not take it."

