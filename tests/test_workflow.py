@@ -263,8 +263,9 @@ def test_gradient_accumulation_matches_fp32(mode, per_param_steps):  # the spy c
         if s32[k].is_floating_point(): torch.testing.assert_close(s16[k], s32[k], rtol=2e-2, atol=2e-3)
 
 @pytest.mark.parametrize('mode', ['fp16', 'bf16'])
-def test_fastai_gradient_clip_is_rejected_with_masters(mode):
-    learn = make_learner(mode)
+def test_fastai_gradient_clip_is_rejected_with_a_16bit_model(mode):
+    "Flat masters beside a 16-bit model: `GradientClip` would clip its loss-scaled 16-bit grads, refused."
+    learn = make_learner(mode, flat_master=True)
     w0 = clone_state(learn.model)
     # the remedy in the learner's own dtype (before: `to_fp16(clip=...)` for a bf16 learner too)
     with pytest.raises(ValueError, match=rf"learn.to_{mode}\(clip=0.5, clip_global=True\)"):
@@ -279,6 +280,14 @@ class NormSpy(Callback):
     def __init__(self): self.norms = []
     def before_step(self):
         self.norms.append(torch.stack([p.grad.float().norm() for p, *_ in self.learn.opt.all_params(with_grad=True)]).norm().item())
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_fastai_gradient_clip_clips_the_fp32_grads_by_default(mode):
+    "The model keeps its FP32 params: fastai's `GradientClip` clips their unscaled FP32 grads, as in FP32."
+    learn = make_learner(mode, **({'dynamic': False, 'loss_scale': 2.**10} if mode == 'fp16' else {}))
+    spy = NormSpy()
+    fit(learn, 'fit', 1, 1e-2, cbs=[GradientClip(0.05), spy])
+    assert spy.norms and max(spy.norms) <= 0.05 * 1.001  # clipped at the true scale, not at 2**10 times it
 
 def test_fastai_gradient_clip_sees_unscaled_grads_with_native():
     learn = make_learner('native', init_scale=2.**10)
