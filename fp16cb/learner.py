@@ -102,7 +102,7 @@ def _no_dtype(
 @_shows(ModelToHalf)
 @delegates(MixedPrecision)
 def to_fp16(self:Learner, **kwargs):
-    """Train in mixed precision: an fp16 model (BatchNorm FP32), FP32 master weights, dynamic loss scaling.
+    """Train in mixed precision: fp16 compute (BatchNorm FP32), the model's FP32 params the masters, dynamic loss scale.
     `loss_scale='calibrate'` (and fastai's default 512, which means the same): the first step runs at scale 1 and its
     largest gradient sets the scale (a step whose gradients underflowed at scale 1 is skipped, counted in `n_skipped`);
     a number is the dynamic scale's start, or with `dynamic=False` the fixed scale."""

@@ -71,9 +71,9 @@ def _plain_storage(learn):
 # name -> (what it is, how to set up a learner); `python -m fp16cb --help` lists these descriptions
 MODES = {
     'fp32':        ("plain FP32 training (`learn.to_fp32()`)", lambda learn: learn.to_fp32()),
-    'to_fp16':     ("`learn.to_fp16()`: fp16 model (BatchNorm in FP32), FP32 master weights, dynamic loss scale",
+    'to_fp16':     ("`learn.to_fp16()`: fp16 compute (BatchNorm in FP32), FP32 master weights, dynamic loss scale",
                     lambda learn: learn.to_fp16()),
-    'to_bf16':     ("`learn.to_bf16()`: bf16 model, FP32 master weights, no loss scale (bf16 has FP32's range)",
+    'to_bf16':     ("`learn.to_bf16()`: bf16 compute, FP32 master weights, no loss scale (bf16 has FP32's range)",
                     lambda learn: learn.to_bf16()),
     'native':      ("`learn.to_native_fp16()`: PyTorch's autocast in fp16 with its GradScaler",
                     lambda learn: learn.to_native_fp16()),
