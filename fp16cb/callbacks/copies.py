@@ -94,11 +94,10 @@ class ComputeCopies:
     """The copies the model computes with during a fit (module docstring). `dtype`: the compute dtype outside the FP32
     islands; `kept`: the ids of the modules that stay FP32 (`PrecisionPolicy.resolve(...).kept`)."""
     def __init__(self, model:nn.Module, kept, dtype:torch.dtype, sink:GradSink=None):
-        self.model, self.dtype, self.sink = model, dtype, sink or GradSink()
-        self.root, self.depth, self._live, self._cache, self.handles = uncompiled(hook_target(model)), 0, None, None, []
-        self.kept, self._subsets = kept, {}
-        self.slots = self._slots(self.root)
         target = hook_target(model)
+        self.dtype, self.sink, self.kept = dtype, sink or GradSink(), kept
+        self.depth, self._live, self._cache, self._subsets = 0, None, None, {}
+        self.slots = self._slots(uncompiled(target))
         # dynamo reads `.grad` of the tensors a compiled forward takes, which warns for copies (not leaves): quiet there
         self._quiet, self._quieted = is_compiled(target), None
         self.handles = [ours(target.register_forward_pre_hook(self._enter_root, prepend=True)),

@@ -135,11 +135,27 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         patch_fastai()  # fastai's `DistributedDL` on gloo (CPU) too, if it is in use
         if self.learn.opt is None: self.learn.create_opt()
         mth, model = self._model_to_half(), self.learn.model
-        half = mth is not None and mth.converted
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending:  # a new fit
             self.record.new_fit(self.learn); self._per_param = False; self._trained = ()
-        if mth is not None and mth.copies is not None: return self._on_copies(mth, model, names)
+        copies = mth.copies if mth is not None else None
+        if copies is not None:  # the model keeps its FP32 params: the optimizer steps them, their grads arrive unscaled
+            self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)})
+            self._exposed, self._remembered, self._data_writes = None, {}, False
+        else: self._store_beside(mth, model, names)
+        self.show_scale_columns()
+        # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
+        self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
+        self.record.setup(model)
+        if mth is not None and mth.computing and self.health_every and (self.health is None or
+                                                                          self.health.model is not model):
+            self.health = PrecisionWatch(model, mth.policy.resolve(model, warn=False).kept, self.dtype,
+                                         self.health_every, sources=copies.sources if copies is not None else None)
+
+    def _store_beside(self, mth, model, names:dict):
+        """The store of a 16-bit model (`flat_master`, `half_storage`, `state_dtype`, `step_in_backward`): FP32 masters
+        or 16-bit storage beside it, made from the exact FP32 originals `ModelToHalf` kept."""
+        half = mth is not None and mth.converted
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
                   state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,
                   generator=self.rng(model) if self.half_storage or self.state_dtype else None)
@@ -150,27 +166,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         # FP32 originals still kept
         self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}
         if self._remembered: self.store.stepped_hook = self._forget_originals
-        self.show_scale_columns()
         self._expose_fp32(mth if half else None)
         self._data_writes = writes_data(self.learn.cbs)  # code known to write weights through `.data` before our batch
-        # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
-        self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
-        self.record.setup(model)
-        if half and self.health_every and (self.health is None or self.health.model is not model):
-            kept = mth.policy.resolve(model, warn=False).kept
-            self.health = PrecisionWatch(model, kept, self.dtype, self.health_every)
-
-    def _on_copies(self, mth, model, names:dict):
-        """The model keeps its FP32 params for the fit and computes with 16-bit copies: the optimizer steps the params
-        themselves, their grads arriving FP32 and unscaled (`ModelParams`)."""
-        copies, self._exposed, self._remembered, self._data_writes = mth.copies, None, {}, False
-        self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)})
-        self.show_scale_columns()
-        self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
-        self.record.setup(model)
-        if self.health_every and (self.health is None or self.health.model is not model):
-            self.health = PrecisionWatch(model, mth.policy.resolve(model, warn=False).kept, self.dtype,
-                                         self.health_every, sources=copies.sources)
 
     def _expose_fp32(self, mth):
         """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
