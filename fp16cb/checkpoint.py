@@ -21,7 +21,7 @@ import torch
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .session import session_of, is_ours, _KEY
-from .weights import shared, dense_strides, Stream
+from .weights import shared, dense_strides, Stream, own_storages
 from .monitor import PrecisionValue
 
 __all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'fp32_model_state', 'save_atomic',
@@ -109,7 +109,8 @@ def fp32_model_state(learn, stream:Stream=None) -> dict:
     widened by `stream` as the file is written, one at a time (None: widened now)."""
     model = get_model(learn.model)
     mth = _active(learn, ModelToHalf)
-    if mth is None or not mth.converted: return model.state_dict()
+    # the file holds each tensor alone (a fit's params are laid out in buffers for the fused step)
+    if mth is None or not mth.converted: return own_storages(model.state_dict())
     mth._streaming = True  # the model's own state-dict hook (`MixedPrecision`) leaves the FP32 values to this function
     try: sd = model.state_dict()
     finally: mth._streaming = False

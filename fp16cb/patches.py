@@ -8,6 +8,7 @@ after)."""
 from __future__ import annotations
 from typing import NamedTuple
 from fastai.learner import Learner
+from fastai.optimizer import Optimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torch import nn
@@ -47,6 +48,8 @@ CHANGES = (
     Change(Learner, 'restore_precision', session.restore_precision, "new: back to the between-fits state"),
     Change(Learner, '_step', weights.counted_step,
            "fastai's `_step` (`opt.step()`), counted: a step whose `after_step` never came is still finished"),
+    Change(Optimizer, 'step', weights.fastai_step,
+           "fastai's loop over the params; a fit's laid-out params step a run at a time, as one flat tensor each"),
     # checkpoints (`checkpoint`): the FP32 file of plain fastai, written atomically; mid-fit as between fits
     Change(Learner, 'save', checkpoint.save,
            "fastai's `save`: the FP32 masters' values, the precision callbacks' state, written atomically"),

@@ -13,6 +13,7 @@ from torch import nn
 from ..policy import uncompiled, is_compiled
 from ..dtypes import ours
 from ..scaling.check import _by_device
+from ..weights.layout import flat_views
 
 __all__ = ['GradSink', 'ComputeCopies', 'hook_target']
 
@@ -22,18 +23,30 @@ class GradSink:
     sees whatever else wrote into it too."""
     inv_scale = 1.
 
-    def arrive(self, grads:list, dtypes:list) -> list:
-        "The grads of the copies (None: unused) as the grads of their sources: in `dtypes`, unscaled."
+    def arrive(self, grads:list, dtypes:list, order:list) -> list:
+        """The grads of the copies (None: unused) as the grads of their sources: in `dtypes`, unscaled, one after the
+        other in memory in `order` (the sources' own order in memory: a fused step takes runs of both)."""
         res = [None] * len(grads)
-        idx = [i for i, g in enumerate(grads) if g is not None]
+        idx = [i for i in order if grads[i] is not None]
         if not idx: return res
         srcs = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
-        outs = [torch.empty_like(g, dtype=dtypes[i]) for i, g in zip(idx, srcs)]
+        outs = _consecutive(srcs, [dtypes[i] for i in idx])
         torch._foreach_copy_(outs, srcs)
         if self.inv_scale != 1.:
             for ts in _by_device(outs).values(): torch._foreach_mul_(ts, self.inv_scale)
         for i, t in zip(idx, outs): res[i] = t
         return res
+
+def _consecutive(like:list, dtypes:list) -> list:
+    """Empty tensors shaped and strided as `like`, in `dtypes`: views one after the other into one buffer per device
+    and dtype, so that the grads they become are consecutive in memory, as the params are for a fused step."""
+    res, parts = [None] * len(like), {}
+    for i, (t, dt) in enumerate(zip(like, dtypes)): parts.setdefault((t.device, dt), []).append(i)
+    for (dev, dt), ii in parts.items():
+        ts = [like[i] for i in ii]
+        views = flat_views(torch.empty(sum(t.numel() for t in ts), dtype=dt, device=dev), ts)
+        for i, v in zip(ii, views): res[i] = v
+    return res
 
 class _Cast(torch.autograd.Function):
     """The copies of a set of params in one fused pass, one autograd node for all; in the backward their grads come
@@ -41,6 +54,7 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sink:GradSink, dtypes:tuple, *ps):
         ctx.sink, ctx.src_dtypes = sink, [p.dtype for p in ps]
+        ctx.order = sorted(range(len(ps)), key=lambda i: ps[i].data_ptr())
         ctx.set_materialize_grads(False)
         out = [torch.empty_like(p, dtype=d) for p, d in zip(ps, dtypes)]
         torch._foreach_copy_(out, list(ps))
@@ -48,7 +62,7 @@ class _Cast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, None, *ctx.sink.arrive(list(gs), ctx.src_dtypes))
+        return (None, None, *ctx.sink.arrive(list(gs), ctx.src_dtypes, ctx.order))
 
 def dtype_for(t:torch.Tensor, half:bool, dtype:torch.dtype):
     """The dtype of `t`'s copy in a forward (`half`: its module computes in 16-bit), None for no copy: FP32 floats

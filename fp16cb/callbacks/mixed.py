@@ -205,6 +205,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self._divided = getattr(self.store, '_rescale', None)
         self._trained = () if fit_ends else {id(p) for pg in self.store.model_pgs + self.store.own_pgs for p in pg}
         self.store.restore()
+        if fit_ends and self._on_model: self.store.own_storage()
         if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
         # an error says more

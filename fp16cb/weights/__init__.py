@@ -8,7 +8,8 @@ step's gradients get there. One concern per module; each imports only modules be
 - `half`: 16-bit storage without masters (`HalfStorage`), and the rounding back to 16-bit;
 - `store`: the interface both implement (`WeightStore`) and its `Stage`, with the rules for what may be converted;
 - `writes`: other code's in-place writes to the model's params reaching the FP32 masters (`WriteWatch`);
-- `drivers`: fastai's loop over a run of per-param masters as one flat tensor (`FusedRun`);
+- `drivers`: fastai's loop over a run of consecutive params (or per-param masters) as one flat tensor (`FusedRun`),
+  the params laid out for it (`lay_out`), and fastai's `Optimizer.step` stepping the runs first (`fastai_step`);
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
 - `optstate`: the optimizer's per-param state moved between the model's params and what the optimizer steps;
 - `route`: the visible optimizer, whose class is routed to the store for a fit (`Route`);
@@ -18,7 +19,7 @@ step's gradients get there. One concern per module; each imports only modules be
 - `state8`: the 8-bit codes, torchao's block-wise quantization with one scale per block (`State8`);
 - `lazy`: FP32 tensors that a checkpoint writes one at a time (`Stream`), made as `torch.save` reaches them;
 - `layout`: flat buffers and their views, each keeping its tensor's strides."""
-from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of, shared
+from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of, shared, own_storages
 from .lazy import Stream
 from .functional import MASTERED, get_master, to_master_grads, to_model_params, copy_clone, check_unique_params
 from .optstate import move_opt_state
@@ -26,9 +27,11 @@ from .store import Stage, WeightStore
 from .masters import FP32Masters, FlatMasters, ParamMasters
 from .half import HalfStorage, round_stochastic, round_to
 from .state_storage import StateStorage
+from .drivers import fastai_step
 from .params import ModelParams, counted_step
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
-           'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'counted_step', 'dense_strides', 'flat_views',
-           'flatten_like', 'with_layout_of', 'owns_storage', 'shared', 'Stream']
+           'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'counted_step', 'fastai_step',
+           'dense_strides', 'flat_views', 'flatten_like', 'with_layout_of', 'owns_storage', 'shared', 'own_storages',
+           'Stream']

@@ -12,14 +12,15 @@ What steps on its own, as fastai would: a param whose scalar state differs from 
 `do_wd=False` bias), one without a grad this step (not in the chunk's plan), and every param of an optimizer that reads
 a param whole (LAMB, LARC: not `elementwise`)."""
 from __future__ import annotations
-import operator
+import operator, weakref
 import torch
 from torch import Tensor
 from fastai.optimizer import _update
 
 from .layout import flat_views, dense_strides
 
-__all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit']
+__all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit', 'FusedLoop', 'FUSED', 'fastai_step',
+           'lay_out']
 
 # The most elements one fused call of fastai's callbacks takes, by device type. On a CPU each callback is a pass over
 # the stretch's weights, grads and moments: unbounded, a stretch of a whole chunk left the caches between the passes,
@@ -140,11 +141,16 @@ def fused_runs(masters:list, views:list, groups:list) -> list:
     for m, v, gi in zip(masters, views, groups):
         if cur:
             pm, pv, pgi = cur[-1]
-            if not (gi == pgi and _contiguous(pm, m) and _contiguous(pv, v) and _dense(m) and _dense(pm)):
+            if not (gi == pgi and _contiguous(pm, m) and _contiguous(pv, v) and _same_order(m, v)
+                    and _same_order(pm, pv)):
                 close(); cur = []
         cur.append((m, v, gi))
     close()
     return runs
+
+def _same_order(m:Tensor, g:Tensor) -> bool:
+    "Whether `m` and its grad `g` are dense with the same strides (their elements in the same memory order)."
+    return _dense(m) and tuple(m.stride()) == tuple(g.stride())
 
 def _dense(t:Tensor) -> bool:
     "Whether `t` (at least 1-d) fills exactly `t.numel()` elements of its storage (any order of its dims)."
@@ -154,3 +160,76 @@ def _span(ts:list) -> Tensor:
     "The 1-d tensor over the memory of the consecutive dense tensors `ts`."
     t = ts[0].detach()
     return t.as_strided((sum(x.numel() for x in ts),), (1,), t.storage_offset())
+
+# -- the fused loop of a fit whose optimizer steps the model's own FP32 params (`params.ModelParams`)
+FUSED = weakref.WeakKeyDictionary()  # a fastai optimizer -> its `FusedLoop`, while a fit steps its params laid out
+
+def fastai_step(self, closure=None):
+    """fastai's `Optimizer.step`: its callbacks run on each param with a grad, in order. During a mixed-precision fit
+    that laid its params out (`FUSED`), the runs of consecutive params with consecutive grads go first, each as one
+    flat tensor (`FusedLoop`): the same update, far fewer calls."""
+    if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
+    loop = FUSED.get(self)
+    done = loop.step(self) if loop is not None else ()
+    for p, _, state, hyper in self.all_params(with_grad=True):
+        if id(p) in done: continue
+        for cb in self.cbs: state = _update(state, cb(p, **{**state, **hyper}))
+        self.state[p] = state
+
+class FusedLoop:
+    """The `FusedRun`s of a fastai optimizer's params, remade when a param's or a grad's memory changed. The runs hold
+    views of the memory they step, so an address seen again is the same memory, never a new tensor put there."""
+    def __init__(self): self._key, self._runs = None, []
+
+    def step(self, core) -> set:
+        "Step the runs of `core`'s params: the ids of the params stepped so."
+        items = [(p, gi) for gi, pg in enumerate(core.param_lists) for p in pg if p.grad is not None]
+        key = [(p.data_ptr(), p.grad.data_ptr()) for p, _ in items]
+        if key != self._key:  # runs in memory order (the step does not depend on the order of the params)
+            items = sorted(items, key=lambda it: (it[1], it[0].data_ptr()))
+            self._runs, self._key = fused_runs([p for p, _ in items], [p.grad for p, _ in items],
+                                               [gi for _, gi in items]), key
+        done = set()
+        for r in self._runs: done.update(map(id, r.step(core, core.hypers[r.gi])))
+        return done
+
+    def forget(self):
+        "Let the runs (and the grads' memory they view) go: the grads were dropped."
+        self._key, self._runs = None, []
+
+LAYOUT_RUN = {'cpu': 2**18}  # the most elements laid out in one buffer, by device type (elsewhere 2^25: 128 MiB)
+
+def lay_out(groups:list, state:dict):
+    """Each group's trainable params made consecutive in memory, a buffer per run of one device and dtype (at most
+    `LAYOUT_RUN` elements: the copy made for it is bounded), ordered by their optimizer flags in `state` (fastai's
+    `do_wd`: what steps as one flat tensor lies together): `p.data` becomes a view into it, with the same values and
+    strides. Params consecutive already stay where they are."""
+    for pg in groups:
+        ps = [q for q in pg if q.requires_grad and q.numel()]
+        flags = [tuple(sorted((k, repr(v)) for k, v in state.get(q, {}).items() if not isinstance(v, Tensor)))
+                 for q in ps]
+        rank = {}
+        for f in flags: rank.setdefault(f, len(rank))
+        run, n = [], 0
+        for p in [ps[i] for i in sorted(range(len(ps)), key=lambda i: rank[flags[i]])] + [None]:
+            if p is not None and (not run or _joins(run[0], p, n + p.numel())):
+                run.append(p); n += p.numel(); continue
+            if len(run) > 1 and not all(_contiguous(a, b) and _dense(a) and _dense(b) for a, b in zip(run, run[1:])):
+                _move(run, n)
+            run, n = ([p], p.numel()) if p is not None else ([], 0)
+
+def _move(run:list, n:int):
+    """The params of `run` (`n` elements) copied into one buffer, each `.data` a view into it; the grads they have into
+    another, at the same places (the grads the backward adds to in place, as fastai's `zero_grad` keeps them)."""
+    for attr in ('data', 'grad'):
+        ps = [q for q in run if getattr(q, attr) is not None]
+        if not ps: continue
+        views = flat_views(torch.empty(n, dtype=run[0].dtype, device=run[0].device), run)
+        # not views for autograd (as the backward's own grads are not): fastai's `zero_grad` detaches a grad in place
+        views = [v.detach() for q, v in zip(run, views) if getattr(q, attr) is not None]
+        with torch.no_grad(): torch._foreach_copy_(views, [getattr(q, attr).detach() for q in ps])
+        for q, v in zip(ps, views): setattr(q, attr, v)
+
+def _joins(first, p, n:int) -> bool:
+    "Whether `p` continues the run that starts with `first` (the same device and dtype, `n` elements within the limit)."
+    return p.device == first.device and p.dtype == first.dtype and n <= LAYOUT_RUN.get(first.device.type, 2**25)

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 __all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'shared',
-           'laid_out_as', 'split_like']
+           'laid_out_as', 'split_like', 'own_storages']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -82,3 +82,11 @@ def split_like(pg, flats):
         while n < flat.numel(): part.append(pg[i]); n += pg[i].numel(); i += 1
         parts.append(part)
     return parts
+
+def own_storages(obj):
+    """`obj` (a state dict: nested dicts, lists and tuples) with each tensor over memory of its own (`shared`: no copy),
+    so that `torch.save` writes each alone, as it writes FP32's, never a whole buffer that it is a view into."""
+    if isinstance(obj, Tensor): return shared(obj)
+    if isinstance(obj, dict): return {k: own_storages(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)): return type(obj)(own_storages(v) for v in obj)
+    return obj

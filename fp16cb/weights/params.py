@@ -12,7 +12,9 @@ from ..scaling import OverflowCheck, nonfinite_flags, _real
 from ..scaling.check import _FEW
 from ..distributed import broadcast_
 from .functional import check_unique_params
-from .optstate import innermost
+from .optstate import innermost, steps_param_by_param, elementwise
+from .drivers import FUSED, FusedLoop, lay_out
+from .layout import shared, own_storages
 from .store import Stage
 
 __all__ = ['ModelParams', 'counted_step']
@@ -40,6 +42,15 @@ class ModelParams:
         self._dtypes = [(n, p, p.dtype) for n, p in learn.model.named_parameters()]
         check_unique_params(innermost(learn.opt).param_lists, self.names)
         self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
+        self._fuse(innermost(learn.opt))
+
+    def _fuse(self, core):
+        """fastai's loop, where its callbacks are elementwise, steps runs of consecutive params as one flat tensor each
+        (`drivers.FusedLoop`): each group's trainable params are laid out one after the other in memory for it."""
+        self._core = core if steps_param_by_param(core) and elementwise(core) else None
+        if self._core is None: return
+        lay_out([list(pg) for pg in core.param_lists], core.state)
+        FUSED[core] = self._loop = FusedLoop()
 
     @property
     def model_pgs(self) -> list:
@@ -100,6 +111,7 @@ class ModelParams:
         ps, grads = self._grads()
         found = nonfinite_flags(grads), [self.names.get(id(p), '?') for p in ps]
         for p in ps: p.grad = None
+        if self._core is not None: self._loop.forget()
         self._done(Stage.SKIPPED)
         return found
 
@@ -125,7 +137,20 @@ class ModelParams:
                                    f"convert it before `to_fp16()`/`to_bf16()`, or not at all.")
     def stepped_in_backward(self) -> bool: return False
     def fp32_views(self) -> dict: return {p: p.detach() for p in self.params}
-    def restore(self): self.checked = ()
+    def restore(self):
+        self.checked = ()
+        if self._core is not None: FUSED.pop(self._core, None)
+
+    def own_storage(self):
+        """The fit's end: each param, grad and optimizer state tensor laid out for the fused loop gets memory of its own
+        again (no copy), so that saving one writes it alone, as FP32's (the next fit lays them out again)."""
+        if self._core is None: return
+        state = self._core.state
+        for pg in self._core.param_lists:
+            for p in pg:
+                p.data = shared(p.data)
+                if p.grad is not None: p.grad = shared(p.grad)
+                if p in state: state[p] = own_storages(state[p])
 
     def broadcast_from(self, src:int=0):
         "Every rank starts from rank `src`'s weights (the model's params)."
@@ -136,4 +161,4 @@ class ModelParams:
         "The optimizer as it is: its params are the model's."
         yield self.learn.opt
 
-    def fp32_state_dict(self, opt, stream) -> dict: return opt.state_dict()
+    def fp32_state_dict(self, opt, stream) -> dict: return own_storages(opt.state_dict())
