@@ -1,0 +1,86 @@
+"""fastai's loop on a fit's own FP32 params: runs of consecutive params whose grads are consecutive too step as one
+flat tensor each (`fp16cb.weights.drivers.FusedLoop`), with the very update fastai's per-param loop gives, whatever
+other code does to the params, their grads or the optimizer's state mid-fit."""
+import io
+from functools import partial
+import pytest
+import torch
+from torch import nn
+import fastai.optimizer
+from fastai.basics import Callback, Adam, SGD
+
+from conftest import make_learner, quiet_fit, weights, seed_all
+from fp16cb.weights import drivers
+
+def deep(n:int=6, w:int=16) -> nn.Sequential:
+    "Linear layers with biases (fastai leaves biases out of weight decay: two kinds of params, interleaved)."
+    layers = [nn.Linear(4, w), nn.ReLU()]
+    for _ in range(n): layers += [nn.Linear(w, w), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(w, 1))
+
+def learner(mode:str='bf16', opt=Adam, **kwargs):
+    seed_all(42)  # the same initial weights for every learner
+    learn = make_learner(deep(), opt_func=partial(opt, wd=0.1) if opt is Adam else opt,
+                         splitter=lambda m: [list(m.parameters())], **kwargs)
+    return learn.to_bf16() if mode == 'bf16' else learn.to_fp16(max_loss_scale=2.**8) if mode == 'fp16' else learn
+
+@pytest.fixture
+def updates(monkeypatch):
+    "Counts the optimizer's callback calls (fastai's `_update`, once a call: a param, or a run stepped as one)."
+    calls = []
+    real = drivers._update
+    def counted(state, new):
+        calls.append(1)
+        return real(state, new)
+    monkeypatch.setattr(drivers, '_update', counted)
+    monkeypatch.setattr(fastai.optimizer, '_update', counted)  # fastai's own loop
+    return calls
+
+@pytest.mark.parametrize('mode', ['bf16', 'fp16'])
+def test_runs_step_as_one_with_fastais_update(mode, updates, monkeypatch):
+    "Before the fix each param was stepped on its own: 16 params x 4 callbacks x 4 steps calls."
+    learn = quiet_fit(learner(mode), 1, lr=1e-2)
+    fused, n_fused = weights(learn), len(updates)
+    monkeypatch.setattr(drivers.FusedRun, 'step', lambda self, core, hyper: [])  # fastai's loop, param by param
+    updates.clear()
+    ref = weights(quiet_fit(learner(mode), 1, lr=1e-2))
+    assert n_fused * 4 <= len(updates)  # weights as one run, biases as another (not 16 of each)
+    assert all(torch.equal(a, b) for a, b in zip(fused, ref))
+
+class Replace(Callback):
+    "At the third batch: a param's tensor replaced (`p.data = ...`), and the optimizer's state loaded from a copy."
+    order = 60
+    def before_batch(self):
+        if self.train_iter != 2: return
+        p = self.learn.model[4].weight
+        p.data = p.data.clone()
+        buf = io.BytesIO(); torch.save(self.learn.opt.state_dict(), buf); buf.seek(0)
+        self.learn.opt.load_state_dict(torch.load(buf, weights_only=False))
+
+@pytest.mark.parametrize('opt', [Adam, SGD])
+def test_a_param_replaced_and_the_state_loaded_mid_fit_train_as_param_by_param(opt, monkeypatch):
+    learn = quiet_fit(learner(opt=opt), 2, lr=1e-2, cbs=Replace())
+    fused = weights(learn)
+    monkeypatch.setattr(drivers.FusedRun, 'step', lambda self, core, hyper: [])
+    ref = weights(quiet_fit(learner(opt=opt), 2, lr=1e-2, cbs=Replace()))
+    assert all(torch.equal(a, b) for a, b in zip(fused, ref))
+    # as close to FP32 fastai's run as 16-bit compute comes without the replacement (the replaced param kept training)
+    err = lambda a, b: max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+    fp32 = weights(quiet_fit(learner('fp32', opt=opt), 2, lr=1e-2, cbs=Replace()))
+    plain = err(weights(quiet_fit(learner(opt=opt), 2, lr=1e-2)), weights(quiet_fit(learner('fp32', opt=opt), 2, lr=1e-2)))
+    assert err(fused, fp32) <= 2 * plain + 1e-3
+
+def test_a_fits_params_are_laid_out_and_own_their_memory_after(updates):
+    "During the fit a group's weights lie one after the other; after it each param owns its memory (a save writes it)."
+    seen = []
+    class Look(Callback):
+        def before_step(self):
+            ws = [m.weight for m in self.learn.model if isinstance(m, nn.Linear)][1:]
+            seen.append(all(a.data_ptr() + a.numel() * 4 == b.data_ptr() for a, b in zip(ws, ws[1:])))
+    learn = quiet_fit(learner(), 1, lr=1e-2, cbs=Look())
+    assert seen and all(seen)
+    for p in learn.model.parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * 4
+        assert p.grad.untyped_storage().nbytes() == p.numel() * 4
+    st = learn.opt.state[learn.model[2].weight]['grad_avg']
+    assert st.untyped_storage().nbytes() == st.numel() * 4
