@@ -31,7 +31,8 @@ def flat_views(flat:Tensor, like:list) -> list:
     for t in like:
         n = t.numel()
         chunk = flat[o:o+n]
-        res.append(chunk.as_strided(t.shape, dense_strides(t), chunk.storage_offset()))
+        res.append(chunk.view(t.shape) if t.is_contiguous() else
+                   chunk.as_strided(t.shape, dense_strides(t), chunk.storage_offset()))
         o += n
     return res
 
