@@ -46,6 +46,20 @@ def test_quantizing_the_dequantized_state_gives_the_same_codes(signed, n):
     assert torch.equal(codes(a), codes(b)) and torch.equal(a.scale, b.scale) and torch.equal(b.dequantize(), d)
     assert a.scale.numel() == -(-n // BLOCK) and (a.scale < 0).any() == signed  # a scale has its block's extreme's sign
 
+def test_quantizing_leaves_the_loggers_levels_alone(monkeypatch):
+    """Before the fix each quantizer call set the levels of two of torch's loggers and back (`Logger.setLevel` clears
+    every logger's cache: 70% of an 8-bit step's time); the warnings it hushes are still hushed within, and only
+    within."""
+    import logging
+    q8(awkward(5000, True), True).dequantize()  # compiled (or found eager) once
+    calls = []
+    monkeypatch.setattr(logging.Logger, 'setLevel', lambda self, level: calls.append(self.name))
+    for signed in (True, False): q8(awkward(5000, signed), signed).dequantize()
+    assert calls == []
+    log = logging.getLogger('torch.utils._pytree')
+    with state8._quiet(): assert not log.filter(log.makeRecord(log.name, logging.WARNING, '', 0, 'x', (), None))
+    assert log.filter(log.makeRecord(log.name, logging.WARNING, '', 0, 'x', (), None))
+
 def test_channels_last_state_round_trips_in_its_layout():
     p = torch.randn(8, 32, 4, 4).to(memory_format=torch.channels_last)
     a = q8(p)
