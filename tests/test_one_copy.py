@@ -233,17 +233,21 @@ def test_the_users_optimizer_and_model_hold_what_they_hold_in_fp32(mode):
 
 # 12 (found by this redesign): a loss term computed from the params themselves, outside the model's forward
 class WeightPenalty(Callback):
-    "An L2 penalty added to the loss from `learn.model.parameters()` in `after_loss` (outside the model's forward)."
+    """A penalty added to the loss from `learn.model.parameters()` in `after_loss` (outside the model's forward): L2, or
+    a plain sum (whose grads are views of one scalar's, shared by all the params)."""
     order = 60
+    def __init__(self, kind='l2'): self.kind = kind
     def after_loss(self):
-        if self.training:
-            self.learn.loss_grad = self.learn.loss_grad + 1e-1 * sum((p ** 2).sum() for p in self.learn.model.parameters())
+        if not self.training: return
+        ps = list(self.learn.model.parameters())
+        pen = sum((p ** 2).sum() for p in ps) if self.kind == 'l2' else sum(p.sum() for p in ps)
+        self.learn.loss_grad = self.learn.loss_grad + 1e-1 * pen
 
-@pytest.mark.xfail(strict=True, reason="the copies' backward divides the loss scale out of the grads that pass through "
-                   "the forward; a term computed from the FP32 params directly reaches them loss-scaled")
-def test_a_penalty_on_the_params_outside_the_forward_trains_as_in_fp32():
-    "FP32: the penalty's grad 0.2 * w. With `to_fp16()` at a scale of 2^8 it arrives 256x too big (the update diverges)."
-    ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=WeightPenalty())
+@pytest.mark.parametrize('kind', ['l2', 'sum'])
+def test_a_penalty_on_the_params_outside_the_forward_trains_as_in_fp32(kind):
+    """FP32: the penalty's grad 0.2 * w. Before the fix, with `to_fp16()` at a scale of 2^8 it arrived 256x too big (the
+    update diverged): each param's summed grad is now unscaled on its way in."""
+    ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=WeightPenalty(kind))
     learn = make_learner(opt_func=SGD).to_fp16(loss_scale=2.**8, dynamic=False)
-    quiet_fit(learn, 1, cbs=WeightPenalty()); learn.to_fp32()
+    quiet_fit(learn, 1, cbs=WeightPenalty(kind)); learn.to_fp32()
     assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])

@@ -6,7 +6,7 @@ only carry the grads back) and puts them in the modules' places for that forward
 back. In the backward the copies' grads come back onto the FP32 params, a fused pass per device and dtype, divided
 by the loss scale on the way: `p.grad` is FP32 and unscaled, as FP32 fastai holds it, whoever reads it and whenever."""
 from __future__ import annotations
-import warnings
+import warnings, weakref
 import torch
 from torch import nn
 
@@ -20,33 +20,64 @@ __all__ = ['GradSink', 'ComputeCopies', 'hook_target']
 class GradSink:
     """Where the copies' grads arrive: in their sources' dtypes, divided by the loss scale of the backward that made
     them (`inv_scale`, set by the callback before each backward). The inf/NaN check reads `p.grad` at the step, which
-    sees whatever else wrote into it too."""
-    inv_scale = 1.
+    sees whatever else wrote into it too.
+    A loss-scaled fit (`hook`) divides the scale out on each param's way in instead, after autograd has summed what
+    reaches it: through the copies, and from code that uses the params outside the forward (a penalty on the weights
+    in the loss), so that every part of `p.grad` is unscaled, as FP32 fastai's."""
+    inv_scale, scaled = 1., False
+
+    def __init__(self): self.hooks, self._mine = {}, {}
+
+    def begin(self, scale:float):
+        "A backward at loss scale `scale` is coming: its grads arrive divided by it."
+        self.inv_scale, self._mine = 1. / scale, {}
+
+    def hook(self, params):
+        "Divide the scale out of each of `params`' grads as it reaches the param (once per param), from now on."
+        self.scaled = True
+        for p in params:
+            if id(p) not in self.hooks and p.requires_grad: self.hooks[id(p)] = p.register_hook(self._unscale)
+
+    def unhook(self):
+        for h in self.hooks.values(): h.remove()
+        self.hooks, self.scaled = {}, False
+
+    def _unscale(self, g):
+        "A param's grad of this backward, all of it: divided by the scale (in place when it is one of ours)."
+        if self.inv_scale == 1.: return None
+        b = g._base
+        if b is not None and (r := self._mine.get(id(b))) is not None and r() is b:
+            g.mul_(self.inv_scale)  # our buffer's view, autograd's alone: the params' layout kept
+            return None
+        return g * self.inv_scale
 
     def arrive(self, grads:list, dtypes:list, order:list) -> list:
-        """The grads of the copies (None: unused) as the grads of their sources: in `dtypes`, unscaled, one after the
-        other in memory in `order` (the sources' own order in memory: a fused step takes runs of both)."""
+        """The grads of the copies (None: unused) as the grads of their sources: in `dtypes`, unscaled (or, with the
+        hooks, still scaled: `_unscale` divides them), one after the other in memory in `order` (the sources' own order
+        in memory: a fused step takes runs of both)."""
         res = [None] * len(grads)
         idx = [i for i in order if grads[i] is not None]
         if not idx: return res
         srcs = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
-        outs = _consecutive(srcs, [dtypes[i] for i in idx])
+        outs, flats = _consecutive(srcs, [dtypes[i] for i in idx])
         torch._foreach_copy_(outs, srcs)
-        if self.inv_scale != 1.:
+        if self.scaled: self._mine.update((id(f), weakref.ref(f)) for f in flats)
+        elif self.inv_scale != 1.:
             for ts in _by_device(outs).values(): torch._foreach_mul_(ts, self.inv_scale)
         for i, t in zip(idx, outs): res[i] = t
         return res
 
 def _consecutive(like:list, dtypes:list) -> list:
     """Empty tensors shaped and strided as `like`, in `dtypes`: views one after the other into one buffer per device
-    and dtype, so that the grads they become are consecutive in memory, as the params are for a fused step."""
-    res, parts = [None] * len(like), {}
+    and dtype, so that the grads they become are consecutive in memory, as the params are for a fused step; and the
+    buffers."""
+    res, parts, flats = [None] * len(like), {}, []
     for i, (t, dt) in enumerate(zip(like, dtypes)): parts.setdefault((t.device, dt), []).append(i)
     for (dev, dt), ii in parts.items():
         ts = [like[i] for i in ii]
-        views = flat_views(torch.empty(sum(t.numel() for t in ts), dtype=dt, device=dev), ts)
-        for i, v in zip(ii, views): res[i] = v
-    return res
+        flats.append(torch.empty(sum(t.numel() for t in ts), dtype=dt, device=dev))
+        for i, v in zip(ii, flat_views(flats[-1], ts)): res[i] = v
+    return res, flats
 
 class _Cast(torch.autograd.Function):
     """The copies of a set of params in one fused pass, one autograd node for all; in the backward their grads come
@@ -142,6 +173,7 @@ class ComputeCopies:
         elements in the modules' order, an autograd node each: the backward brings a bucket's grads to FP32 once it
         has passed the bucket's modules, and its 16-bit grads go, so that they never all live at once."""
         if torch.is_grad_enabled() and grad:
+            if self.sink.scaled: self.sink.hook([t for t, _ in grad])  # made trainable since: hooked too
             self._cache, copies = None, {}
             for b in _buckets(grad, BUCKET):
                 srcs = [t for t, _ in b]

@@ -140,7 +140,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             self.record.new_fit(self.learn); self._per_param = False; self._trained = ()
         copies = mth.copies if mth is not None else None
         if copies is not None:  # the model keeps its FP32 params: the optimizer steps them, their grads arrive unscaled
-            self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)})
+            unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
+            self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
+                                     scaled=not unit)
             self._exposed, self._remembered, self._data_writes = None, {}, False
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()

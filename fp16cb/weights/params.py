@@ -36,12 +36,14 @@ class ModelParams:
         sink, # the copies' `GradSink`: where the grads arrive, divided by the loss scale of their backward
         names:dict=None, # `{id(param): name}`, for the overflow log and error messages
         computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
+        scaled:bool=True, # the fit is loss-scaled (fp16): each param's summed grad is unscaled on its way in
     ):
         self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
         self.steps = lambda: STEPS.get(learn, 0)
         self._dtypes = [(n, p, p.dtype) for n, p in learn.model.named_parameters()]
         check_unique_params(innermost(learn.opt).param_lists, self.names)
         self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
+        if scaled: sink.hook(p for p in learn.model.parameters() if p.requires_grad)
         self._fuse(innermost(learn.opt))
 
     def _fuse(self, core):
@@ -69,7 +71,7 @@ class ModelParams:
 
     def backward(self, scale:float=1.):
         "A backward at loss scale `scale` is coming: its grads arrive divided by it."
-        self.sink.inv_scale = 1. / scale
+        self.sink.begin(scale)
 
     def prepare_grads(self, scale:float, with_max:bool=False):
         """`[found, (max |grad|)]` on the device (no sync): the grads as they are now (unscaled, whatever wrote into
@@ -139,6 +141,7 @@ class ModelParams:
     def fp32_views(self) -> dict: return {p: p.detach() for p in self.params}
     def restore(self):
         self.checked = ()
+        self.sink.unhook()
         if self._core is not None: FUSED.pop(self._core, None)
 
     def own_storage(self):
