@@ -44,7 +44,7 @@ class GradSink:
 
     def _unscale(self, g):
         "A param's grad of this backward, all of it: divided by the scale (in place when it is one of ours)."
-        if self.inv_scale == 1.: return None
+        if g is None or self.inv_scale == 1.: return None  # (an unused copy's: no grad)
         b = g._base
         if b is not None and (r := self._mine.get(id(b))) is not None and r() is b:
             g.mul_(self.inv_scale)  # our buffer's view, autograd's alone: the params' layout kept
