@@ -20,7 +20,7 @@ from fastai.optimizer import _update
 from .layout import flat_views, dense_strides
 
 __all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit', 'FusedLoop', 'FUSED', 'fastai_step',
-           'lay_out']
+           'lay_out', 'flag_ranks']
 
 # The most elements one fused call of fastai's callbacks takes, by device type. On a CPU each callback is a pass over
 # the stretch's weights, grads and moments: unbounded, a stretch of a whole chunk left the caches between the passes,
@@ -199,6 +199,15 @@ class FusedLoop:
 
 LAYOUT_RUN = {'cpu': 2**18}  # the most elements laid out in one buffer, by device type (elsewhere 2^25: 128 MiB)
 
+def flag_ranks(params:list, state:dict) -> list:
+    """Each param's rank of its optimizer flags (the state's entries that are not tensors: fastai's `do_wd`), ranked by
+    where each set first appears: params of one rank lie together, so that fastai's loop steps them as one."""
+    flags = [tuple(sorted((k, repr(v)) for k, v in state.get(p, {}).items() if not isinstance(v, Tensor)))
+             for p in params]
+    first = {}
+    for f in flags: first.setdefault(f, len(first))
+    return [first[f] for f in flags]
+
 def lay_out(groups:list, state:dict):
     """Each group's trainable params made consecutive in memory, a buffer per run of one device and dtype (at most
     `LAYOUT_RUN` elements: the copy made for it is bounded), ordered by their optimizer flags in `state` (fastai's
@@ -206,12 +215,9 @@ def lay_out(groups:list, state:dict):
     strides. Params consecutive already stay where they are."""
     for pg in groups:
         ps = [q for q in pg if q.requires_grad and q.numel()]
-        flags = [tuple(sorted((k, repr(v)) for k, v in state.get(q, {}).items() if not isinstance(v, Tensor)))
-                 for q in ps]
-        rank = {}
-        for f in flags: rank.setdefault(f, len(rank))
+        ranks = flag_ranks(ps, state)
         run, n = [], 0
-        for p in [ps[i] for i in sorted(range(len(ps)), key=lambda i: rank[flags[i]])] + [None]:
+        for p in [ps[i] for i in sorted(range(len(ps)), key=lambda i: ranks[i])] + [None]:
             if p is not None and (not run or _joins(run[0], p, n + p.numel())):
                 run.append(p); n += p.numel(); continue
             if len(run) > 1 and not all(_contiguous(a, b) and _dense(a) and _dense(b) for a, b in zip(run, run[1:])):

@@ -10,7 +10,7 @@ from .layout import split_like, memory_order, laid_out_as
 from .functional import get_master, _pairs
 from .optstate import (move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update,
                        sliced_torch_step)
-from .drivers import fused_runs
+from .drivers import fused_runs, flag_ranks
 from .lift import Scratch, LiftPlan, Chunk, BufferRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state_storage import StateStorage
@@ -432,12 +432,9 @@ class ParamMasters(FP32Masters):
         "The masters' buffer ordered by dtype, param group and optimizer flags (`do_wd`...): the fastai driver's runs."
         models, state = [p for pg in self.model_pgs for p in pg], opt_state(self.core)
         gis = [gi for gi, pg in enumerate(self.model_pgs) for _ in pg]
-        flags = [tuple(sorted((k, repr(v)) for k, v in state.get(p, {}).items() if not isinstance(v, Tensor)))
-                 for p in models]
-        first = {}  # each set of flags ranked by where it first appears (a resumed fit orders masters as the first did)
-        for f in flags: first.setdefault(f, len(first))
+        ranks = flag_ranks(models, state)  # by where each set first appears: a resumed fit orders masters alike
         return storage_runs(models, self.master_params, self._with_grads, per_step=self.none_after_step,
-                            key=lambda i: (gis[i], first[flags[i]]))
+                            key=lambda i: (gis[i], ranks[i]))
 
     def _in_storage_order(self, items:list) -> list:
         """Masters in the order of their buffer (each chunk a stretch of it: one copy in, one out, long fused runs), own
