@@ -198,7 +198,7 @@ _SIB = "step_in_backward=True cannot be used with "
 _SIB_WHY = "it steps each param as soon as the backward has its grad"
 _MASTERS = lambda f: not f.native
 # the model converted to 16 bits for the fit, a store beside it (else it keeps its FP32 params: `ModelParams`)
-_STORE = lambda f: f.flat_master or f.half_storage or f.step_in_backward or f.state_dtype is not None
+_STORE = lambda f: f.half_storage or f.step_in_backward or f.state_dtype is not None
 _bare = lambda name: name.split(' (')[0]  # an optimizer's name without what it is said to do (`whole_param_step`)
 
 RULES = (
@@ -286,23 +286,25 @@ RULES = (
          "`before_backward`). The backward had stepped the params: the weights moved where FP32 fastai's would not.",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an "
                 "error when it happens)."),
-    Rule('flat-norms', FIT, lambda f: f.flat_master and f.whole_param is not None,
-         lambda f: f"flat_master=True cannot step {_bare(f.whole_param)}: use flat_master=False, or an optimizer "
+    Rule('flat-norms', FIT, lambda f: f.flat_master and _STORE(f) and f.whole_param is not None,
+         lambda f: f"flat_master=True with state_dtype cannot step {_bare(f.whole_param)}: use flat_master=False "
+                   "(or no state_dtype: flat_master alone lays the FP32 params out, and any optimizer steps them), "
+                   "or an optimizer "
                    "fp16cb knows to update each element on its own (`fp16cb.compat.ELEMENTWISE_TORCH`, "
                    f"`ELEMENTWISE_FASTAI`). Flat masters step a param group as one tensor, and {f.whole_param} " + (
              "reads each param whole (its norms)" if not f.whole_param.startswith('`') else "is not known to update "
              "each element on its own: it may read each param whole (per-tensor norms, factored moments)") +
              ", which would be the whole group: the updates would not be FP32's.",
-         reason="an optimizer not known to update each element on its own (LAMB's norms) would step a whole flat "
-                "group."),
+         reason="with state_dtype, an optimizer not known to update each element on its own (LAMB's norms) would step "
+                "a whole flat group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None and _STORE(f),
-         lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with `flat_master`, "
+         lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with "
                    f"`half_storage`, `state_dtype` or `step_in_backward`: use "
                    f"`learn.{'to_bf16' if f.dtype == torch.bfloat16 else 'to_fp16'}(clip={f.gradient_clip}, "
                    f"clip_global=True)` (the same global L2 norm, of the FP32 master gradients), or the default "
                    f"`to_fp16()`/`to_bf16()`, whose model keeps its FP32 params. In these modes the model's params "
                    f"are 16-bit during the fit, and GradientClip would clip their loss-scaled gradients.",
-         reason="with a 16-bit model (`flat_master`, `half_storage`, `state_dtype`, `step_in_backward`) fastai's "
+         reason="with a 16-bit model (`half_storage`, `state_dtype`, `step_in_backward`) fastai's "
                 "`GradientClip` would clip the 16-bit, loss-scaled grads: use `to_fp16(clip=..., clip_global=True)`."),
 )
 _ORDER = {OPTIONS: 0, FIT: 1, BATCH: 2, STEP: 3}

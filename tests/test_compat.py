@@ -32,7 +32,7 @@ def test_every_rule_is_reachable_and_every_axis_named():
              refusal(Facts(step_in_backward=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, clip=True)),
              refusal(Facts(step_in_backward=True, unit_scale=True, flat_master=True)),
-             refusal(Facts(state_dtype=torch.float16)), refusal(Facts(flat_master=True, whole_param="fastai's LAMB")),
+             refusal(Facts(state_dtype=torch.float16)), refusal(Facts(flat_master=True, state_dtype=torch.bfloat16, whole_param="fastai's LAMB")),
              refusal(Facts(flat_master=True, state_dtype='8bit')), refusal(Facts(half_storage=True, flat_master=True)),
              refusal(Facts(stochastic_rounding=False)),
              refusal(Facts(step_in_backward=True, unit_scale=True, optimizer='fastai', sparse_grads=('emb',)))}
@@ -134,12 +134,11 @@ def test_half_storage_keeps_lookahead_slow_weights_fp32():
 def test_a_param_without_grad_is_not_stepped(opt, kw):
     """An unused Linear (no grad, ever) keeps its exact FP32 value, and the branch (no grad on every other step, torch
     optimizer) moves as in FP32. Before the fix: half_storage rounded the unused one to 16-bit, flat masters stepped
-    it with Adam's weight decay, and with a torch optimizer a param without grad was stepped as if its grad were zero."""
+    it with Adam's weight decay, and with a torch optimizer a param without grad was stepped as if its grad were zero.
+    (`flat_master` lays the FP32 params out: any optimizer steps each of them, a torch one as in FP32.)"""
     class WithUnused(_Branch):
         def __init__(self): super().__init__(); self.unused = nn.Linear(4, 1)
     opt_func = partial(Adam, wd=0.1) if opt == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW, weight_decay=0.1)
-    if opt == 'torch' and kw.get('flat_master'):  # a flat group's one step count cannot follow the branch: per param
-        with pytest.warns(RuntimeWarning, match="one FP32 master per param"): _updates('to_bf16', opt_func, WithUnused, n_epoch=1, **kw)
     ref = _updates(None, opt_func, WithUnused, n_epoch=2)
     got = _updates('to_bf16', opt_func, WithUnused, n_epoch=2, **kw)
     assert ref['unused.weight'].abs().max() == 0 and torch.equal(got['unused.weight'], ref['unused.weight'])
@@ -162,18 +161,22 @@ def test_a_float64_model_is_refused_naming_its_layers():
     quiet_fit(learn, 1)
 
 @pytest.mark.parametrize('opt', ['lamb', 'larc', 'lookahead-lamb'])
-def test_flat_masters_refuse_per_param_norms(opt):
-    """LAMB's and LARC's trust ratios take each param's norms: over a flat master they would be a whole group's. The fit
-    is refused at its set-up, before any step, naming the optimizer; one master per param trains like FP32."""
+def test_flat_masters_keep_per_param_norms(opt):
+    """LAMB's and LARC's trust ratios take each param's norms. `flat_master` lays the FP32 params out in one buffer per
+    group and the optimizer steps each param: the norms are each param's, and the fit trains like FP32 (and like one
+    master per param). Flat masters beside the model (with `state_dtype`) would step a whole group as one tensor: that
+    fit is refused at its set-up, before any step, naming the optimizer."""
     from fastai.optimizer import Lamb, Larc, Lookahead
     opt_func = {'lamb': Lamb, 'larc': Larc, 'lookahead-lamb': lambda ps, **kw: Lookahead(Lamb(ps, **kw))}[opt]
-    learn = make_learner(opt_func=opt_func).to_bf16(flat_master=True)
+    two = lambda: nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    ref = _updates(None, opt_func, two)
+    for kw in ({}, {'flat_master': True}):
+        got = _updates('to_bf16', opt_func, two, **kw)
+        for k in ref: torch.testing.assert_close(got[k], ref[k], rtol=.1, atol=1e-3)
+    learn = make_learner(opt_func=opt_func).to_bf16(flat_master=True, state_dtype=torch.bfloat16)
     w0 = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(ValueError, match="reads each param whole"): quiet_fit(learn, 1, lr=1e-2)
     for a, b in zip(w0, learn.model.parameters()): assert torch.equal(a, b) and b.dtype == torch.float32
-    ref = _updates(None, opt_func, lambda: nn.Linear(4, 1))
-    got = _updates('to_bf16', opt_func, lambda: nn.Linear(4, 1))
-    for k in ref: torch.testing.assert_close(got[k], ref[k], rtol=.1, atol=1e-3)
 
 class _OwnStep(Optimizer):
     "A fastai `Optimizer` with a `step` of its own (fastai's loop around it)."

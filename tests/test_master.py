@@ -236,25 +236,27 @@ def test_flat_master_same_training_as_per_param_sgd():
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         torch.testing.assert_close(b.opt.state[q]['grad_avg'], a.opt.state[p]['grad_avg'], rtol=1e-6, atol=1e-7)
 
-def test_flat_master_adam_state_merged_and_split_per_flag():
-    # fastai marks BN and bias params `do_wd=False`: they must end in other flat masters than the weights
+def test_flat_master_lays_out_the_params_per_flag():
+    """`flat_master` lays each group's FP32 params out in one buffer, those of one set of optimizer flags together
+    (fastai marks BN and bias params `do_wd=False`): each set steps as one flat tensor, and the state stays per param,
+    equal to the per-param run's and near FP32's."""
     learn = make_learner(opt_func=Adam, wd=0.5)
     learn.to_fp16(flat_master=True, **NO_OVERFLOW)
-    def flats(l):
-        mp = l.mixed_precision
+    def spans(l):
         res = []
-        for pg, mg in zip(mp.model_pgs, mp.master_pgs):
-            res.append([(m.numel(), l.opt.state[m].get('do_wd', True), type(l.opt.state[m].get('grad_avg')).__name__)
-                        for m in mg])
+        for pg in l.opt.param_lists:
+            ps = sorted([p for p in pg if p.requires_grad], key=lambda p: p.data_ptr())
+            res.append(([p.untyped_storage().data_ptr() for p in ps], [l.opt.state[p].get('do_wd', True) for p in ps],
+                        [(p.data_ptr(), p.numel() * p.element_size()) for p in ps]))
         return res
-    rec = Record(before_step=flats, after_step=flats)
+    rec = Record(before_step=spans)
     quiet_fit(learn, 2, lr=1e-2, cbs=rec)
-    first = rec.log['before_step'][0]
-    # body: Linear weight (do_wd) | Linear bias (no wd) | BN weight + bias (no wd, force_train); head: weight | bias
-    assert sorted((n, wd) for n, wd, _ in first[0]) == [(8, False), (16, False), (32, True)]
-    assert sorted((n, wd) for n, wd, _ in first[1]) == [(1, False), (8, True)]
-    last = rec.log['after_step'][-1]
-    assert all(kind == 'Tensor' for pg in last for _, _, kind in pg)  # flat Adam averages exist
+    for storages, wds, addr in rec.log['before_step'][0]:
+        assert len(set(storages)) == 1  # one buffer per group
+        assert all(a + n == b for (a, n), (b, _) in zip(addr, addr[1:]))  # one after the other
+        assert len([w for w, v in zip(wds, wds[1:]) if w != v]) == 1  # those of one flag together: two spans
+    body, head = rec.log['before_step'][0]
+    assert sorted(body[1]) == [False, False, False, True] and sorted(head[1]) == [False, True]
     ref = _run(False, Adam, wd=0.5)
     fp32 = _run(False, Adam, precision=False, wd=0.5)
     for (n, p), q, r in zip(ref.model.named_parameters(), learn.model.parameters(), fp32.model.parameters()):
@@ -317,10 +319,10 @@ class _CountingSGD(Optimizer):
         super().zero_grad()
 
 @pytest.mark.parametrize('flat', [False, True])
-def test_masters_have_fp32_grads_only_while_the_optimizer_steps_them(flat):
-    """No full-size FP32 grad buffer: a master gets its FP32 grad as the optimizer reaches it (lifted from the 16-bit
-    grad, unscaled) and loses it right after, so between steps and in `before_step` there is none; fastai's own
-    `zero_grad` stays (nothing of ours to zero); an optimizer with its own `zero_grad` keeps it."""
+def test_masters_are_the_params_and_every_element_steps_once(flat):
+    """The masters are the model's FP32 params, laid out flat or not: their FP32 grads are FP32 fastai's, from the
+    backward to `zero_grad`, and the optimizer steps every element once; fastai's own `zero_grad` stays (nothing of ours
+    to zero), also after a fit interrupted mid-step; an optimizer with its own `zero_grad` keeps it."""
     learn = make_learner()
     learn.to_fp16(flat_master=flat, max_loss_scale=2.**8)
     rec = Record(before_batch=lambda l: [p.grad for p, *_ in l.opt.all_params()],
@@ -332,18 +334,13 @@ def test_masters_have_fp32_grads_only_while_the_optimizer_steps_them(flat):
     assert len(spy.steps) == 4 and all(dt == gdt == torch.float32 for step in spy.steps for _, (dt, gdt, _) in step)
     n = len(list(learn.model.parameters()))
     assert all(len({id(p) for p, _ in step}) == len(step) for step in spy.steps)  # each master stepped once per step
-    if not flat:  # the model's own FP32 params and grads, as FP32 fastai: grads from the backward to `zero_grad`
-        assert all(g is None or not g.any() for gs in rec.log['before_batch'] for g in gs)  # fastai's zero_grad zeroes
-        assert all(g.dtype == torch.float32 for gs in rec.log['before_step'] for g in gs)
-        # every element stepped once: fastai's loop steps runs of consecutive params as one flat tensor (`FusedLoop`)
-        assert sum(p.numel() for p, _ in spy.steps[0]) == sum(p.numel() for p in learn.model.parameters())
-        assert len(spy.steps[0]) <= n and rec.log['after_epoch'] == [False]
-        return
-    assert all(g is None for gs in rec.log['before_batch'] + rec.log['before_step'] for g in gs)
-    # every element once: a few flat tensors per group (flat masters; fastai's loop on per-param masters steps each run of
-    # consecutive masters with equal state as one flat tensor, `FusedRun`)
+    # the model's own FP32 params and grads (laid out flat or not), as FP32 fastai: grads from the backward to `zero_grad`
+    assert all(g is None or not g.any() for gs in rec.log['before_batch'] for g in gs)  # fastai's zero_grad zeroes
+    assert all(g.dtype == torch.float32 for gs in rec.log['before_step'] for g in gs)
+    # every element stepped once: fastai's loop steps runs of consecutive params as one flat tensor (`FusedLoop`); laid
+    # out flat, a few runs per group
     assert sum(p.numel() for p, _ in spy.steps[0]) == sum(p.numel() for p in learn.model.parameters())
-    assert 2 <= len(spy.steps[0]) < n
+    assert (2 <= len(spy.steps[0]) < n) if flat else len(spy.steps[0]) <= n
     assert rec.log['after_epoch'] == [False] and 'zero_grad' not in vars(learn.opt)
     boom = Record(after_step=lambda l: 1 / 0)  # a fit interrupted mid-step gives the optimizer its zero_grad back too
     with pytest.raises(ZeroDivisionError): quiet_fit(learn, 1, lr=1e-2, cbs=boom)

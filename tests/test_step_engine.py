@@ -60,18 +60,21 @@ def test_group_step_optimizers_step_once_per_step_over_several_chunks(monkeypatc
     assert off <= 0.1 * moved, f"bf16 ends {off / moved:.3f} of FP32's movement away from FP32's weights"
 
 def test_flat_masters_with_an_optimizer_not_known_to_be_elementwise_are_refused_at_set_up():
-    """Flat masters step a whole group as one tensor: exact for an elementwise optimizer, not for one whose step may read
-    a param whole (LAMB's norms). An optimizer `fp16cb.compat` does not know to be elementwise (timm's) is refused at the
-    fit's set-up, before any step, with the declaration's sentence; torch's AdamW (known) trains."""
+    """Flat masters beside the model (with `state_dtype`) step a whole group as one tensor: exact for an elementwise
+    optimizer, not for one whose step may read a param whole (LAMB's norms). An optimizer `fp16cb.compat` does not know
+    to be elementwise (timm's) is refused at the fit's set-up, before any step, with the declaration's sentence; torch's
+    AdamW (known) trains; and `flat_master` alone, a layout of the model's FP32 params, steps any optimizer."""
     timm_optim = pytest.importorskip('timm.optim')
-    learn = make_learner(model=_tanh_mlp(), opt_func=partial(OptimWrapper, opt=timm_optim.Adan), splitter=trainable_params)
+    adan = partial(OptimWrapper, opt=timm_optim.Adan)
+    quiet_fit(make_learner(model=_tanh_mlp(), opt_func=adan, splitter=trainable_params).to_bf16(flat_master=True), 1)
+    learn = make_learner(model=_tanh_mlp(), opt_func=adan, splitter=trainable_params)
     w0 = weights(learn)
-    learn.to_bf16(flat_master=True)
+    learn.to_bf16(flat_master=True, state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"timm\.optim\.adan\.Adan` is not known to update each element on its own"):
         quiet_fit(learn, 1)
     assert all(torch.equal(a, b) for a, b in zip(w0, weights(learn)))
     ok = make_learner(model=_tanh_mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), splitter=trainable_params)
-    quiet_fit(ok.to_bf16(flat_master=True), 1)
+    quiet_fit(ok.to_bf16(flat_master=True, state_dtype=torch.bfloat16), 1)
 
 # ---- 2. a KeyboardInterrupt inside a torch optimizer's sliced step
 class _InterruptStep(Callback):
@@ -96,7 +99,8 @@ def test_interrupt_in_a_sliced_torch_step_leaves_a_consistent_optimizer(monkeypa
     monkeypatch.setattr(WeightStore, 'lift_chunk', 12)
     learn = make_learner(model=_mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), splitter=trainable_params)
     learn.path = tmp_path
-    learn.to_bf16(flat_master=True)  # (the model's own params, the default, are stepped whole: no slices)
+    # masters beside the model (the model's own params, the default and `flat_master`, are stepped whole: no slices)
+    learn.to_bf16(flat_master=True, state_dtype=torch.bfloat16)
     learn.create_opt()
     cb = _InterruptStep(step=3, call=2)
     handle = learn.opt.opt.register_step_pre_hook(cb.hook)

@@ -40,12 +40,13 @@ def test_a_model_moved_after_setup_still_trains(meth, kw):
 def test_a_model_converted_after_setup_is_an_error_naming_the_param(kw):
     """A model converted after our setup cannot go on as it was: a clear error, never a fit that changes nothing or
     trains without its FP32 values. A store's 16-bit model made FP32 (`model.float()`); the model's own FP32 params
-    (the default) made 16-bit (`model.half()`)."""
+    (the default, and `flat_master`'s layout of them) made 16-bit (`model.half()`)."""
     learn = make_learner().to_fp16(**kw)
-    convert = (lambda m: m.half()) if not kw else (lambda m: m.float())
+    store = kw.get('half_storage', False)
+    convert = (lambda m: m.float()) if store else (lambda m: m.half())
     with pytest.raises(RuntimeError, match=r"parameter .*(0\.weight|0\.bias).*(float32|changed dtype)"):
         quiet_fit(learn, 1, cbs=[MoveModel(convert)])
-    if kw: assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # torn down: the FP32 learner again
+    if store: assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # torn down: the FP32 learner again
 
 class CountSteps(Callback):
     order = 20
@@ -219,7 +220,9 @@ def _adamw_learner(fused:bool, groups:int=1, **kw):
     split = (lambda m: [list(m.parameters())]) if groups == 1 else None
     learn = make_learner(opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=fused)),
                          **({'splitter': split} if split else {}))
-    return learn.to_fp16(dynamic=False, loss_scale=2.**10, flat_master=True, **kw)
+    # flat masters beside the model (with `state_dtype`: the model's own params, the default, get their grads unscaled)
+    return learn.to_fp16(dynamic=False, loss_scale=2.**10, flat_master=True, state_dtype=torch.bfloat16,
+                         stochastic_rounding=False, **kw)
 
 @pytest.mark.parametrize('kw,groups,in_kernel', [({}, 1, True), ({'clip': .05}, 1, True), ({'clip': .05, 'clip_global': True}, 2, True),
                                                  ({'clip': .05}, 2, False)], ids=['plain', 'clip', 'clip-global-2groups', 'clip-per-group'])
@@ -242,12 +245,14 @@ def test_fused_adamw_unscales_in_its_kernel(monkeypatch, kw, groups, in_kernel):
     quiet_fit(plain, 1, lr=1e-2)
     for a, b in zip(fused.model.parameters(), plain.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
-def test_fused_adamw_steps_the_models_params_as_the_unfused_one():
-    "The model's own FP32 params (the default): torch's fused AdamW steps them with their unscaled grads, as unfused."
+@pytest.mark.parametrize('flat', [False, True])
+def test_fused_adamw_steps_the_models_params_as_the_unfused_one(flat):
+    """The model's own FP32 params (the default, and `flat_master`'s layout of them): torch's fused AdamW steps them
+    with their unscaled grads, as unfused."""
     res = []
     for fused in (True, False):
         learn = make_learner(opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=fused)))
-        quiet_fit(learn.to_fp16(dynamic=False, loss_scale=2.**10, clip=.05), 1, lr=1e-2)
+        quiet_fit(learn.to_fp16(dynamic=False, loss_scale=2.**10, clip=.05, flat_master=flat), 1, lr=1e-2)
         res.append([p.detach().clone() for p in learn.model.parameters()])
     for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -307,12 +312,14 @@ def test_step_in_backward_needs_a_fastai_optimizer(opt):
 
 # ---- the lift: FP32 grads a bounded chunk at a time
 @pytest.mark.parametrize('opt', ['fastai', 'torch'])
-@pytest.mark.parametrize('kind', ['flat', 'half_storage'])  # (the model's own params, the default, lift nothing)
+# (the model's own params, the default and `flat_master`'s layout, lift nothing; 'flat': flat masters beside the model)
+@pytest.mark.parametrize('kind', ['flat', 'half_storage'])
 def test_grads_reach_fp32_a_bounded_chunk_at_a_time(monkeypatch, opt, kind):
     """With a small `lift_chunk`, no more FP32 grad elements are alive at once during the step than a chunk (or the
     largest param), and the weights are exactly those of one chunk: the optimizer still steps each param once."""
     opt_func = Adam if opt == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW)
-    kw = {'masters': {}, 'flat': {'flat_master': True}, 'half_storage': {'half_storage': True, 'stochastic_rounding': False}}[kind]
+    kw = {'masters': {}, 'flat': {'flat_master': True, 'state_dtype': torch.bfloat16, 'stochastic_rounding': False},
+          'half_storage': {'half_storage': True, 'stochastic_rounding': False}}[kind]
     res, alive = [], []
     for chunk in (2**22, 40):
         monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
@@ -340,7 +347,7 @@ def _with_probe(opt_func, probe, params, **kw):
     opt.cbs[0] = probed
     return opt
 
-@pytest.mark.parametrize('flat', [True])  # (the model's own params, the default, lift nothing)
+@pytest.mark.parametrize('flat', [True])  # (the model's own params, the default and `flat_master`, lift nothing)
 def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat):
     """The lift's scratch is made at the fit's set-up and kept for the fit (no allocation in the step: the same memory
     at every step) and holds at most `lift_chunk` elements, or the largest param where one is bigger; flat masters are
@@ -354,7 +361,7 @@ def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat
             store = self.learn.mixed_precision.store
             held.append([(b.untyped_storage().data_ptr(), b.numel()) for b in store.scratch.bufs.values()])
             if flat: assert all(m.numel() <= 32 for m in store.master_params), [m.numel() for m in store.master_params]
-    learn = make_learner(opt_func=Adam).to_fp16(flat_master=flat)
+    learn = make_learner(opt_func=Adam).to_fp16(flat_master=flat, state_dtype=torch.bfloat16)  # flat masters beside
     largest = max(p.numel() for p in learn.model.parameters())
     assert largest == 32
     quiet_fit(learn, 1, cbs=[Watch()])
@@ -369,9 +376,11 @@ SLICE_OPTS = {'adam': Adam, 'sgd-mom': partial(SGD, mom=.9, wd=1e-2), 'rmsprop':
               'torch-fused': partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))}
 
 @pytest.mark.parametrize('opt', list(SLICE_OPTS))
-@pytest.mark.parametrize('kw', [dict(flat_master=True), dict(state_dtype=torch.bfloat16, stochastic_rounding=False),
-                                dict(clip=.5, flat_master=True), dict(half_storage=True, stochastic_rounding=False)],
-                         ids=['flat', 'bf16-state', 'clip', 'half'])  # (the default lifts nothing: no slices)
+@pytest.mark.parametrize('kw', [dict(flat_master=True, state_dtype=torch.bfloat16, stochastic_rounding=False),
+                                dict(state_dtype=torch.bfloat16, stochastic_rounding=False),
+                                dict(clip=.5, flat_master=True, state_dtype=torch.bfloat16, stochastic_rounding=False),
+                                dict(half_storage=True, stochastic_rounding=False)],
+                         ids=['flat', 'bf16-state', 'clip', 'half'])  # (the default and `flat_master` alone lift nothing)
 def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     """With a chunk limit under the largest param (the 32-element Linear weight), an elementwise fastai optimizer (SGD,
     Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the

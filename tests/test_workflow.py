@@ -264,8 +264,8 @@ def test_gradient_accumulation_matches_fp32(mode, per_param_steps):  # the spy c
 
 @pytest.mark.parametrize('mode', ['fp16', 'bf16'])
 def test_fastai_gradient_clip_is_rejected_with_a_16bit_model(mode):
-    "Flat masters beside a 16-bit model: `GradientClip` would clip its loss-scaled 16-bit grads, refused."
-    learn = make_learner(mode, flat_master=True)
+    "Masters beside a 16-bit model (`state_dtype`): `GradientClip` would clip its loss-scaled 16-bit grads, refused."
+    learn = make_learner(mode, state_dtype=torch.bfloat16)
     w0 = clone_state(learn.model)
     # the remedy in the learner's own dtype (before: `to_fp16(clip=...)` for a bf16 learner too)
     with pytest.raises(ValueError, match=rf"learn.to_{mode}\(clip=0.5, clip_global=True\)"):
@@ -281,10 +281,12 @@ class NormSpy(Callback):
     def before_step(self):
         self.norms.append(torch.stack([p.grad.float().norm() for p, *_ in self.learn.opt.all_params(with_grad=True)]).norm().item())
 
+@pytest.mark.parametrize('flat', [False, True])
 @pytest.mark.parametrize('mode', ['fp16', 'bf16'])
-def test_fastai_gradient_clip_clips_the_fp32_grads_by_default(mode):
-    "The model keeps its FP32 params: fastai's `GradientClip` clips their unscaled FP32 grads, as in FP32."
-    learn = make_learner(mode, **({'dynamic': False, 'loss_scale': 2.**10} if mode == 'fp16' else {}))
+def test_fastai_gradient_clip_clips_the_fp32_grads_by_default(mode, flat):
+    """The model keeps its FP32 params (laid out flat or not): fastai's `GradientClip` clips their unscaled FP32 grads,
+    as in FP32."""
+    learn = make_learner(mode, flat_master=flat, **({'dynamic': False, 'loss_scale': 2.**10} if mode == 'fp16' else {}))
     spy = NormSpy()
     fit(learn, 'fit', 1, 1e-2, cbs=[GradientClip(0.05), spy])
     assert spy.norms and max(spy.norms) <= 0.05 * 1.001  # clipped at the true scale, not at 2**10 times it

@@ -42,7 +42,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     _reduce = None  # the step's stats across ranks (`distributed.step_reducer`), chosen at a fit's first batch
     def __init__(self,
         loss_scale:float=512, # 'calibrate'/512: step 1's max |grad| at scale 1 sets it; a number: dynamic start/static
-        flat_master:bool=False, # one flat FP32 master per param group (fewer, bigger tensors; refused with LAMB/LARC)
+        flat_master:bool=False, # the FP32 params laid out in one buffer per param group (fewer, bigger steps)
         dynamic:bool=True, # dynamic scale: divided by `div_factor` on overflow (skip), up after `scale_wait` good steps
         max_loss_scale:float=2.**24, # ceiling of the dynamic scale
         div_factor:float=2., # the dynamic scale: divided by this on overflow, multiplied after `scale_wait` clean steps
@@ -142,7 +142,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if copies is not None:  # the model keeps its FP32 params: the optimizer steps them, their grads arrive unscaled
             unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
             self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
-                                     scaled=not unit)
+                                     scaled=not unit, flat=self.flat_master)
             self._exposed, self._remembered, self._data_writes = None, {}, False
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()
@@ -155,8 +155,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
                                          self.health_every, sources=copies.sources if copies is not None else None)
 
     def _store_beside(self, mth, model, names:dict):
-        """The store of a 16-bit model (`flat_master`, `half_storage`, `state_dtype`, `step_in_backward`): FP32 masters
-        or 16-bit storage beside it, made from the exact FP32 originals `ModelToHalf` kept."""
+        """The store of a 16-bit model (`half_storage`, `state_dtype`, `step_in_backward`; flat with `flat_master`):
+        FP32 masters or 16-bit storage beside it, made from the exact FP32 originals `ModelToHalf` kept."""
         half = mth is not None and mth.converted
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
                   state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,

@@ -208,17 +208,17 @@ def flag_ranks(params:list, state:dict) -> list:
     for f in flags: first.setdefault(f, len(first))
     return [first[f] for f in flags]
 
-def lay_out(groups:list, state:dict):
+def lay_out(groups:list, state:dict, limit:int=0):
     """Each group's trainable params made consecutive in memory, a buffer per run of one device and dtype (at most
-    `LAYOUT_RUN` elements: the copy made for it is bounded), ordered by their optimizer flags in `state` (fastai's
-    `do_wd`: what steps as one flat tensor lies together): `p.data` becomes a view into it, with the same values and
-    strides. Params consecutive already stay where they are."""
+    `limit` elements; 0: `LAYOUT_RUN`'s, so that the copy made for it is bounded; None: no limit, one buffer), ordered
+    by their optimizer flags in `state` (fastai's `do_wd`: what steps as one flat tensor lies together): `p.data`
+    becomes a view into it, with the same values and strides. Params consecutive already stay where they are."""
     for pg in groups:
         ps = [q for q in pg if q.requires_grad and q.numel()]
         ranks = flag_ranks(ps, state)
         run, n = [], 0
         for p in [ps[i] for i in sorted(range(len(ps)), key=lambda i: ranks[i])] + [None]:
-            if p is not None and (not run or _joins(run[0], p, n + p.numel())):
+            if p is not None and (not run or _joins(run[0], p, n + p.numel(), limit)):
                 run.append(p); n += p.numel(); continue
             if len(run) > 1 and not all(_contiguous(a, b) and _dense(a) and _dense(b) for a, b in zip(run, run[1:])):
                 _move(run, n)
@@ -236,6 +236,7 @@ def _move(run:list, n:int):
         with torch.no_grad(): torch._foreach_copy_(views, [getattr(q, attr).detach() for q in ps])
         for q, v in zip(ps, views): setattr(q, attr, v)
 
-def _joins(first, p, n:int) -> bool:
-    "Whether `p` continues the run that starts with `first` (the same device and dtype, `n` elements within the limit)."
-    return p.device == first.device and p.dtype == first.dtype and n <= LAYOUT_RUN.get(first.device.type, 2**25)
+def _joins(first, p, n:int, limit:int=0) -> bool:
+    "Whether `p` continues the run that starts with `first` (the same device and dtype, `n` elements within `limit`)."
+    if limit == 0: limit = LAYOUT_RUN.get(first.device.type, 2**25)
+    return p.device == first.device and p.dtype == first.dtype and (limit is None or n <= limit)

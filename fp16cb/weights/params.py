@@ -12,7 +12,7 @@ from ..scaling import OverflowCheck, nonfinite_flags, _real
 from ..scaling.check import _FEW
 from ..distributed import broadcast_
 from .functional import check_unique_params
-from .optstate import innermost, steps_param_by_param, elementwise
+from .optstate import innermost, steps_param_by_param, elementwise, opt_state
 from .drivers import FUSED, FusedLoop, lay_out
 from .layout import shared, own_storages
 from .store import Stage
@@ -37,8 +37,10 @@ class ModelParams:
         names:dict=None, # `{id(param): name}`, for the overflow log and error messages
         computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
         scaled:bool=True, # the fit is loss-scaled (fp16): each param's summed grad is unscaled on its way in
+        flat:bool=False, # `flat_master`: each group's params laid out in one buffer, whatever the optimizer
     ):
         self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
+        self.flat = flat
         self.steps = lambda: STEPS.get(learn, 0)
         self._dtypes = [(n, p, p.dtype) for n, p in learn.model.named_parameters()]
         check_unique_params(innermost(learn.opt).param_lists, self.names)
@@ -48,11 +50,14 @@ class ModelParams:
 
     def _fuse(self, core):
         """fastai's loop, where its callbacks are elementwise, steps runs of consecutive params as one flat tensor each
-        (`drivers.FusedLoop`): each group's trainable params are laid out one after the other in memory for it."""
-        self._core = core if steps_param_by_param(core) and elementwise(core) else None
+        (`drivers.FusedLoop`): each group's trainable params are laid out one after the other in memory for it, in
+        buffers of a bounded size; with `flat_master`, in one buffer per group (and device, dtype), for any
+        optimizer."""
+        fused = steps_param_by_param(core) and elementwise(core)
+        self._core = core if fused or self.flat else None
         if self._core is None: return
-        lay_out([list(pg) for pg in core.param_lists], core.state)
-        FUSED[core] = self._loop = FusedLoop()
+        lay_out([list(pg) for pg in core.param_lists], opt_state(core), limit=None if self.flat else 0)
+        if fused: FUSED[core] = self._loop = FusedLoop()
 
     @property
     def model_pgs(self) -> list:
@@ -113,7 +118,7 @@ class ModelParams:
         ps, grads = self._grads()
         found = nonfinite_flags(grads), [self.names.get(id(p), '?') for p in ps]
         for p in ps: p.grad = None
-        if self._core is not None: self._loop.forget()
+        if self._core in FUSED: self._loop.forget()
         self._done(Stage.SKIPPED)
         return found
 
@@ -148,7 +153,7 @@ class ModelParams:
         """The fit's end: each param, grad and optimizer state tensor laid out for the fused loop gets memory of its own
         again (no copy), so that saving one writes it alone, as FP32's (the next fit lays them out again)."""
         if self._core is None: return
-        state = self._core.state
+        state = opt_state(self._core)
         for pg in self._core.param_lists:
             for p in pg:
                 p.data = shared(p.data)
