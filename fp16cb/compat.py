@@ -146,7 +146,6 @@ class Facts:
     intermittent: str|None = None  # a param whose grad comes and goes between steps (a branch), by name
     counts_steps: bool = True  # the optimizer keeps a step count per param (Adam's bias correction; not SGD's momentum)
     state_dtype: torch.dtype|str|None = None  # the optimizer's state between steps: a 16-bit dtype, '8bit' (None: FP32)
-    whole_param: str|None = None  # what in the optimizer's step is not known to be elementwise (LAMB's norms), by name
     sparse_grads: tuple = ()  # names of the modules whose params get sparse grads (`nn.Embedding(sparse=True)`)
 
     @classmethod
@@ -198,8 +197,7 @@ _SIB = "step_in_backward=True cannot be used with "
 _SIB_WHY = "it steps each param as soon as the backward has its grad"
 _MASTERS = lambda f: not f.native
 # the model converted to 16 bits for the fit, a store beside it (else it keeps its FP32 params: `ModelParams`)
-_STORE = lambda f: f.half_storage or f.step_in_backward or f.state_dtype is not None
-_bare = lambda name: name.split(' (')[0]  # an optimizer's name without what it is said to do (`whole_param_step`)
+_STORE = lambda f: f.half_storage or f.step_in_backward
 
 RULES = (
     Rule('sib-scale', OPTIONS, lambda f: f.step_in_backward and not f.unit_scale,
@@ -238,11 +236,6 @@ RULES = (
          "subnormal, 6e-8): it would read 0, and the update lr*m/(sqrt(v)+eps) be divided by eps alone.",
          reason="fp16 state: Adam's second moment (squares of small gradients) underflows fp16's range; bf16 has "
                 "FP32's."),
-    Rule('state8-flat', OPTIONS, lambda f: f.flat_master and f.state_dtype == '8bit',
-         "state_dtype='8bit' cannot be used with flat_master=True: use flat_master=False (about as fast with fastai's "
-         "optimizers), or state_dtype=torch.bfloat16. 8-bit state keeps a scale per block of 256 elements, which would "
-         "straddle a flat master's params: a param without a gradient at a step could not keep its state exactly.",
-         reason="8-bit state's blocks would straddle a flat master's params: use one master per param."),
     Rule('float64-layers', FIT, lambda f: _MASTERS(f) and bool(f.float64_layers) and f.float64_model,
          lambda f: f"the model is float64 (its layers {', '.join(f.float64_layers[:5])}"
                    f"{' ...' if len(f.float64_layers) > 5 else ''}): convert it to FP32 first (`learn.model.float()`, "
@@ -286,25 +279,14 @@ RULES = (
          "`before_backward`). The backward had stepped the params: the weights moved where FP32 fastai's would not.",
          reason="a step cancelled after the backward cannot be undone: step_in_backward stepped it in the backward (an "
                 "error when it happens)."),
-    Rule('flat-norms', FIT, lambda f: f.flat_master and _STORE(f) and f.whole_param is not None,
-         lambda f: f"flat_master=True with state_dtype cannot step {_bare(f.whole_param)}: use flat_master=False "
-                   "(or no state_dtype: flat_master alone lays the FP32 params out, and any optimizer steps them), "
-                   "or an optimizer "
-                   "fp16cb knows to update each element on its own (`fp16cb.compat.ELEMENTWISE_TORCH`, "
-                   f"`ELEMENTWISE_FASTAI`). Flat masters step a param group as one tensor, and {f.whole_param} " + (
-             "reads each param whole (its norms)" if not f.whole_param.startswith('`') else "is not known to update "
-             "each element on its own: it may read each param whole (per-tensor norms, factored moments)") +
-             ", which would be the whole group: the updates would not be FP32's.",
-         reason="with state_dtype, an optimizer not known to update each element on its own (LAMB's norms) would step "
-                "a whole flat group."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None and _STORE(f),
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with "
-                   f"`half_storage`, `state_dtype` or `step_in_backward`: use "
+                   f"`half_storage` or `step_in_backward`: use "
                    f"`learn.{'to_bf16' if f.dtype == torch.bfloat16 else 'to_fp16'}(clip={f.gradient_clip}, "
                    f"clip_global=True)` (the same global L2 norm, of the FP32 master gradients), or the default "
                    f"`to_fp16()`/`to_bf16()`, whose model keeps its FP32 params. In these modes the model's params "
                    f"are 16-bit during the fit, and GradientClip would clip their loss-scaled gradients.",
-         reason="with a 16-bit model (`half_storage`, `state_dtype`, `step_in_backward`) fastai's "
+         reason="with a 16-bit model (`half_storage`, `step_in_backward`) fastai's "
                 "`GradientClip` would clip the 16-bit, loss-scaled grads: use `to_fp16(clip=..., clip_global=True)`."),
 )
 _ORDER = {OPTIONS: 0, FIT: 1, BATCH: 2, STEP: 3}
@@ -400,25 +382,7 @@ def known_elementwise(core) -> bool:
 # yours: `f.elementwise = True`
 def _elementwise(f) -> bool: return f in ELEMENTWISE_FASTAI or getattr(f, 'elementwise', False) is True
 
-_WHOLE_PARAM = {fo.lamb_step: "fastai's LAMB", fo.larc_layer_lr: "fastai's LARC", fo.larc_step: "fastai's LARC"}
 _named = lambda o: f"`{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', type(o).__name__)}`"
-
-def whole_param_step(opt) -> str|None:
-    """The name of what in `opt`'s step is not known to update each element on its own (None: everything is known to,
-    `known_elementwise`), by capability, never by name: fastai's LAMB and LARC (they read each param whole); else, in
-    backquotes, a torch optimizer that `ELEMENTWISE_TORCH` does not list (timm's, a wrapper such as timm's `Lookahead`,
-    torch's `Adafactor`, your own), a fastai `Optimizer` class with a `step` of its own, or a step callback that
-    `ELEMENTWISE_FASTAI` does not list: any of them may read a param whole."""
-    core = (opt.opt if isinstance(getattr(opt, 'opt', None), _BaseOptimizer) and not isinstance(opt, OptimWrapper)
-            else opt)
-    if isinstance(core, OptimWrapper): return None if known_elementwise(core) else _named(type(core.opt))
-    funcs = [getattr(cb, 'func', cb) for cb in getattr(core, 'cbs', ())]
-    known = next((_WHOLE_PARAM[f] for f in funcs if f in _WHOLE_PARAM), None)
-    if known is not None: return known
-    cls = type(core).__dict__.get('_fp16cb_base', type(core))  # its own class (a fit's routed subclass: the one below)
-    if getattr(cls, 'step', None) is not Optimizer.step: return f"{_named(cls)} (an `Optimizer` with its own `step`)"
-    # a step callback of your own that updates (or reads) each element on its own says so: `my_step.elementwise = True`
-    return next((_named(f) for f in funcs if not _elementwise(f)), None)
 
 def float64_layers(model) -> tuple:
     "Names of the float64 params held by torch's own layers (`torch.nn` modules: a Linear, a Conv, an LSTM ...)."
@@ -442,7 +406,6 @@ def learner_facts(learn, f:Facts) -> Facts:
                    and any(p.requires_grad for p in m.parameters(recurse=False)))
     return f.knowing(optimizer=optimizer_kind(learn.opt) if learn.opt is not None else None, sparse_grads=sparse,
                      optimizer_name=optimizer_name(learn.opt) if learn.opt is not None else None,
-                     whole_param=whole_param_step(learn.opt) if learn.opt is not None else None,
                      accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
                      gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),
                      ddp=f.ddp or _distributed(learn), compiled=hasattr(model, '_orig_mod'))

@@ -8,7 +8,7 @@ after)."""
 from __future__ import annotations
 from typing import NamedTuple
 from fastai.learner import Learner
-from fastai.optimizer import Optimizer
+from fastai.optimizer import Optimizer, OptimWrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torch import nn
@@ -49,7 +49,13 @@ CHANGES = (
     Change(Learner, '_step', weights.counted_step,
            "fastai's `_step` (`opt.step()`), counted: a step whose `after_step` never came is still finished"),
     Change(Optimizer, 'step', weights.fastai_step,
-           "fastai's loop over the params; a fit's laid-out params step a run at a time, as one flat tensor each"),
+           "fastai's loop over the params; a fit's laid-out params step a run at a time, as one flat tensor each, "
+           "its state widened around each run when it is stored in 16 or 8 bits (`state_dtype`)"),
+    Change(OptimWrapper, 'step', weights.wrapper_step,
+           "new (fastai delegates it to the torch optimizer): the same call; while a fit stores the state in 16 or 8 "
+           "bits, the torch optimizer steps a chunk of params at a time, their state widened around it"),
+    Change(Optimizer, 'state_dict', weights.fastai_state_dict,
+           "fastai's; while a fit stores the state in 16 or 8 bits, FP32 copies of it, as an FP32 learner's"),
     # checkpoints (`checkpoint`): the FP32 file of plain fastai, written atomically; mid-fit as between fits
     Change(Learner, 'save', checkpoint.save,
            "fastai's `save`: the FP32 masters' values, the precision callbacks' state, written atomically"),

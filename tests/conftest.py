@@ -198,7 +198,7 @@ class StepSpy(Callback):
         if self._cur: self.steps.append(self._cur)
         self._cur = None
     def grads(self) -> list: return [[g for _, g in step] for step in self.steps]
-    _spy.elementwise = True  # it reads each element on its own: flat masters may carry it (`compat.whole_param_step`)
+    _spy.elementwise = True  # it reads each element on its own (`compat.known_elementwise`)
 
 @pytest.fixture
 def learner(): return make_learner

@@ -44,6 +44,7 @@ def fit(learn, epochs=1):
 S = 2.**12  # the first loss scale: these gradients overflow fp16 above it, and every step would be skipped
 MODES = {'to_fp16': lambda l: l.to_fp16(max_loss_scale=S), 'to_fp16_flat': lambda l: l.to_fp16(max_loss_scale=S, flat_master=True),
          'to_fp16_state': lambda l: l.to_fp16(max_loss_scale=S, state_dtype=torch.bfloat16),
+         'to_fp16_half': lambda l: l.to_fp16(max_loss_scale=S, half_storage=True),
          'to_bf16': lambda l: l.to_bf16(), 'to_native_fp16': lambda l: l.to_native_fp16(init_scale=S)}
 
 def identical(order, mode):

@@ -358,9 +358,9 @@ def test_training_state_bytes_per_param():
 @pytest.mark.skipif(DEVICE.type != 'cpu', reason="exact bytes: counted on the CPU")
 def test_true_peak_accounting(monkeypatch):
     """The true peak (bench/peak_memory.py), from the profiler's every allocation and free: FP32 Adam holds 16 bytes/param
-    between steps and more in its step; `to_bf16(state_dtype=bf16)` 12 between steps and the lift's scratch (a chunk:
-    one param here, 1 byte/param), nothing more at a mid-fit save but one tensor made as it is written, and at the fit's
-    end the state's widening (4) and one param's FP32 at most."""
+    between steps and more in its step; `to_bf16(state_dtype=bf16)` 12 between steps (the model's FP32 params and grads,
+    bf16 moments: no lift scratch), nothing more at a mid-fit save but one tensor made as it is written, and at the
+    fit's end the state's widening (4) and one param's FP32 at most; in the backward the copies and a bucket's grads."""
     from bench.peak_memory import run_one, format_peaks, PHASES
     from fp16cb.weights import WeightStore
     monkeypatch.setattr(WeightStore, 'lift_chunk', 256 * 256)
@@ -370,8 +370,10 @@ def test_true_peak_accounting(monkeypatch):
     res = {'four': {m: run_one(four, m) for m in ('fp32', 'to_bf16 state_dtype')}}
     fp32, bf16 = res['four']['fp32'], res['four']['to_bf16 state_dtype']
     assert fp32['n'] == 4 * 256 * 256 and 15.9 < fp32['between'] < 16.3 and fp32['step'] > fp32['between'] + 1, fp32
-    assert 12.9 < bf16['between'] < 13.3 and bf16['save'] <= bf16['between'] + 1.1, bf16
-    assert bf16['end'] <= bf16['between'] + 4 + 1.1 and bf16['backward'] < fp32['backward'], bf16
+    assert 11.9 < bf16['between'] < 12.4 and bf16['save'] <= bf16['between'] + 1.1, bf16
+    # the backward: the 16-bit copies (2 bytes/param) and one bucket's FP32 grads as autograd adds them into the kept
+    # ones (here the bucket is the whole model: 4), nothing more
+    assert bf16['end'] <= bf16['between'] + 4 + 1.1 and bf16['backward'] <= bf16['between'] + 2 + 4 + 0.3, bf16
     table = format_peaks(res)
     assert "| to_bf16 state_dtype | " in table and "above FP32's peak" in table and len(PHASES) == 5
 

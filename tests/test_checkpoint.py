@@ -55,7 +55,7 @@ class SaveAt(Callback):
 
 def torch_adamw(params, **kw): return OptimWrapper(params, opt=torch.optim.AdamW, **kw)
 
-STORES = {'own': {}, 'flat': {'flat_master': True}, 'beside': {'state_dtype': torch.bfloat16}}
+STORES = {'own': {}, 'flat': {'flat_master': True}, 'state': {'state_dtype': torch.bfloat16}}
 
 @pytest.mark.parametrize('opt_func', [None, torch_adamw])
 @pytest.mark.parametrize('store', list(STORES))
@@ -66,9 +66,8 @@ def test_save_mid_fit_writes_fp32_masters_and_loads_into_plain_fp32(store, opt_f
     cb = SaveAt(0)
     fit(learn, 1, cbs=cb)
     assert not all(learn.mixed_precision.skips)
-    # it was saved mid-fit: from the model's own FP32 params (laid out flat or not), or (masters beside the model, with
-    # `state_dtype`) from a 16-bit model
-    assert cb.dtypes['0.weight'] == (torch.float16 if store == 'beside' else torch.float32)
+    # it was saved mid-fit: from the model's own FP32 params (laid out flat or not; with 16-bit state, widened as written)
+    assert cb.dtypes['0.weight'] == torch.float32
     sd = torch.load(learn.path/'models/mid.pth', weights_only=False)
     assert all(v.dtype == torch.float32 for k, v in sd['model'].items() if v.is_floating_point())
     for k, v in cb.expected.items(): assert torch.equal(sd['model'][k], v), k  # the exact masters, not fp16-rounded

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 WORKER = Path(__file__).with_name('ddp_worker.py')
 WORLD = 2
 TIMEOUT = 90  # seconds for the 2 processes to run every scenario (about 25 s on 2 idle cores)
-MODES = ('to_fp16', 'to_fp16_flat', 'to_fp16_state', 'to_bf16', 'to_native_fp16')
+MODES = ('to_fp16', 'to_fp16_flat', 'to_fp16_state', 'to_fp16_half', 'to_bf16', 'to_native_fp16')
 HALF = {'to_fp16': 'torch.float16', 'to_fp16_flat': 'torch.float16', 'to_fp16_state': 'torch.float16',
-        'to_bf16': 'torch.bfloat16'}
-STORE = ('to_fp16_state',)  # the modes whose model is converted to 16 bits for the fit (a store beside it)
+        'to_fp16_half': 'torch.float16', 'to_bf16': 'torch.bfloat16'}
+STORE = ('to_fp16_half',)  # the modes whose model is converted to 16 bits for the fit (a store beside it)
 
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
@@ -52,14 +52,14 @@ def test_ranks_bit_identical(ranks, order, mode):
     assert (a['device'], b['device']) == (ranks[0]['_where']['device'], ranks[1]['_where']['device'])  # the rank's own
     assert a['fp'] == b['fp']  # different inits and data, the same FP32 weights and buffers, bit for bit
     assert a['skips'] == b['skips'] and not any(a['skips'])  # steps were taken
-    # what the all-reduce moves: the FP32 grads of the model's own params (laid out flat or not; as FSDP2 reduces in
-    # FP32); 16-bit buckets where a store converts the model (masters beside it, with `state_dtype`)
+    # what the all-reduce moves: the FP32 grads of the model's own params (laid out flat or not, 16-bit state or not; as
+    # FSDP2 reduces in FP32); 16-bit buckets where a store converts the model (`half_storage`)
     assert a['dtypes'] == sorted(['torch.float32', HALF[mode]] if mode in STORE else ['torch.float32'])
 
 @pytest.mark.parametrize('order', ['after', 'before'])
 def test_allreduce_bytes_by_mode(ranks, order):
-    """The model's own FP32 params (the default, `flat_master`): the all-reduce moves FP32 grads, as autocast's does.
-    Masters beside a 16-bit model (`state_dtype`): 16-bit gradient buckets, half the bytes (plus BatchNorm's FP32
+    """The model's own FP32 params (the default, `flat_master`, `state_dtype`): the all-reduce moves FP32 grads, as
+    autocast's does. A 16-bit model (`half_storage`): 16-bit gradient buckets, half the bytes (plus BatchNorm's FP32
     params)."""
     fp32 = both(ranks, f'identical_{order}_to_native_fp16')[0]['bytes_per_step']  # autocast keeps FP32 params and grads
     n_params, n_bn = 70913, 512

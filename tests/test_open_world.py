@@ -14,7 +14,7 @@ from conftest import make_learner, quiet_fit, weights
 MODES = {'fp16': ('to_fp16', {'max_loss_scale': 2.**8}), 'bf16': ('to_bf16', {}),
          'bf16-half': ('to_bf16', {'half_storage': True}),
          'fp16-flat': ('to_fp16', {'flat_master': True, 'max_loss_scale': 2.**8}),
-         'fp16-state': ('to_fp16', {'state_dtype': torch.bfloat16, 'max_loss_scale': 2.**8})}
+         'bf16-sib': ('to_bf16', {'step_in_backward': True})}
 OPTS = {'fastai-sgd': partial(SGD, mom=0.), 'torch-sgd': partial(OptimWrapper, opt=torch.optim.SGD)}
 
 def learner(mode, opt='fastai-sgd', **kwargs):
@@ -170,13 +170,13 @@ class ClampThroughData(ClampWeights):
         if not self.training: return
         for p in self.learn.model.parameters(): p.data.clamp_(-self.c, self.c)
 
-@pytest.mark.parametrize('mode', ['bf16', 'fp16-flat', 'fp16-state'])
+@pytest.mark.parametrize('mode', ['bf16', 'fp16-flat', 'bf16-sib'])
 def test_a_write_through_data_after_the_last_step_is_kept_and_said(mode):
     """torch does not count a write through `.data`. The model's own FP32 params (the default, and `flat_master`'s
-    layout of them): the write is the truth, kept as in FP32, nothing to say. Masters beside the model (`state_dtype`):
-    the fit's end finds it, keeps it, and says that steps missed it."""
+    layout of them): the write is the truth, kept as in FP32, nothing to say. Masters beside a 16-bit model
+    (`step_in_backward`): the fit's end finds it, keeps it, and says that steps missed it."""
     learn = learner(mode)
-    if mode != 'fp16-state':
+    if mode != 'bf16-sib':
         with warnings.catch_warnings():
             warnings.filterwarnings('error', message=".*through `.data`")
             quiet_fit(learn, 1, cbs=ClampThroughData())

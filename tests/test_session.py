@@ -11,13 +11,14 @@ OPTS = {'fastai SGD': partial(SGD, mom=0.9), 'fastai Adam': Adam,
         'OptimWrapper(AdamW)': partial(OptimWrapper, opt=torch.optim.AdamW)}
 
 @pytest.mark.parametrize('opt', list(OPTS))
-@pytest.mark.parametrize('kw', [{}, {'flat_master': True}, {'state_dtype': torch.bfloat16}], ids=['own', 'flat', 'beside'])
+@pytest.mark.parametrize('kw', [{}, {'flat_master': True}, {'state_dtype': torch.bfloat16}, {'half_storage': True}],
+                         ids=['own', 'flat', 'state', 'half'])
 def test_optimizer_gets_its_own_step_back(opt, kw):
     """During the fit the optimizer is the same object: of its own class where it steps the model's FP32 params (laid
-    out flat or not), of a class whose step goes through the weight store where masters are beside the model (which also
-    copies the masters into the model); nothing is assigned on the instance; after the fit, its own class is back."""
+    out flat or not, its state 16-bit or not), of a class whose step goes through the weight store where the model is
+    16-bit for the fit (`half_storage`); nothing is assigned on the instance; after the fit, its own class is back."""
     learn = make_learner(opt_func=OPTS[opt]).to_bf16(**kw)
-    routed = 'state_dtype' in kw
+    routed = 'half_storage' in kw
     learn.create_opt()
     opt_obj, cls, seen = learn.opt, type(learn.opt), []
     class Spy(Callback):
@@ -26,8 +27,7 @@ def test_optimizer_gets_its_own_step_back(opt, kw):
             o = self.learn.opt
             seen.append((o is opt_obj, isinstance(o, cls), type(o) is not cls, 'step' in vars(o), 'zero_grad' in vars(o)))
     quiet_fit(learn, 1, cbs=Spy())
-    # the user's optimizer steps the model's FP32 params as it is; masters beside the model still route it through their
-    # store
+    # the user's optimizer steps the model's FP32 params as it is; 16-bit storage still routes it through its store
     assert seen and all(s == (True, True, routed, False, False) for s in seen) and learn.opt is opt_obj
     assert type(learn.opt) is cls and 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
     assert '_fp16cb_route' not in vars(learn.opt)

@@ -11,7 +11,7 @@ from fastai.basics import Callback, SGD, Adam
 from fastai.optimizer import OptimWrapper
 from fastai.torch_core import trainable_params
 
-from fp16cb.weights import WeightStore
+from fp16cb.weights import WeightStore, stored
 from conftest import make_learner, quiet_fit, weights, Record
 
 def _f32(ts): return [t.detach().float().clone() for t in ts]
@@ -59,22 +59,17 @@ def test_group_step_optimizers_step_once_per_step_over_several_chunks(monkeypatc
     assert moved > 0.05
     assert off <= 0.1 * moved, f"bf16 ends {off / moved:.3f} of FP32's movement away from FP32's weights"
 
-def test_flat_masters_with_an_optimizer_not_known_to_be_elementwise_are_refused_at_set_up():
-    """Flat masters beside the model (with `state_dtype`) step a whole group as one tensor: exact for an elementwise
-    optimizer, not for one whose step may read a param whole (LAMB's norms). An optimizer `fp16cb.compat` does not know
-    to be elementwise (timm's) is refused at the fit's set-up, before any step, with the declaration's sentence; torch's
-    AdamW (known) trains; and `flat_master` alone, a layout of the model's FP32 params, steps any optimizer."""
+def test_flat_masters_step_an_optimizer_not_known_to_be_elementwise():
+    """`flat_master` lays the model's FP32 params out and the optimizer steps each of them: an optimizer `fp16cb.compat`
+    does not know to be elementwise (timm's Adan) trains, with 16-bit state too, as torch's AdamW (known) does; its
+    weights move. (Before: flat masters stepped a whole group as one tensor, and such an optimizer was refused.)"""
     timm_optim = pytest.importorskip('timm.optim')
-    adan = partial(OptimWrapper, opt=timm_optim.Adan)
-    quiet_fit(make_learner(model=_tanh_mlp(), opt_func=adan, splitter=trainable_params).to_bf16(flat_master=True), 1)
-    learn = make_learner(model=_tanh_mlp(), opt_func=adan, splitter=trainable_params)
-    w0 = weights(learn)
-    learn.to_bf16(flat_master=True, state_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"timm\.optim\.adan\.Adan` is not known to update each element on its own"):
-        quiet_fit(learn, 1)
-    assert all(torch.equal(a, b) for a, b in zip(w0, weights(learn)))
-    ok = make_learner(model=_tanh_mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), splitter=trainable_params)
-    quiet_fit(ok.to_bf16(flat_master=True, state_dtype=torch.bfloat16), 1)
+    for opt in (partial(OptimWrapper, opt=timm_optim.Adan), partial(OptimWrapper, opt=torch.optim.AdamW)):
+        for kw in ({}, {'state_dtype': torch.bfloat16}):
+            learn = make_learner(model=_tanh_mlp(), opt_func=opt, splitter=trainable_params)
+            w0 = weights(learn)
+            quiet_fit(learn.to_bf16(flat_master=True, **kw), 1)
+            assert all(not torch.equal(a, b) for a, b in zip(w0, weights(learn)))
 
 # ---- 2. a KeyboardInterrupt inside a torch optimizer's sliced step
 class _InterruptStep(Callback):
@@ -97,10 +92,10 @@ def test_interrupt_in_a_sliced_torch_step_leaves_a_consistent_optimizer(monkeypa
     each with the step count of the 2 completed steps and FP32 moments of its param's shape; `learn.save` works; a
     further fit (4 steps) works and counts from there (6)."""
     monkeypatch.setattr(WeightStore, 'lift_chunk', 12)
+    monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': 12, 'cuda': 12})  # the state widened 12 elements at a time
     learn = make_learner(model=_mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), splitter=trainable_params)
     learn.path = tmp_path
-    # masters beside the model (the model's own params, the default and `flat_master`, are stepped whole: no slices)
-    learn.to_bf16(flat_master=True, state_dtype=torch.bfloat16)
+    learn.to_bf16(state_dtype=torch.bfloat16)  # (FP32 state is stepped whole: no slices)
     learn.create_opt()
     cb = _InterruptStep(step=3, call=2)
     handle = learn.opt.opt.register_step_pre_hook(cb.hook)

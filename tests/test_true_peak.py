@@ -9,7 +9,7 @@ from torch import nn
 from fastai.basics import Adam
 from fastai.optimizer import OptimWrapper
 
-from fp16cb.weights import WeightStore
+from fp16cb.weights import WeightStore, stored
 from conftest import make_learner, quiet_fit, weights, seed_all
 
 CHUNK = 32  # a chunk of this many elements: the model's 8x16 and 16x8 weights are stepped a slice at a time
@@ -24,8 +24,13 @@ def model():
 def learner(opt_func):
     return make_learner(model=model(), opt_func=opt_func, splitter=lambda m: [list(m.parameters())])
 
+def small_chunks(monkeypatch, n:int):
+    "Chunks of `n` elements: a store's lift (`lift_chunk`), and the state widened on the model's own params."
+    monkeypatch.setattr(WeightStore, 'lift_chunk', n)
+    monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': n, 'cuda': n})
+
 def fit(kw, opt, chunk=None, monkeypatch=None):
-    if chunk is not None: monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+    if chunk is not None: small_chunks(monkeypatch, chunk)
     learn = learner(OPTS[opt]).to_bf16(state_dtype=torch.bfloat16, stochastic_rounding=False, **KW[kw])
     quiet_fit(learn, 2, lr=1e-2)
     learn.to_fp32()
@@ -52,7 +57,7 @@ class WidestState:
 def test_a_big_params_step_widens_one_slice_of_its_state(kw, monkeypatch):
     """The FP32 state a big param's update sees lives in a slice-sized scratch (before: the whole param's state widened
     at once, 8 bytes/param above the step's other memory: +321 MiB for one Linear(4096, 4096))."""
-    monkeypatch.setattr(WeightStore, 'lift_chunk', CHUNK)
+    small_chunks(monkeypatch, CHUNK)
     spy = WidestState()
     learn = learner(lambda ps, lr: _with_first(Adam(ps, lr=lr), spy))
     learn.to_bf16(state_dtype=torch.bfloat16, **KW[kw])

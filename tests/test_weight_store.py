@@ -12,7 +12,7 @@ from fastai.torch_core import trainable_params
 from fastai.optimizer import sgd_step as fastai_sgd_step
 
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import Stage, WeightStore, HalfStorage, FP32Masters
+from fp16cb.weights import Stage, WeightStore, HalfStorage, FP32Masters, stored
 from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE, weights
 
 MODES = [dict(), dict(flat_master=True), dict(half_storage=True)]
@@ -215,44 +215,16 @@ def test_half_storage_keeps_the_model_s_own_tensors_and_fp32_state(opt):
     assert all(p in state for p in ps)
     assert all(v.dtype == torch.float32 for p in ps for v in state[p].values() if torch.is_tensor(v) and v.dim())
 
-# ---- torch's fused AdamW: the unscale inside its kernel
-def _adamw_learner(fused:bool, groups:int=1, **kw):
-    split = (lambda m: [list(m.parameters())]) if groups == 1 else None
-    learn = make_learner(opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=fused)),
-                         **({'splitter': split} if split else {}))
-    # flat masters beside the model (with `state_dtype`: the model's own params, the default, get their grads unscaled)
-    return learn.to_fp16(dynamic=False, loss_scale=2.**10, flat_master=True, state_dtype=torch.bfloat16,
-                         stochastic_rounding=False, **kw)
-
-@pytest.mark.parametrize('kw,groups,in_kernel', [({}, 1, True), ({'clip': .05}, 1, True), ({'clip': .05, 'clip_global': True}, 2, True),
-                                                 ({'clip': .05}, 2, False)], ids=['plain', 'clip', 'clip-global-2groups', 'clip-per-group'])
-def test_fused_adamw_unscales_in_its_kernel(monkeypatch, kw, groups, in_kernel):
-    """With `OptimWrapper(torch.optim.AdamW(fused=True))` the masters' grads are only copied to FP32: the optimizer gets
-    `grad_scale` (the loss scale over the clip coefficient) and `found_inf`, as under torch's `GradScaler`, and unscales
-    inside its kernel (no multiply pass of ours); where one factor cannot serve every group (each of several groups
-    clipped on its own) the grads are unscaled before. Either way the weights are those of the unfused AdamW."""
-    from fp16cb import weights as W
-    muls, seen = [], []
-    orig_mul = torch._foreach_mul_
-    monkeypatch.setattr(torch, '_foreach_mul_', lambda *a, **k: (muls.append(1), orig_mul(*a, **k))[1])
-    fused = _adamw_learner(True, groups, **kw)
-    orig = W.FP32Masters._fused_scale
-    monkeypatch.setattr(W.FP32Masters, '_fused_scale', lambda self, inner: (lambda r: (seen.append(r is not None), r)[1])(orig(self, inner)))
-    quiet_fit(fused, 1, lr=1e-2)
-    assert seen and all(s == in_kernel for s in seen)
-    assert (len(muls) == 0) == in_kernel
-    plain = _adamw_learner(False, groups, **kw)
-    quiet_fit(plain, 1, lr=1e-2)
-    for a, b in zip(fused.model.parameters(), plain.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-@pytest.mark.parametrize('flat', [False, True])
-def test_fused_adamw_steps_the_models_params_as_the_unfused_one(flat):
-    """The model's own FP32 params (the default, and `flat_master`'s layout of them): torch's fused AdamW steps them
-    with their unscaled grads, as unfused."""
+# ---- torch's fused AdamW
+@pytest.mark.parametrize('kw', [{}, {'flat_master': True}, {'state_dtype': torch.bfloat16}], ids=['own', 'flat', 'state'])
+def test_fused_adamw_steps_the_models_params_as_the_unfused_one(kw):
+    """The model's own FP32 params (the default, `flat_master`'s layout of them, with 16-bit state too): torch's fused
+    AdamW steps them with their unscaled grads, as unfused."""
     res = []
     for fused in (True, False):
         learn = make_learner(opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=fused)))
-        quiet_fit(learn.to_fp16(dynamic=False, loss_scale=2.**10, clip=.05, flat_master=flat), 1, lr=1e-2)
+        kw = {**kw, 'stochastic_rounding': False} if 'state_dtype' in kw else kw
+        quiet_fit(learn.to_fp16(dynamic=False, loss_scale=2.**10, clip=.05, **kw), 1, lr=1e-2)
         res.append([p.detach().clone() for p in learn.model.parameters()])
     for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -312,13 +284,12 @@ def test_step_in_backward_needs_a_fastai_optimizer(opt):
 
 # ---- the lift: FP32 grads a bounded chunk at a time
 @pytest.mark.parametrize('opt', ['fastai', 'torch'])
-# (the model's own params, the default and `flat_master`'s layout, lift nothing; 'flat': flat masters beside the model)
-@pytest.mark.parametrize('kind', ['flat', 'half_storage'])
+@pytest.mark.parametrize('kind', ['half_storage'])  # (the model's own params lift nothing: every mode but these)
 def test_grads_reach_fp32_a_bounded_chunk_at_a_time(monkeypatch, opt, kind):
     """With a small `lift_chunk`, no more FP32 grad elements are alive at once during the step than a chunk (or the
     largest param), and the weights are exactly those of one chunk: the optimizer still steps each param once."""
     opt_func = Adam if opt == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW)
-    kw = {'masters': {}, 'flat': {'flat_master': True, 'state_dtype': torch.bfloat16, 'stochastic_rounding': False},
+    kw = {'masters': {},
           'half_storage': {'half_storage': True, 'stochastic_rounding': False}}[kind]
     res, alive = [], []
     for chunk in (2**22, 40):
@@ -347,10 +318,10 @@ def _with_probe(opt_func, probe, params, **kw):
     opt.cbs[0] = probed
     return opt
 
-@pytest.mark.parametrize('flat', [True])  # (the model's own params, the default and `flat_master`, lift nothing)
+@pytest.mark.parametrize('flat', [False])  # (the model's own params lift nothing: every mode but 16-bit storage)
 def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat):
-    """The lift's scratch is made at the fit's set-up and kept for the fit (no allocation in the step: the same memory
-    at every step) and holds at most `lift_chunk` elements, or the largest param where one is bigger; flat masters are
+    """The lift's scratch is made once and kept for the fit (no allocation in the steps after: the same memory at
+    every step) and holds at most `lift_chunk` elements, or the largest param where one is bigger; flat masters are
     cut at the chunk limit, so none needs memory of its own either."""
     monkeypatch.setattr(WeightStore, 'lift_chunk', 30)  # the flat weights' group (40 elements) is over it
     held = []
@@ -361,12 +332,13 @@ def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat
             store = self.learn.mixed_precision.store
             held.append([(b.untyped_storage().data_ptr(), b.numel()) for b in store.scratch.bufs.values()])
             if flat: assert all(m.numel() <= 32 for m in store.master_params), [m.numel() for m in store.master_params]
-    learn = make_learner(opt_func=Adam).to_fp16(flat_master=flat, state_dtype=torch.bfloat16)  # flat masters beside
+    learn = make_learner(opt_func=Adam).to_fp16(half_storage=True)
     largest = max(p.numel() for p in learn.model.parameters())
     assert largest == 32
     quiet_fit(learn, 1, cbs=[Watch()])
-    assert len(held) > 4 and all(h == held[0] for h in held), held  # made before the first batch, the same memory after
-    assert len(held[0]) == 1 and held[0][0][1] <= max(30, largest), held
+    # (16-bit storage: made at the first step) the same memory at every step after
+    assert len(held) > 4 and held[0] in ([], held[-1]) and all(h == held[-1] for h in held[1:]), held
+    assert len(held[-1]) == 1 and held[-1][0][1] <= max(30, largest), held
 
 # ---- a master bigger than a chunk, under an elementwise optimizer: stepped a slice at a time
 SLICE_OPTS = {'adam': Adam, 'sgd-mom': partial(SGD, mom=.9, wd=1e-2), 'rmsprop': partial(RMSProp, mom=.9),
@@ -386,7 +358,6 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the
     weights and the state are those of the whole-param step, and the scratch stays one chunk. LAMB takes whole-param
     norms: it is stepped whole (and refused with flat masters)."""
-    if opt == 'lamb' and kw.get('flat_master'): pytest.skip("refused: flat masters with LAMB (test_compat's flat-norms test)")
     import fp16cb.weights.masters as masters_mod, fp16cb.weights.half as half_mod
     calls = []  # the slice size of each param stepped in more than one slice
     def spy(f, i):  # the param is argument i, the slice size i + 1 (sliced_update: core, p, hyper, n; torch: opt, p, n)
@@ -394,17 +365,18 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
             if a[1].numel() > a[i]: calls.append(a[i])
             return f(*a, **k)
         return g
-    for mod in (masters_mod, half_mod): monkeypatch.setattr(mod, 'sliced_update', spy(masters_mod.sliced_update, 3))
-    monkeypatch.setattr(masters_mod, 'sliced_torch_step', spy(masters_mod.sliced_torch_step, 2))
+    for mod in (masters_mod, half_mod, stored): monkeypatch.setattr(mod, 'sliced_update', spy(masters_mod.sliced_update, 3))
+    for mod in (masters_mod, stored): monkeypatch.setattr(mod, 'sliced_torch_step', spy(masters_mod.sliced_torch_step, 2))
     res = []
     for chunk in (2**22, 12):
         monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': chunk, 'cuda': chunk})  # the model's own params' state
         torch.manual_seed(0)
         learn = make_learner(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), opt_func=SLICE_OPTS[opt],
                              splitter=trainable_params).to_fp16(dynamic=False, loss_scale=2.**6, **kw)
         scratch = []
-        quiet_fit(learn, 2, lr=1e-2, cbs=Record(after_step=lambda l: scratch.append(
-            sum(b.numel() for b in l.mixed_precision.store.scratch.bufs.values()))))
+        lifted = lambda store: sum(b.numel() for b in store.scratch.bufs.values()) if hasattr(store, 'scratch') else 0
+        quiet_fit(learn, 2, lr=1e-2, cbs=Record(after_step=lambda l: scratch.append(lifted(l.mixed_precision.store))))
         state = [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}
                  for p in learn.model.parameters()]
         res.append((weights(learn), state, max(scratch)))

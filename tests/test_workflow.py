@@ -264,8 +264,8 @@ def test_gradient_accumulation_matches_fp32(mode, per_param_steps):  # the spy c
 
 @pytest.mark.parametrize('mode', ['fp16', 'bf16'])
 def test_fastai_gradient_clip_is_rejected_with_a_16bit_model(mode):
-    "Masters beside a 16-bit model (`state_dtype`): `GradientClip` would clip its loss-scaled 16-bit grads, refused."
-    learn = make_learner(mode, state_dtype=torch.bfloat16)
+    "A 16-bit model (`half_storage`): `GradientClip` would clip its loss-scaled 16-bit grads, refused."
+    learn = make_learner(mode, half_storage=True)
     w0 = clone_state(learn.model)
     # the remedy in the learner's own dtype (before: `to_fp16(clip=...)` for a bf16 learner too)
     with pytest.raises(ValueError, match=rf"learn.to_{mode}\(clip=0.5, clip_global=True\)"):

@@ -8,7 +8,7 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
-from ..weights import FP32Masters, HalfStorage, Stage, ModelParams
+from ..weights import FP32Masters, HalfStorage, Stage, ModelParams, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
@@ -141,8 +141,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         copies = mth.copies if mth is not None else None
         if copies is not None:  # the model keeps its FP32 params: the optimizer steps them, their grads arrive unscaled
             unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
+            state = StateStorage(self.state_dtype, self.stochastic_rounding,
+                                 self.rng(model) if self.state_dtype is not None else None)
             self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
-                                     scaled=not unit, flat=self.flat_master)
+                                     scaled=not unit, flat=self.flat_master, state=state)
             self._exposed, self._remembered, self._data_writes = None, {}, False
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()

@@ -4,12 +4,14 @@ step's gradients get there. One concern per module; each imports only modules be
 
 - `params`: the model's own FP32 params as what the optimizer steps (`ModelParams`, the default: its forward computes
   with 16-bit copies), and fastai's `_step` counted (`counted_step`);
+- `stored`: its optimizer's state stored in 16 or 8 bits between steps, widened around them a chunk at a time
+  (fastai's loop, `fastai_step`; a torch optimizer's, `wrapper_step`), read in FP32 through the optimizer's state dict;
 - `masters`: FP32 master weights, per param (`ParamMasters`) or one flat buffer per group (`FlatMasters`);
 - `half`: 16-bit storage without masters (`HalfStorage`), and the rounding back to 16-bit;
 - `store`: the interface both implement (`WeightStore`) and its `Stage`, with the rules for what may be converted;
 - `writes`: other code's in-place writes to the model's params reaching the FP32 masters (`WriteWatch`);
 - `drivers`: fastai's loop over a run of consecutive params (or per-param masters) as one flat tensor (`FusedRun`),
-  the params laid out for it (`lay_out`), and fastai's `Optimizer.step` stepping the runs first (`fastai_step`);
+  the params laid out for it (`lay_out`), and the runs of a fit's optimizer (`FusedLoop`);
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
 - `optstate`: the optimizer's per-param state moved between the model's params and what the optimizer steps;
 - `route`: the visible optimizer, whose class is routed to the store for a fit (`Route`);
@@ -27,11 +29,12 @@ from .store import Stage, WeightStore
 from .masters import FP32Masters, FlatMasters, ParamMasters
 from .half import HalfStorage, round_stochastic, round_to
 from .state_storage import StateStorage
-from .drivers import fastai_step
+from .stored import fastai_step, fastai_state_dict, wrapper_step
 from .params import ModelParams, counted_step
 
 __all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'FlatMasters', 'ParamMasters', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
            'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'counted_step', 'fastai_step',
+           'fastai_state_dict', 'wrapper_step',
            'dense_strides', 'flat_views', 'flatten_like', 'with_layout_of', 'owns_storage', 'shared', 'own_storages',
            'Stream']

@@ -19,8 +19,8 @@ from fastai.optimizer import _update
 
 from .layout import flat_views, dense_strides
 
-__all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit', 'FusedLoop', 'FUSED', 'fastai_step',
-           'lay_out', 'flag_ranks']
+__all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit', 'FusedLoop', 'FUSED', 'lay_out',
+           'flag_ranks', 'LAYOUT_RUN']
 
 # The most elements one fused call of fastai's callbacks takes, by device type. On a CPU each callback is a pass over
 # the stretch's weights, grads and moments: unbounded, a stretch of a whole chunk left the caches between the passes,
@@ -164,34 +164,22 @@ def _span(ts:list) -> Tensor:
 # -- the fused loop of a fit whose optimizer steps the model's own FP32 params (`params.ModelParams`)
 FUSED = weakref.WeakKeyDictionary()  # a fastai optimizer -> its `FusedLoop`, while a fit steps its params laid out
 
-def fastai_step(self, closure=None):
-    """fastai's `Optimizer.step`: its callbacks run on each param with a grad, in order. During a mixed-precision fit
-    that laid its params out (`FUSED`), the runs of consecutive params with consecutive grads go first, each as one
-    flat tensor (`FusedLoop`): the same update, far fewer calls."""
-    if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
-    loop = FUSED.get(self)
-    done = loop.step(self) if loop is not None else ()
-    for p, _, state, hyper in self.all_params(with_grad=True):
-        if id(p) in done: continue
-        for cb in self.cbs: state = _update(state, cb(p, **{**state, **hyper}))
-        self.state[p] = state
-
 class FusedLoop:
     """The `FusedRun`s of a fastai optimizer's params, remade when a param's or a grad's memory changed. The runs hold
     views of the memory they step, so an address seen again is the same memory, never a new tensor put there."""
     def __init__(self): self._key, self._runs = None, []
 
-    def step(self, core) -> set:
-        "Step the runs of `core`'s params: the ids of the params stepped so."
+    def runs(self, core) -> list:
+        "The `FusedRun`s of `core`'s params with a grad (those of the last step, when nothing moved since)."
         items = [(p, gi) for gi, pg in enumerate(core.param_lists) for p in pg if p.grad is not None]
         key = [(p.data_ptr(), p.grad.data_ptr()) for p, _ in items]
         if key != self._key:  # runs in memory order (the step does not depend on the order of the params)
+            pos = {id(p): i for i, (p, _) in enumerate(items)}
             items = sorted(items, key=lambda it: (it[1], it[0].data_ptr()))
-            self._runs, self._key = fused_runs([p for p, _ in items], [p.grad for p, _ in items],
-                                               [gi for _, gi in items]), key
-        done = set()
-        for r in self._runs: done.update(map(id, r.step(core, core.hypers[r.gi])))
-        return done
+            runs = fused_runs([p for p, _ in items], [p.grad for p, _ in items], [gi for _, gi in items])
+            # stepped in the params' order, whatever their addresses: ranks draw their stochastic roundings alike
+            self._runs, self._key = sorted(runs, key=lambda r: pos[id(r.params[0])]), key
+        return self._runs
 
     def forget(self):
         "Let the runs (and the grads' memory they view) go: the grads were dropped."

@@ -14,6 +14,9 @@ from ..distributed import broadcast_
 from .functional import check_unique_params
 from .optstate import innermost, steps_param_by_param, elementwise, opt_state
 from .drivers import FUSED, FusedLoop, lay_out
+from .stored import STORED, TorchHooks, as_stored
+from .lazy import Stream, lazy_state
+from .state_storage import StateStorage
 from .layout import shared, own_storages
 from .store import Stage
 
@@ -21,9 +24,16 @@ __all__ = ['ModelParams', 'counted_step']
 
 STEPS = weakref.WeakKeyDictionary()  # learner -> the optimizer steps fastai's loop took (`counted_step`)
 
+LIFTED = weakref.WeakKeyDictionary()  # learner -> the `StateStorage` its whole step is widened in (`counted_step`)
+
 def counted_step(self):
-    "fastai's `Learner._step` (the optimizer's step), counted: a step whose `after_step` never came is still known."
-    self.opt.step()
+    """fastai's `Learner._step` (the optimizer's step), counted: a step whose `after_step` never came is still known.
+    An optimizer whose state is stored narrow, neither fastai's loop nor a torch one, steps with all of it widened."""
+    storage = LIFTED.get(self)
+    if storage is None: self.opt.step()
+    else:
+        state = opt_state(self.opt)
+        with storage.lifted(list(state), state): self.opt.step()
     STEPS[self] = STEPS.get(self, 0) + 1
 
 class ModelParams:
@@ -38,15 +48,17 @@ class ModelParams:
         computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
         scaled:bool=True, # the fit is loss-scaled (fp16): each param's summed grad is unscaled on its way in
         flat:bool=False, # `flat_master`: each group's params laid out in one buffer, whatever the optimizer
+        state:StateStorage=None, # the optimizer's state between steps (`state_dtype`: 16 or 8 bits; None: FP32)
     ):
         self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
-        self.flat = flat
+        self.flat, self.state = flat, state if state is not None and state.dtype is not None else None
         self.steps = lambda: STEPS.get(learn, 0)
         self._dtypes = [(n, p, p.dtype) for n, p in learn.model.named_parameters()]
         check_unique_params(innermost(learn.opt).param_lists, self.names)
         self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
         if scaled: sink.hook(p for p in learn.model.parameters() if p.requires_grad)
         self._fuse(innermost(learn.opt))
+        self._store_state(innermost(learn.opt))
 
     def _fuse(self, core):
         """fastai's loop, where its callbacks are elementwise, steps runs of consecutive params as one flat tensor each
@@ -58,6 +70,16 @@ class ModelParams:
         if self._core is None: return
         lay_out([list(pg) for pg in core.param_lists], opt_state(core), limit=None if self.flat else 0)
         if fused: FUSED[core] = self._loop = FusedLoop()
+
+    def _store_state(self, core):
+        """The optimizer's state stored narrow from now to the fit's end (`stored`): fastai's loop widens it a run at a
+        time, a torch optimizer's step hooks all of it, `counted_step` all of it around any other optimizer's step."""
+        self._hooks = None
+        if self.state is None: return
+        self.state.narrow_all(opt_state(core))
+        if steps_param_by_param(core): STORED[core] = self.state
+        elif isinstance(getattr(core, 'opt', None), torch.optim.Optimizer): self._hooks = TorchHooks(core, self.state)
+        else: LIFTED[self.learn] = self.state
 
     @property
     def model_pgs(self) -> list:
@@ -148,6 +170,11 @@ class ModelParams:
         self.checked = ()
         self.sink.unhook()
         if self._core is not None: FUSED.pop(self._core, None)
+        if self.state is None: return
+        core = innermost(self.learn.opt)
+        STORED.pop(core, None); LIFTED.pop(self.learn, None)
+        if self._hooks is not None: self._hooks.remove()
+        self.state.widen_all(opt_state(core))  # FP32 between fits
 
     def own_storage(self):
         """The fit's end: each param, grad and optimizer state tensor laid out for the fused loop gets memory of its own
@@ -161,12 +188,22 @@ class ModelParams:
                 if p in state: state[p] = own_storages(state[p])
 
     def broadcast_from(self, src:int=0):
-        "Every rank starts from rank `src`'s weights (the model's params)."
+        """Every rank starts from rank `src`'s weights (the model's params), and its stochastic rounding's generator
+        (16- or 8-bit state): the ranks round alike, so they stay identical."""
         broadcast_([p.data for p in self.params], src)
+        g = self.state.generator if self.state is not None else None
+        if g is None: return
+        st = g.get_state().to(g.device)  # on the generator's device: nccl's collectives take CUDA tensors
+        broadcast_([st], src)
+        g.set_state(st.cpu())
 
     @contextmanager
     def opt_view(self):
         "The optimizer as it is: its params are the model's."
         yield self.learn.opt
 
-    def fp32_state_dict(self, opt, stream) -> dict: return own_storages(opt.state_dict())
+    def fp32_state_dict(self, opt, stream) -> dict:
+        "`opt.state_dict()` as an FP32 learner's: each tensor alone, 16- or 8-bit state widened by `stream` as written."
+        if self.state is None: return own_storages(opt.state_dict())
+        with as_stored(): sd = opt.state_dict()
+        return lazy_state(sd, opt_state(opt), self.state, stream or Stream(eager=True))
