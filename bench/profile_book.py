@@ -14,7 +14,6 @@ def wrap(obj, name, key=None):
         T.setdefault(key,[]).append(time.process_time()-t); return r
     setattr(obj,name,w)
 for n in ('prepare_grads','master_to_model','finish','_step_impl','_fastai_loop','_torch_step','_hold'): wrap(M.FP32Masters,n)
-wrap(M.FlatMasters,'_hold','flat._hold')
 wrap(O.OverflowCheck,'__call__','overflow_check+sync')
 wrap(Lift.BufferRun,'reattach_grads'); wrap(Lift.BufferRun,'settle')
 for n in ('grad_overflow','to_master_grads','to_model_params'): wrap(F,n,'fastai.'+n)

@@ -8,7 +8,7 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
-from ..weights import FP32Masters, HalfStorage, Stage, ModelParams, StateStorage
+from ..weights import ParamMasters, HalfStorage, Stage, ModelParams, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
@@ -71,7 +71,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         check(self.facts, OPTIONS)
         self.store, self.max_grad, self._rng, self._rng_state = None, None, None, None
         self.record = StepRecord(type(self).__name__)  # the loss scale of each step: `learn.loss_scale_history` too
-        self._per_param = False  # this fit went on with one master per param (`_unflatten`)
         self._trained = ()  # ids of the params this fit trained so far (kept by a store made again mid-fit)
 
     @property
@@ -137,7 +136,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         mth, model = self._model_to_half(), self.learn.model
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending:  # a new fit
-            self.record.new_fit(self.learn); self._per_param = False; self._trained = ()
+            self.record.new_fit(self.learn); self._trained = ()
         copies = mth.copies if mth is not None else None
         if copies is not None:  # the model keeps its FP32 params: the optimizer steps them, their grads arrive unscaled
             unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
@@ -157,15 +156,14 @@ class MixedPrecision(ScaleColumns, SessionCallback):
                                          self.health_every, sources=copies.sources if copies is not None else None)
 
     def _store_beside(self, mth, model, names:dict):
-        """The store of a 16-bit model (`half_storage`, `state_dtype`, `step_in_backward`; flat with `flat_master`):
-        FP32 masters or 16-bit storage beside it, made from the exact FP32 originals `ModelToHalf` kept."""
+        """The store of a 16-bit model (`half_storage`, `step_in_backward`): FP32 masters or 16-bit storage beside it,
+        made from the exact FP32 originals `ModelToHalf` kept."""
         half = mth is not None and mth.converted
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
                   state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,
                   generator=self.rng(model) if self.half_storage or self.state_dtype else None)
         if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
-        else: self.store = FP32Masters.make(self.learn.opt, self.flat_master and not self._per_param,
-                                         fp32_of=mth.fp32_of if half else None, **kw)
+        else: self.store = ParamMasters(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
         if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
         # FP32 originals still kept
         self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}
@@ -289,7 +287,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             found, self.max_grad, under = read_stats(self.store.recheck(), self._reduce)
         if not (found or under):
             if watch: self._warn_flushed(scale)
-            if (name := self.store.presence_changed()) is not None: self._unflatten(name)
             if self.clip is not None: self.store.clip(self.clip, self.clip_global)
             if not self.store.grads_final and scale != 1.: self._unscale_for_others()
             return
@@ -306,17 +303,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         grads as FP32 fastai would show them, unscaled (divided in place now; fp16 values under 2^-24 flush to zero)."""
         self.store.unscale_grads()
         self.record.unscaled()
-
-    def _unflatten(self, name:str):
-        """Flat masters keep one step count per group: a param whose grad comes or goes (a head switched on after
-        warm-up, a skipped layer) would not keep its own, as FP32 does. From this step on the fit trains with one master
-        per param (each with its own count; the state so far split, the param never stepped with none), and says so."""
-        warnings.warn(f"flat_master=True: the param {name} has a grad on some steps only, and a flat group keeps one "
-                      f"step count for all its params (Adam's bias correction): from this step on, this fit trains "
-                      f"with one FP32 master per param (flat_master=False), each with its own count, as FP32 keeps it.",
-                      RuntimeWarning, stacklevel=2)
-        self._per_param = True
-        with self.session.suspended(): pass  # the store made again, per param; this step's grads brought in again
 
     def _warn_flushed(self, scale:float):
         """The first step of a static fp16 scale: every 16-bit gradient zero for a nonzero loss means they all

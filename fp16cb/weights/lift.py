@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .layout import flat_views, split_like, memory_order, shared
+from .layout import flat_views, memory_order, shared
 
-__all__ = ['BufferRun', 'storage_runs', 'flat_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged',
+__all__ = ['BufferRun', 'storage_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged',
            'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK', 'chunk_limit']
 
 _grad_of = operator.attrgetter('grad')
@@ -162,31 +162,6 @@ def _buffers(n:int, like:Tensor, with_grad:bool=True) -> tuple:
     "`(data, grad)`: flat buffers of `n` elements in `like`'s dtype and device (grad None without `with_grad`)."
     return (torch.empty(n, dtype=like.dtype, device=like.device),
             torch.zeros(n, dtype=like.dtype, device=like.device) if with_grad else None)
-
-def flat_runs(model_pgs:list, master_pgs:list, per_step:bool=False) -> list:
-    """A `BufferRun` per run of consecutive params with the same dtype inside each flat master; the runs of one (device,
-    dtype) share one data and one grad buffer, so that the check and the zeroing read them as one tensor."""
-    parts = []
-    for pg, mg in zip(model_pgs, master_pgs):
-        for part, flat in zip(split_like(pg, mg), mg):
-            data, o, i = flat.detach(), 0, 0
-            while i < len(part):
-                j = i
-                while j < len(part) and part[j].dtype == part[i].dtype: j += 1
-                n = sum(p.numel() for p in part[i:j])
-                parts.append((part[i:j], data[o:o+n], n))
-                o, i = o + n, j
-    sizes, firsts = {}, {}
-    for ps, _, n in parts:
-        k = (ps[0].device, ps[0].dtype)
-        sizes[k] = sizes.get(k, 0) + n; firsts.setdefault(k, ps[0])
-    shared, offs, runs = {k: _buffers(n, firsts[k]) for k, n in sizes.items()}, dict.fromkeys(sizes, 0), []
-    for ps, master, n in parts:
-        k = (ps[0].device, ps[0].dtype)
-        o, (data, grad) = offs[k], shared[k]
-        runs.append(BufferRun(ps, master, keep_none=True, per_step=per_step, bufs=(data[o:o+n], grad[o:o+n])))
-        offs[k] = o + n
-    return runs
 
 def merged(ts:list) -> list:
     "The 1-d tensors `ts`, neighbours in memory merged into one (the flat runs' shared grad buffer: one tensor)."

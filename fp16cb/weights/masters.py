@@ -1,22 +1,22 @@
-"""FP32 master weights (Micikevicius et al. 2018): per param (`ParamMasters`) or one flat buffer per param group
-(`FlatMasters`), stepped by the optimizer with FP32 grads lifted a chunk at a time (`lift`)."""
+"""FP32 master weights (Micikevicius et al. 2018) beside a 16-bit model, one per param (`ParamMasters`), stepped by the
+optimizer with FP32 grads lifted a chunk at a time (`lift`): the store of `step_in_backward`."""
 from __future__ import annotations
 from functools import partial
 import torch
 from torch import Tensor
 from fastai.optimizer import OptimWrapper
 
-from .layout import split_like, memory_order, laid_out_as
+from .layout import memory_order, laid_out_as
 from .functional import get_master, _pairs
 from .optstate import (move_opt_state, fastai_update, steps_param_by_param, opt_state, elementwise, sliced_update,
                        sliced_torch_step)
 from .drivers import fused_runs, flag_ranks
-from .lift import Scratch, LiftPlan, Chunk, BufferRun, lift_chunks, storage_runs, flat_runs, to_model_copies, merged
+from .lift import Scratch, LiftPlan, Chunk, BufferRun, lift_chunks, storage_runs, to_model_copies, merged
 from .store import WeightStore, check_same_kind
 from .state_storage import StateStorage
 from .writes import WriteWatch
 
-__all__ = ['FP32Masters', 'FlatMasters', 'ParamMasters']
+__all__ = ['FP32Masters', 'ParamMasters']
 
 class FP32Masters(WeightStore):
     """FP32 master weights stepped by the optimizer (Micikevicius et al. 2018). The model's params and grads become
@@ -26,8 +26,7 @@ class FP32Masters(WeightStore):
     buffer, unscaled and clipped there, stepped, and rounded into the model right after, while in the caches (memory at
     the step's peak: 2 bytes/param of 16-bit weights, 2 of 16-bit grads, 4 of masters, the optimizer's state, and one
     chunk). A master bigger than a chunk is stepped a slice at a time where the optimizer is elementwise.
-    Two kinds: `FlatMasters` (one flat FP32 master per group) and `ParamMasters` (one FP32 master per param, viewing one
-    FP32 buffer per device; the optimizer steps per-param masters).
+    `ParamMasters`: one FP32 master per param, viewing one FP32 buffer per device, which the optimizer steps.
     A fastai `Optimizer` is stepped once, its loop run a chunk at a time; a torch optimizer (`OptimWrapper`) once per
     chunk, only that chunk's masters having grads (torch skips the others); a fused one that takes `grad_scale` (torch's
     `fused=True` Adam/AdamW/SGD) unscales inside its kernel, as under torch's `GradScaler`."""
@@ -43,22 +42,19 @@ class FP32Masters(WeightStore):
     ):
         super().__init__(opt, names, model, keep)
         self.state_storage = StateStorage(state_dtype, stochastic, generator); self._with_grads = not in_backward
-        # flat masters cut at the chunk limit, for an optimizer stepping the parts as the whole (not LAMB's norms)
-        self.model_pgs, self.master_pgs = get_master(self.core, self.flat, fp32_of=fp32_of, keep=self.keep,
-                                                     limit=self.chunk_limit if elementwise(self.core) else None)
+        self.model_pgs, self.master_pgs = get_master(self.core, False, fp32_of=fp32_of, keep=self.keep)
         self.master_params = [m for mg in self.master_pgs for m in mg]
         for m in self.master_params: m.grad = None  # FP32 grads exist only for the chunk being stepped
         self.runs = self._make_runs()
-        self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, self.flat, with_grads=False)
+        self.models, self.masters, _ = _pairs(self.model_pgs, self.master_pgs, False, with_grads=False)
         self.opt_pgs = [list(mg) + own for mg, own in zip(self.master_pgs, self.own_pgs)]  # what the optimizer steps
-        self._note_state_before()
-        move_opt_state(opt, self.model_pgs, self.master_pgs, 'merge' if self.flat else None, self.opt_pgs)
+        move_opt_state(opt, self.model_pgs, self.master_pgs, None, self.opt_pgs)
         self.state_storage.narrow_all(opt_state(self.core))
         self._bufs, self._masters = [r.buf for r in self.runs], [r.master for r in self.runs]
         self._grads = merged([r.grad for r in self.runs if r.grad is not None])  # none when stepping in the backward
         self._sliced_ok = elementwise(self.core)  # a master over a chunk is stepped a slice at a time
         # fastai's loop steps runs of consecutive per-param masters as one flat tensor (16-bit state: widened per param)
-        self._fuse = not self.flat and self._sliced_ok and steps_param_by_param(self.core) and state_dtype is None
+        self._fuse = self._sliced_ok and steps_param_by_param(self.core) and state_dtype is None
         self.chunks = self._plan_chunks(in_backward)
         # the driver, picked once: fastai's loop (run here, chunk by chunk), or the torch optimizer's own `step`
         self._driver = self._fastai_loop if steps_param_by_param(self.core) else self._torch_step
@@ -69,18 +65,12 @@ class FP32Masters(WeightStore):
         self.writes = WriteWatch(self.models, self.masters, self.chunk_limit)  # other code's writes reach the masters
         if in_backward: self.arm_in_backward()
 
-    @staticmethod
-    def make(opt, flat:bool=False, **kwargs) -> FP32Masters:
-        """FP32 masters for `opt`: one flat master per group (`FlatMasters`) when `flat`, else one per param
-        (`ParamMasters`)."""
-        return (FlatMasters if flat else ParamMasters)(opt, **kwargs)
-
     def _plan_chunks(self, in_backward:bool) -> list:
         """The `Chunk`s one optimizer step takes, in the masters' buffer order: each chunk of at most `chunk_limit`
         elements (fastai's loop; an elementwise torch optimizer, stepped once per chunk), or one chunk of everything (a
         torch optimizer not known to be elementwise, an `Optimizer` with a `step` of its own: stepped once, as FP32
         steps it); whether each is rounded into the model as soon as it is stepped (`_fold_ok`: not when a wrapper such
-        as Lookahead, or a flat group's put-back, changes the masters after); the lift's scratch and the plans, made
+        as Lookahead, changes the masters after); the lift's scratch and the plans, made
         now."""
         own, sources = {id(p) for p in self.own_params}, self._sources()
         items = self._in_storage_order([(p, gi, None if id(p) in own else sources[id(p)])
@@ -294,9 +284,8 @@ class FP32Masters(WeightStore):
 
     def _point_opt(self, to_model:bool, stash:dict=None):
         "Move the optimizer (params, state, Lookahead's slow weights) between the masters and the model's params."
-        split, merge = ('split', 'merge') if self.flat else (None, None)
-        if to_model: move_opt_state(self.opt, self.master_pgs, self.model_pgs, split, self.old_param_lists, stash)
-        else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, merge, self.opt_pgs, stash)
+        if to_model: move_opt_state(self.opt, self.master_pgs, self.model_pgs, None, self.old_param_lists, stash)
+        else: move_opt_state(self.opt, self.model_pgs, self.master_pgs, None, self.opt_pgs, stash)
 
     def restore(self):
         self.writes.settle()  # the last step's writes: the FP32 weights the fit ends with
@@ -320,8 +309,6 @@ class FP32Masters(WeightStore):
     def _in_storage_order(self, items:list) -> list:
         "The `(master, group, sources)` items in the order the chunks take them (here: the optimizer's)."
         return items
-    def _note_state_before(self):
-        "What the optimizer's per-param state was before the fit, where the store needs it back after (flat masters)."
     def _make_runs(self) -> list: raise NotImplementedError
     def _sources(self) -> dict:
         "`{id(master): [(object whose .grad feeds it, offset in the master)]}`."
@@ -330,101 +317,6 @@ class FP32Masters(WeightStore):
 def _with_grad(q:Tensor, g:Tensor) -> Tensor:
     q.grad = g
     return q
-
-def _counts_steps(state:dict) -> bool:
-    "Whether an optimizer state holds a step count (an int or a 0-dim tensor, not a flag)."
-    return any((type(v) is int) or (isinstance(v, Tensor) and v.dim() == 0 and not v.dtype == torch.bool)
-               for v in state.values())
-
-class FlatMasters(FP32Masters):
-    """Flat FP32 masters per param group (per run of params with equal optimizer flags, cut at the chunk limit, so that
-    each is lifted and stepped with the caches and the scratch of one chunk): the optimizer steps few tensors."""
-    flat, _absent = True, None
-    def _make_runs(self): return flat_runs(self.model_pgs, self.master_pgs, per_step=self.none_after_step)
-
-    def _note_state_before(self):
-        """Each param's state before the fit: its flags and counts, and whether it had moments. A param never stepped in
-        the fit (no grad at any step taken: an unused head) gets that back at the end, not its flat group's (FP32 fastai
-        leaves it no state): its slices of the flat state were put back at every step (`_hold`)."""
-        state = opt_state(self.core)
-        self._before = {id(p): (any(isinstance(v, Tensor) for v in state.get(p, {}).values()),
-                                {k: v for k, v in state.get(p, {}).items() if not isinstance(v, Tensor)})
-                        for pg in self.model_pgs for p in pg}
-        self._never = None  # ids of the params without a grad at every step taken (None: no step yet)
-
-    def restore(self):
-        super().restore()
-        if self._never is not None and not self._never: return
-        state = opt_state(self.core)
-        for p in self.models:
-            if (self._never is not None and id(p) not in self._never) or p not in state: continue
-            had, flags = self._before[id(p)]
-            state[p] = {**({k: v for k, v in state[p].items() if isinstance(v, Tensor)} if had else {}), **flags}
-
-    def _hold(self, params:list):
-        """A flat master steps its whole group: the slices of `params` (no grad this step) in the masters and in the
-        optimizer's state are copied aside, and put back after the step (slices of state made by the step: zeroed)."""
-        state, where = opt_state(self.core), self._flat_of()
-        self._check_presence(params, state, where)
-        ids = set(map(id, params))  # never stepped so far: without a grad at every step taken
-        self._never = ids if self._never is None else self._never & ids
-        if not params: return None
-        views, saved, fresh = [], [], []
-        for p in params:
-            m, o = where[id(p)]
-            sl = lambda t, o=o, n=p.numel(): t.detach().view(-1)[o:o + n]
-            views.append(sl(m)); saved.append(sl(m).clone())
-            st = state.get(m, {})
-            for k, v in st.items():
-                if isinstance(v, Tensor) and v.numel() == m.numel(): views.append(sl(v)); saved.append(sl(v).clone())
-            if not st: fresh.append((m, sl))
-        def put_back():
-            torch._foreach_copy_(views, saved)
-            for m, sl in fresh:
-                for v in state.get(m, {}).values():
-                    if isinstance(v, Tensor) and v.numel() == m.numel(): sl(v).zero_()
-        return put_back
-
-    def presence_changed(self) -> str|None:
-        """The name of a param whose grad came or went since the last step while the optimizer counts steps (None: none
-        did): a flat group's one step count cannot follow it, so the callback goes on with one master per param."""
-        return self._changed(frozenset(map(id, self._missing)), opt_state(self.core), self._flat_of())
-
-    def _changed(self, ids:frozenset, state:dict, where:dict) -> str|None:
-        prev = self._absent
-        if prev is None or ids == prev: return None
-        for p in self.models:
-            if (id(p) in ids) != (id(p) in prev) and _counts_steps(state.get(where[id(p)][0], {})):
-                return self.names.get(id(p), f'of shape {tuple(p.shape)}')
-        return None
-
-    def _check_presence(self, missing:list, state:dict, where:dict):
-        "What `presence_changed` says is never stepped flat (the callback switched to one master per param before)."
-        ids = frozenset(map(id, missing))
-        name = self._changed(ids, state, where)
-        if name is not None:
-            raise RuntimeError(f"flat masters: the param {name} had a grad on some steps only and its flat group keeps "
-                               f"one step count: train with flat_master=False (one master per param).")
-        self._absent = ids
-
-    def _flat_of(self) -> dict:
-        "`{id(param): (its flat master, its offset in it)}` (made once)."
-        if getattr(self, '_where', None) is None:
-            self._where = {}
-            for pg, mg in zip(self.model_pgs, self.master_pgs):
-                for part, flat in zip(split_like(pg, mg), mg):
-                    o = 0
-                    for p in part: self._where[id(p)] = (flat, o); o += p.numel()
-        return self._where
-    def _sources(self) -> dict:
-        "A flat master is fed by the grad buffers of its runs (a param without grad reads as zeros: flat semantics)."
-        res, runs = {}, iter(self.runs)
-        for m in self.master_params:
-            n, src = 0, []
-            while n < m.numel():
-                r = next(runs); src.append((r, n)); n += r.buf.numel()
-            res[id(m)] = src
-        return res
 
 class ParamMasters(FP32Masters):
     "One FP32 master per param (per-param optimizer state and steps), their data in one buffer per device."

@@ -155,7 +155,6 @@ class ModelParams:
     def unscale_grads(self): pass
     def divided(self, scale:float): pass
     def became_trainable(self) -> bool: return False
-    def presence_changed(self): return None
     def follow_writes(self, everything:bool=False): pass
     def check_linked(self):
         "A param whose dtype changed since the set-up (`model.half()` mid-fit would train it without its FP32 values)."

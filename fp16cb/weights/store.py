@@ -38,7 +38,7 @@ def _sparse_params(model) -> set:
 class WeightStore:
     """What the optimizer steps in a mixed-precision fit, and how a step's gradients get there (after Megatron-LM's
     mixed-precision optimizer: `prepare_grads`, then `step`). The callback asks; the store decides which tensors, when
-    and how. Implementations: FP32 masters (`ParamMasters`, `FlatMasters`) and 16-bit storage (`HalfStorage`).
+    and how. Implementations: FP32 masters (`ParamMasters`) and 16-bit storage (`HalfStorage`).
 
     The rules for what is converted live here, once, for every implementation:
     - only trainable params (`requires_grad`) are the store's; frozen ones are left as they are;
@@ -188,11 +188,6 @@ class WeightStore:
     def became_trainable(self) -> bool:
         "Whether a param of the optimizer that this store left out (frozen at its set-up) is trainable now."
         return any(getattr(p, 'requires_grad', False) for p in self.frozen)
-
-    def presence_changed(self) -> str|None:
-        """A param whose grad came or went that this store cannot step as FP32 would (flat masters' one step count): its
-        name."""
-        return None
 
     def follow_writes(self, everything:bool=False):
         """Other code's in-place writes to the model's params reach what the optimizer steps (`everything`: compared
