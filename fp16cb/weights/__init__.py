@@ -20,6 +20,7 @@ step's gradients get there. One concern per module; each imports only modules be
   or 8-bit, widened to FP32 with its param for the step;
 - `state8`: the 8-bit codes, torchao's block-wise quantization with one scale per block (`State8`);
 - `lazy`: FP32 tensors that a checkpoint writes one at a time (`Stream`), made as `torch.save` reaches them;
+- `backward`: the step in the backward (`step_in_backward`): each param stepped by a hook as its grad completes;
 - `layout`: flat buffers and their views, each keeping its tensor's strides."""
 from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of, shared, own_storages
 from .lazy import Stream

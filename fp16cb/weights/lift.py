@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .layout import flat_views, memory_order, shared
+from .backward import grad_hook
 
 __all__ = ['BufferRun', 'storage_runs', 'Scratch', 'LiftPlan', 'Chunk', 'to_model_copies', 'merged',
            'lift_chunks', 'LIFT_CHUNK', 'OTHER_CHUNK', 'chunk_limit']
@@ -28,14 +29,6 @@ def chunk_limit(device, limit:int|None=None) -> int:
     """The chunk size on `device`: `limit` when given, else `LIFT_CHUNK`'s for its type (`OTHER_CHUNK` where it has
     none)."""
     return limit or LIFT_CHUNK.get(torch.device(device).type, OTHER_CHUNK)
-
-def _hook(p, fn):
-    """`fn` called when a backward has accumulated `p`'s grad; on a param frozen now too (kept by the store: trainable
-    again later, it is followed like the others; torch only refuses the registration on a frozen tensor)."""
-    if p.requires_grad: return p.register_post_accumulate_grad_hook(fn)
-    p.requires_grad_(True)
-    try: return p.register_post_accumulate_grad_hook(fn)
-    finally: p.requires_grad_(False)
 
 class BufferRun:
     """Params of one dtype whose masters are consecutive in one FP32 buffer: their data and grads become views into two
@@ -67,7 +60,7 @@ class BufferRun:
             elif keep_none: pending.append(p)
             p.grad = g
         self.watched = list(params) if self.per_step else pending
-        self._hooks = [_hook(p, self._reach) for p in self.watched]
+        self._hooks = [grad_hook(p, self._reach) for p in self.watched]
 
     def _reach(self, p): self.reached.add(id(p))
 

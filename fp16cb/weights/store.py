@@ -16,6 +16,7 @@ from .state_storage import StateStorage
 from .lazy import lazy_state
 from .lift import chunk_limit
 from .route import Route
+from .backward import BackwardSteps
 
 __all__ = ['Stage', 'WeightStore', 'check_same_kind']
 
@@ -148,7 +149,7 @@ class WeightStore:
         inf/NaN, looked at before they go: `(flags on the device, their names)` (one pass per param, no host sync)."""
         params, grads = self._grads_by_param()
         order, names = self._in_model_order(params)
-        if self.in_backward: found = self._flags_in_backward([params[i] for i in order]), names  # the grads are gone
+        if self.in_backward: found = self._backward.flags([params[i] for i in order]), names  # the grads are gone
         else: found = nonfinite_flags([grads[i] for i in order]), names
         self.zero_model_grads()
         self.cleared, self.stage = True, Stage.SKIPPED
@@ -245,7 +246,7 @@ class WeightStore:
     def restore(self):
         "Give the optimizer its own `step`, params and state (FP32) back (the end of the fit)."
         self.state_storage.widen_all(opt_state(self.core))
-        for h in getattr(self, '_grad_hooks', []): h.remove()
+        if getattr(self, '_backward', None) is not None: self._backward.remove()
         self.route.remove()
         self._let_go()
 
@@ -257,61 +258,21 @@ class WeightStore:
 
     # -- opt-in: the step in the backward
     def arm_in_backward(self):
-        """Step each param from a hook as soon as the backward has accumulated its grad, and drop the grad there: no
-        param's grad outlives its own step (a fastai `Optimizer`, a loss scale of 1). A grad holding inf/NaN is zeroed
-        on the device before its param is stepped (no host sync: that param's optimizer takes a step with a zero grad,
-        its momentum and moments decaying, its weight decay applied) and flags the step, which `prepare_grads`
-        reports."""
-        self.in_backward, self._found, self._bad, self._bad_last = True, {}, {}, {}
-        hooked = self._hooked_params()
-        self._had_grad = {id(p): p for p in hooked if p.grad is not None}  # fastai steps them at every step from now on
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
+        """Step each param from a hook as soon as the backward has accumulated its grad, and drop the grad there
+        (`backward.BackwardSteps`): no param's grad outlives its own step."""
+        self.in_backward = True
+        self._backward = BackwardSteps(self._hooked_params(), self._step_one)
         return self
-
-    def _on_grad(self, p):
-        "A param's grad is complete: check it (on the device), step the param with it, drop it."
-        g = p.grad
-        bad = torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all().logical_not_()
-        f = self._found.get(g.device)
-        self._found[g.device] = bad.clone() if f is None else f.logical_or_(bad)
-        self._bad[id(p)] = bad  # which params' grads held inf/NaN: a skipped step's attribution
-        self._had_grad[id(p)] = p
-        g.masked_fill_(bad, 0)
-        self._step_one(p)
-        p.grad = None
 
     def stepped_in_backward(self) -> bool:
         "Whether the backward of the step under way has stepped params already (a cancellation cannot undo it)."
-        return self.in_backward and (self.stage is Stage.CHECKED or bool(self._found))
-
-    def _step_unreached(self):
-        """Params that had a grad before but that this backward did not reach (a branch not taken): fastai's optimizer
-        steps them with their zeroed grad (momentum, weight decay), so they are stepped with a zero grad here too."""
-        if len(self._had_grad) == len(self._bad): return
-        for k, p in self._had_grad.items():
-            if k in self._bad: continue
-            p.grad = torch.zeros_like(p)
-            self._step_one(p)
-            p.grad = None
-
-    def _flags_in_backward(self, params:list):
-        """Whether each of `params`' grads held inf/NaN in the last backward (its hook's flag; none: False), on the
-        device."""
-        bads = [self._bad_last.get(id(p)) for p in params]
-        first = next((b for b in bads if b is not None), None)
-        if first is None: return None
-        return torch.stack([b.to(first.device) if b is not None
-                            else torch.zeros((), dtype=torch.bool, device=first.device) for b in bads])
+        return self.in_backward and (self.stage is Stage.CHECKED or self._backward.stepped())
 
     def _found_in_backward(self):
         "`[found]`: whether any grad of this backward held inf/NaN (None: the backward reached no param)."
-        self._step_unreached()
-        found, self._found = list(self._found.values()), {}
-        self._bad_last, self._bad = self._bad, {}
-        if not found: return None
-        self.stage, self.scale, self.cleared = Stage.CHECKED, 1., True
-        dev = found[0].device
-        return torch.stack([f.to(dev) for f in found]).any().float().reshape(1)
+        found = self._backward.found()
+        if found is not None: self.stage, self.scale, self.cleared = Stage.CHECKED, 1., True
+        return found
 
     # -- shared by the kinds
     def chunk_limit(self, device) -> int:
