@@ -78,11 +78,11 @@ def _mlp(width:int) -> nn.Module:
                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 OPTIMIZERS = {'fastai Adam': Adam, 'torch AdamW': partial(OptimWrapper, opt=torch.optim.AdamW)}
-TARGETS = {'to_bf16': 16, 'to_bf16 flat': 16, 'to_fp16': 16, 'to_bf16 half_storage': 12, 'to_bf16 step_in_backward': 14,
+TARGETS = {'to_bf16': 16, 'to_bf16 flat': 16, 'to_fp16': 16, 'to_bf16 half_storage': 12, 'to_bf16 step_in_backward': 12,
            'to_bf16 half_storage step_in_backward': 10, 'to_bf16 state_dtype': 12, 'to_bf16 flat state_dtype': 12,
            'to_bf16 half_storage state_dtype': 8,
-           'to_bf16 step_in_backward state_dtype': 10, 'to_bf16 half_storage step_in_backward state_dtype': 6,
-           'to_bf16 state8': 10, 'to_bf16 half_storage state8': 6, 'to_bf16 step_in_backward state8': 8,
+           'to_bf16 step_in_backward state_dtype': 8, 'to_bf16 half_storage step_in_backward state_dtype': 6,
+           'to_bf16 state8': 10, 'to_bf16 half_storage state8': 6, 'to_bf16 step_in_backward state8': 6,
            'to_bf16 half_storage step_in_backward state8': 4}
 SLACK = .05  # bytes/param of fixed buffers (the loss scale, the overflow flags, the scaler's state) on a small model
 

@@ -197,7 +197,7 @@ _SIB = "step_in_backward=True cannot be used with "
 _SIB_WHY = "it steps each param as soon as the backward has its grad"
 _MASTERS = lambda f: not f.native
 # the model converted to 16 bits for the fit, a store beside it (else it keeps its FP32 params: `ModelParams`)
-_STORE = lambda f: f.half_storage or f.step_in_backward
+_STORE = lambda f: f.half_storage
 
 RULES = (
     Rule('sib-scale', OPTIONS, lambda f: f.step_in_backward and not f.unit_scale,
@@ -281,12 +281,12 @@ RULES = (
                 "error when it happens)."),
     Rule('masters-gradclip', FIT, lambda f: _MASTERS(f) and f.gradient_clip is not None and _STORE(f),
          lambda f: f"fastai's GradientClip(max_norm={f.gradient_clip}) cannot be used with "
-                   f"`half_storage` or `step_in_backward`: use "
+                   f"`half_storage`: use "
                    f"`learn.{'to_bf16' if f.dtype == torch.bfloat16 else 'to_fp16'}(clip={f.gradient_clip}, "
                    f"clip_global=True)` (the same global L2 norm, of the FP32 master gradients), or the default "
-                   f"`to_fp16()`/`to_bf16()`, whose model keeps its FP32 params. In these modes the model's params "
+                   f"`to_fp16()`/`to_bf16()`, whose model keeps its FP32 params. In this mode the model's params "
                    f"are 16-bit during the fit, and GradientClip would clip their loss-scaled gradients.",
-         reason="with a 16-bit model (`half_storage`, `step_in_backward`) fastai's "
+         reason="with a 16-bit model (`half_storage`) fastai's "
                 "`GradientClip` would clip the 16-bit, loss-scaled grads: use `to_fp16(clip=..., clip_global=True)`."),
 )
 _ORDER = {OPTIONS: 0, FIT: 1, BATCH: 2, STEP: 3}

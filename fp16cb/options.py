@@ -228,7 +228,7 @@ class StoreOptions:
         """Whether the model keeps its FP32 params for the fit and its forward computes with 16-bit copies of them, the
         optimizer stepping the params themselves (no storage option that needs a store: `flat_master` is a layout of
         the params, `state_dtype` is stored inside the optimizer's step)."""
-        return not (self.half_storage or self.step_in_backward)
+        return not self.half_storage
 
     def __post_init__(self):
         _set(self, **{k: check_bool(k, getattr(self, k))

@@ -143,7 +143,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             state = StateStorage(self.state_dtype, self.stochastic_rounding,
                                  self.rng(model) if self.state_dtype is not None else None)
             self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
-                                     scaled=not unit, flat=self.flat_master, state=state)
+                                     scaled=not unit, flat=self.flat_master, state=state,
+                                     in_backward=self.step_in_backward)
             self._exposed, self._remembered, self._data_writes = None, {}, False
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()

@@ -26,6 +26,7 @@ class BackwardSteps:
     def _on_grad(self, p):
         "A param's grad is complete: check it (on the device), step the param with it, drop it."
         g = p.grad
+        if g is None: return  # an undefined grad (a branch not taken in this backward): not reached
         bad = torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all().logical_not_()
         f = self.seen.get(g.device)
         self.seen[g.device] = bad.clone() if f is None else f.logical_or_(bad)

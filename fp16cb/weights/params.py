@@ -14,7 +14,8 @@ from ..distributed import broadcast_
 from .functional import check_unique_params
 from .optstate import innermost, steps_param_by_param, elementwise, opt_state
 from .drivers import FUSED, FusedLoop, lay_out
-from .stored import STORED, TorchHooks, as_stored
+from .stored import STORED, TorchHooks, as_stored, step_one
+from .backward import BackwardSteps
 from .lazy import Stream, lazy_state
 from .state_storage import StateStorage
 from .layout import shared, own_storages
@@ -49,6 +50,7 @@ class ModelParams:
         scaled:bool=True, # the fit is loss-scaled (fp16): each param's summed grad is unscaled on its way in
         flat:bool=False, # `flat_master`: each group's params laid out in one buffer, whatever the optimizer
         state:StateStorage=None, # the optimizer's state between steps (`state_dtype`: 16 or 8 bits; None: FP32)
+        in_backward:bool=False, # `step_in_backward`: each trainable param stepped by a hook as its grad completes
     ):
         self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
         self.flat, self.state = flat, state if state is not None and state.dtype is not None else None
@@ -59,6 +61,15 @@ class ModelParams:
         if scaled: sink.hook(p for p in learn.model.parameters() if p.requires_grad)
         self._fuse(innermost(learn.opt))
         self._store_state(innermost(learn.opt))
+        self._backward = self._arm(innermost(learn.opt)) if in_backward else None
+        self.in_backward = in_backward
+
+    def _arm(self, core) -> BackwardSteps:
+        """The step in the backward: a hook on each trainable param of fastai's optimizer `core` steps it with fastai's
+        update as soon as its grad is complete, and drops the grad (`backward.BackwardSteps`)."""
+        group = {id(p): gi for gi, pg in enumerate(core.param_lists) for p in pg}
+        def one(p): step_one(core, p, core.hypers[group[id(p)]], self.state)
+        return BackwardSteps(self.params, one)
 
     def _fuse(self, core):
         """fastai's loop, where its callbacks are elementwise, steps runs of consecutive params as one flat tensor each
@@ -102,7 +113,9 @@ class ModelParams:
 
     def prepare_grads(self, scale:float, with_max:bool=False):
         """`[found, (max |grad|)]` on the device (no sync): the grads as they are now (unscaled, whatever wrote into
-        them), checked in one fused read-only pass; None when no param has a grad."""
+        them), checked in one fused read-only pass; None when no param has a grad. Stepped in the backward: whether any
+        grad its hooks saw held inf/NaN."""
+        if self.in_backward: return self._found_in_backward()
         ps, grads = self._grads()
         if not grads: return None
         self.checked, self.stage, self.scale = grads, Stage.CHECKED, scale
@@ -111,6 +124,11 @@ class ModelParams:
         # step; at scale 1 (bf16) a CPU may sum the grads, its rare skip confirmed by the exact check (`recheck`)
         if scale != 1. and len(grads) <= _FEW: return self.check.exact(grads, with_max)
         return self.check(grads, 1., with_max=with_max)
+
+    def _found_in_backward(self):
+        found = self._backward.found()
+        if found is not None: self.stage, self.scale, self._steps = Stage.CHECKED, 1., self.steps()
+        return found
 
     def recheck(self):
         "`[found]` from the exact check (the sums of a CPU's check overflowed: an inf/NaN, or not)."
@@ -137,6 +155,11 @@ class ModelParams:
     def skip(self) -> tuple:
         """The step overflowed: its grads go (None), nothing of them reaches the weights. Returns which params' grads
         held inf/NaN, looked at before they go: `(flags on the device, their names)` (no host sync)."""
+        if self.in_backward:  # the grads are gone: their hooks' flags
+            ps = self.params
+            found = self._backward.flags(ps), [self.names.get(id(p), '?') for p in ps]
+            self._done(Stage.SKIPPED)
+            return found
         ps, grads = self._grads()
         found = nonfinite_flags(grads), [self.names.get(id(p), '?') for p in ps]
         for p in ps: p.grad = None
@@ -163,12 +186,15 @@ class ModelParams:
                 raise RuntimeError(f"parameter {n} changed dtype since the fit's set-up ({dt} -> {p.dtype}): the model "
                                    f"keeps its FP32 params during a fit, and computes in 16 bits with copies of them; "
                                    f"convert it before `to_fp16()`/`to_bf16()`, or not at all.")
-    def stepped_in_backward(self) -> bool: return False
+    def stepped_in_backward(self) -> bool:
+        "Whether the backward of the step under way has stepped params already (a cancellation cannot undo it)."
+        return self.in_backward and (self.stage is Stage.CHECKED or self._backward.stepped())
     def fp32_views(self) -> dict: return {p: p.detach() for p in self.params}
     def restore(self):
         self.checked = ()
         self.sink.unhook()
         if self._core is not None: FUSED.pop(self._core, None)
+        if self._backward is not None: self._backward.remove()
         if self.state is None: return
         core = innermost(self.learn.opt)
         STORED.pop(core, None); LIFTED.pop(self.learn, None)

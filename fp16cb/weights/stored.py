@@ -28,7 +28,7 @@ from .optstate import wrapped, elementwise, sliced_update, sliced_torch_step
 from .state8 import State8
 
 __all__ = ['STORED', 'STATE_CHUNK', 'state_chunk', 'fastai_step', 'fastai_state_dict', 'wrapper_step', 'TorchHooks',
-           'wide_copy', 'as_stored']
+           'wide_copy', 'as_stored', 'step_one']
 
 STORED = weakref.WeakKeyDictionary()  # a fastai optimizer -> the `StateStorage` of its state, while a fit stores it
 TORCH = weakref.WeakKeyDictionary()  # an `OptimWrapper` -> its `TorchHooks`, while a fit stores its state narrow
@@ -67,6 +67,13 @@ def fastai_step(self, closure=None):
             continue
         with lifted([p for p, _ in chunk]):
             for p, hyper in chunk: _fastai_update(self, p, hyper)
+
+def step_one(core, p, hyper:dict, storage=None):
+    """fastai's update of the one param `p` (the step in the backward), its state widened around it when it is stored
+    narrow (a param bigger than a chunk a slice at a time, the optimizer elementwise)."""
+    if storage is None: return _fastai_update(core, p, hyper)
+    if _sliceable(p, core): return sliced_update(core, p, hyper, state_chunk(p.device), *_slices(p), storage)
+    with storage.lifted([p], core.state): _fastai_update(core, p, hyper)
 
 def _fastai_update(core, p, hyper:dict):
     "fastai's update of one param: each callback in turn, its returns merged into the param's state."
