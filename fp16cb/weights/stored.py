@@ -70,9 +70,10 @@ def fastai_step(self, closure=None):
 
 def step_one(core, p, hyper:dict, storage=None):
     """fastai's update of the one param `p` (the step in the backward), its state widened around it when it is stored
-    narrow (a param bigger than a chunk a slice at a time, the optimizer elementwise)."""
-    if storage is None: return _fastai_update(core, p, hyper)
+    narrow; a param bigger than a chunk a slice at a time, the optimizer elementwise (the step's temporaries, and the
+    widened state, of a slice's size: the backward's peak holds no whole-param step)."""
     if _sliceable(p, core): return sliced_update(core, p, hyper, state_chunk(p.device), *_slices(p), storage)
+    if storage is None: return _fastai_update(core, p, hyper)
     with storage.lifted([p], core.state): _fastai_update(core, p, hyper)
 
 def _fastai_update(core, p, hyper:dict):
