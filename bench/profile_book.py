@@ -2,7 +2,7 @@
 import torch, sys, time, statistics
 torch.set_num_threads(1)
 from bench import run as R, workloads as W, measure as BM
-from fp16cb.weights import masters as M, lift as Lift
+from fp16cb.weights import params as P, drivers as D
 from fp16cb import scaling as O
 import fastai.callback.fp16 as F
 T={}
@@ -13,9 +13,9 @@ def wrap(obj, name, key=None):
         if isinstance(r, torch.Tensor): r.tolist()
         T.setdefault(key,[]).append(time.process_time()-t); return r
     setattr(obj,name,w)
-for n in ('prepare_grads','master_to_model','finish','_step_impl','_fastai_loop','_torch_step','_hold'): wrap(M.FP32Masters,n)
+for n in ('prepare_grads','skip','finish','clip'): wrap(P.ModelParams,n)
 wrap(O.OverflowCheck,'__call__','overflow_check+sync')
-wrap(Lift.BufferRun,'reattach_grads'); wrap(Lift.BufferRun,'settle')
+wrap(D.FusedLoop,'runs'); wrap(D.FusedRun,'step')
 for n in ('grad_overflow','to_master_grads','to_model_params'): wrap(F,n,'fastai.'+n)
 mode = sys.argv[1]
 s=.1; torch.manual_seed(0)

@@ -8,7 +8,7 @@ with _warnings.catch_warnings():
     import fastai.basics as _fastai_basics
 
 from .dtypes import convert_network, resolve_dtype
-from .weights import get_master, to_master_grads, to_model_params, copy_clone, FP32Masters
+from .weights import get_master, to_master_grads, to_model_params, copy_clone
 from .scaling import (test_overflow, grad_overflow, LossScaler, StaticScaler, BackoffScaler, LogNormalScaler,
                       LossScaleError, BNStatsGuard)
 from .callbacks import ModelToHalf, MixedPrecision, NativeMixedPrecision, cast_floats
@@ -16,7 +16,7 @@ from . import patches as _patches  # every change to fastai's and torch's classe
 _patches.install()
 
 __all__ = ['convert_network', 'resolve_dtype', 'cast_floats', 'get_master', 'to_master_grads', 'to_model_params',
-           'copy_clone', 'FP32Masters', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
+           'copy_clone', 'test_overflow', 'grad_overflow', 'LossScaler', 'StaticScaler',
            'BackoffScaler', 'LogNormalScaler', 'LossScaleError', 'ModelToHalf', 'MixedPrecision',
            'NativeMixedPrecision', 'BNStatsGuard']
 

@@ -12,7 +12,7 @@ from fastai.torch_core import trainable_params
 from fastai.optimizer import sgd_step as fastai_sgd_step
 
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import Stage, WeightStore, HalfStorage, FP32Masters, stored
+from fp16cb.weights import Stage, WeightStore, HalfStorage, stored
 from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE, weights
 
 MODES = [dict(), dict(flat_master=True), dict(half_storage=True)]
@@ -195,7 +195,7 @@ def test_the_store_owns_the_step_and_its_stage():
         learn = make_learner().to_fp16(**kw)
         quiet_fit(learn, 1, cbs=[Watch()])
         assert stages[:2] == [Stage.CHECKED, Stage.READY]  # our after_step (order 10) ran before Watch's
-    assert issubclass(HalfStorage, WeightStore) and issubclass(FP32Masters, WeightStore)
+    assert issubclass(HalfStorage, WeightStore)
 
 @pytest.mark.parametrize('opt', ['fastai Adam', 'OptimWrapper(AdamW)'])
 def test_half_storage_keeps_the_model_s_own_tensors_and_fp32_state(opt):
@@ -358,15 +358,15 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the
     weights and the state are those of the whole-param step, and the scratch stays one chunk. LAMB takes whole-param
     norms: it is stepped whole (and refused with flat masters)."""
-    import fp16cb.weights.masters as masters_mod, fp16cb.weights.half as half_mod
+    import fp16cb.weights.optstate as optstate, fp16cb.weights.half as half_mod
     calls = []  # the slice size of each param stepped in more than one slice
     def spy(f, i):  # the param is argument i, the slice size i + 1 (sliced_update: core, p, hyper, n; torch: opt, p, n)
         def g(*a, **k):
             if a[1].numel() > a[i]: calls.append(a[i])
             return f(*a, **k)
         return g
-    for mod in (masters_mod, half_mod, stored): monkeypatch.setattr(mod, 'sliced_update', spy(masters_mod.sliced_update, 3))
-    for mod in (masters_mod, stored): monkeypatch.setattr(mod, 'sliced_torch_step', spy(masters_mod.sliced_torch_step, 2))
+    for mod in (half_mod, stored): monkeypatch.setattr(mod, 'sliced_update', spy(optstate.sliced_update, 3))
+    monkeypatch.setattr(stored, 'sliced_torch_step', spy(optstate.sliced_torch_step, 2))
     res = []
     for chunk in (2**22, 12):
         monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)

@@ -8,7 +8,7 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
-from ..weights import ParamMasters, HalfStorage, Stage, ModelParams, StateStorage
+from ..weights import HalfStorage, Stage, ModelParams, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
@@ -18,6 +18,7 @@ from ..session import SessionCallback
 from ..distributed import patch_fastai, is_ddp, syncs, step_reducer
 from .model_to_half import ModelToHalf
 from .health import PrecisionWatch
+from .copies import GradSink
 
 __all__ = ['MixedPrecision']
 
@@ -138,13 +139,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if not self.session.suspending:  # a new fit
             self.record.new_fit(self.learn); self._trained = ()
         copies = mth.copies if mth is not None else None
-        if copies is not None:  # the model keeps its FP32 params: the optimizer steps them, their grads arrive unscaled
-            unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
-            state = StateStorage(self.state_dtype, self.stochastic_rounding,
-                                 self.rng(model) if self.state_dtype is not None else None)
-            self.store = ModelParams(self.learn, copies.sink, names, {self.dtype: copies.computed_in(self.dtype)},
-                                     scaled=not unit, flat=self.flat_master, state=state,
-                                     in_backward=self.step_in_backward)
+        if not self.half_storage:  # the model keeps its FP32 params: the optimizer steps them (grads arrive unscaled)
+            self._own_params(copies, names, model)  # (without `ModelToHalf`: an FP32 model, loss-scaled)
             self._exposed, self._remembered, self._data_writes = None, {}, False
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()
@@ -156,18 +152,25 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             self.health = PrecisionWatch(model, mth.policy.resolve(model, warn=False).kept, self.dtype,
                                          self.health_every, sources=copies.sources if copies is not None else None)
 
+    def _own_params(self, copies, names:dict, model):
+        """The model's own FP32 params as what the optimizer steps (`ModelParams`): its forward computes with `copies`,
+        whose grads arrive on them (none: an FP32 forward, its grads unscaled on their way in all the same)."""
+        unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
+        state = StateStorage(self.state_dtype, self.stochastic_rounding,
+                             self.rng(model) if self.state_dtype is not None else None)
+        sink, computed = (copies.sink, {self.dtype: copies.computed_in(self.dtype)}) if copies else (GradSink(), {})
+        self.store = ModelParams(self.learn, sink, names, computed, scaled=not unit, flat=self.flat_master,
+                                 state=state, in_backward=self.step_in_backward)
+
     def _store_beside(self, mth, model, names:dict):
-        """The store of a 16-bit model (`half_storage`, `step_in_backward`): FP32 masters or 16-bit storage beside it,
-        made from the exact FP32 originals `ModelToHalf` kept."""
+        """The store of a 16-bit model (`half_storage`): 16-bit storage, made from the exact FP32 originals
+        `ModelToHalf` kept."""
         half = mth is not None and mth.converted
         kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
-                  state_dtype=self.state_dtype, stochastic=self.stochastic_rounding,
-                  generator=self.rng(model) if self.half_storage or self.state_dtype else None)
-        if self.half_storage: self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
-        else: self.store = ParamMasters(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
-        if half and not self.half_storage: mth.link_masters(self.store.fp32_views())
+                  state_dtype=self.state_dtype, stochastic=self.stochastic_rounding, generator=self.rng(model))
+        self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
         # FP32 originals still kept
-        self._remembered = {id(p): p for p in self.store.params} if self.half_storage and half else {}
+        self._remembered = {id(p): p for p in self.store.params} if half else {}
         if self._remembered: self.store.stepped_hook = self._forget_originals
         self._expose_fp32(mth if half else None)
         self._data_writes = writes_data(self.learn.cbs)  # code known to write weights through `.data` before our batch

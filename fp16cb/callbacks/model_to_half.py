@@ -164,15 +164,6 @@ class ModelToHalf(SessionCallback):
         rec = self.originals.get(id(p)) if self.converted else None
         return p.data if rec is None else rec.original
 
-    def link_masters(self, fp32_views:dict):
-        "Register `{param: FP32 tensor}` holding the trained master values: `restore` gives them back to the model."
-        self.masters = {id(p): t for p, t in fp32_views.items()}
-        # an original that a master copied (flat masters) is never used again: free it
-        for k, t in self.masters.items():
-            rec = self.originals.get(k) if self.originals else None
-            if rec is not None and rec.original.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-                self.originals[k] = rec._replace(original=t)
-
     def forget_originals(self, params:list):
         """`params` were trained in 16-bit (16-bit storage, no masters): their FP32 originals are stale and no longer
         kept (4 bytes/param); their dtype and shape stay (a meta tensor), the model gets their 16-bit values back

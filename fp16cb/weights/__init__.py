@@ -6,10 +6,9 @@ step's gradients get there. One concern per module; each imports only modules be
   with 16-bit copies), and fastai's `_step` counted (`counted_step`);
 - `stored`: its optimizer's state stored in 16 or 8 bits between steps, widened around them a chunk at a time
   (fastai's loop, `fastai_step`; a torch optimizer's, `wrapper_step`), read in FP32 through the optimizer's state dict;
-- `masters`: FP32 master weights beside a 16-bit model, one per param (`ParamMasters`);
 - `half`: 16-bit storage without masters (`HalfStorage`), and the rounding back to 16-bit;
-- `store`: the interface both implement (`WeightStore`) and its `Stage`, with the rules for what may be converted;
-- `writes`: other code's in-place writes to the model's params reaching the FP32 masters (`WriteWatch`);
+- `store`: the interface `HalfStorage` implements (`WeightStore`) and its `Stage`, with the rules for what may be
+  converted;
 - `drivers`: fastai's loop over a run of consecutive params (or per-param masters) as one flat tensor (`FusedRun`),
   the params laid out for it (`lay_out`), and the runs of a fit's optimizer (`FusedLoop`);
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
@@ -27,13 +26,12 @@ from .lazy import Stream
 from .functional import MASTERED, get_master, to_master_grads, to_model_params, copy_clone, check_unique_params
 from .optstate import move_opt_state
 from .store import Stage, WeightStore
-from .masters import FP32Masters, ParamMasters
 from .half import HalfStorage, round_stochastic, round_to
 from .state_storage import StateStorage
 from .stored import fastai_step, fastai_state_dict, wrapper_step
 from .params import ModelParams, counted_step
 
-__all__ = ['MASTERED', 'Stage', 'WeightStore', 'FP32Masters', 'ParamMasters', 'HalfStorage',
+__all__ = ['MASTERED', 'Stage', 'WeightStore', 'HalfStorage',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone', 'move_opt_state',
            'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'counted_step', 'fastai_step',
            'fastai_state_dict', 'wrapper_step',

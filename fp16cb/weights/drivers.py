@@ -3,10 +3,10 @@ consecutive in one buffer as ONE call of its step callbacks on the run's flat vi
 
 fastai's `Optimizer.step` runs its callbacks (weight decay, Adam's averages, the update) once per param: ~10 kernels
 and ~80 us of host time each on a GPU, so a ResNet-50 (161 tensors) spends more host time in the optimizer than the
-device spends in the whole step. A run's masters are one flat tensor already (`lift.storage_runs`), and their FP32 grads
-one flat part of the lift's scratch, in the same memory order; the state of each param is kept as views into one flat
-buffer per state key, so `opt.state[p]` still holds per-param tensors (checkpoints, `to_fp32()`, Lookahead, the
-optimizer-state moves read them as before) while the step reads the buffer whole.
+device spends in the whole step. A run's params are one flat tensor already (`lay_out`), and their FP32 grads one
+flat buffer in the same memory order (`GradSink` puts them one after the other); the state of each param is kept as
+views into one flat buffer per state key, so `opt.state[p]` still holds per-param tensors (checkpoints, `to_fp32()`,
+Lookahead, the optimizer-state moves read them as before) while the step reads the buffer whole.
 
 What steps on its own, as fastai would: a param whose scalar state differs from its neighbours' (its own step count, a
 `do_wd=False` bias), one without a grad this step (not in the chunk's plan), and every param of an optimizer that reads
