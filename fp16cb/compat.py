@@ -17,7 +17,7 @@ from fastai.callback.training import GradientAccumulation, GradientClip
 
 from .options import options_of, bf16_defaults, Refused
 
-__all__ = ['SEMANTICS', 'DATA_WRITERS', 'writes_data', 'MOVING_AVERAGES', 'NONNEGATIVE',
+__all__ = ['SEMANTICS', 'MOVING_AVERAGES', 'NONNEGATIVE',
            'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
            'Facts', 'Rule', 'RULES', 'Refused', 'OPTIONS', 'FIT', 'BATCH', 'STEP', 'refusal', 'check', 'verdict',
            'table', 'learner_facts', 'optimizer_kind', 'optimizer_name', 'float64_layers', 'ELEMENTWISE_FASTAI',
@@ -39,16 +39,6 @@ SEMANTICS = (
     "What cannot keep these is refused with a sentence that says what to do instead: at set-up, before any step, "
     "or, for what only a step shows (a step cancelled after `step_in_backward` stepped it), when it happens.",
 )
-
-# Outside code known to write the model's weights through `.data`, which torch's write counts do not see: each batch,
-# after its `before_batch`, every weight is compared with its FP32 master (`WriteWatch.follow(everything=True)`).
-DATA_WRITERS = {  # `module.Class`: whether an instance writes (fastai's WGAN clips the critic's weights each batch)
-    'fastai.vision.gan.GANTrainer': lambda cb: getattr(cb, 'clip', None) is not None,
-}
-
-def writes_data(cbs) -> bool:
-    "Whether one of `cbs` is known to write the model's weights through `.data` (`DATA_WRITERS`)."
-    return any(DATA_WRITERS.get(f"{type(cb).__module__}.{type(cb).__qualname__}", lambda cb: False)(cb) for cb in cbs)
 
 # ---- the axes
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from fastai.callback.core import CancelStepException
 from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
 from ..weights import HalfStorage, Stage, ModelParams, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
-from ..compat import Facts, check, learner_facts, writes_data, OPTIONS, FIT, BATCH, STEP
+from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, warn_skips)
 from ..monitor import ScaleColumns, scale_health
@@ -141,7 +141,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         copies = mth.copies if mth is not None else None
         if not self.half_storage:  # the model keeps its FP32 params: the optimizer steps them (grads arrive unscaled)
             self._own_params(copies, names, model)  # (without `ModelToHalf`: an FP32 model, loss-scaled)
-            self._exposed, self._remembered, self._data_writes = None, {}, False
+            self._exposed, self._remembered = None, {}
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()
         # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
@@ -173,7 +173,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         self._remembered = {id(p): p for p in self.store.params} if half else {}
         if self._remembered: self.store.stepped_hook = self._forget_originals
         self._expose_fp32(mth if half else None)
-        self._data_writes = writes_data(self.learn.cbs)  # code known to write weights through `.data` before our batch
 
     def _expose_fp32(self, mth):
         """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
@@ -253,7 +252,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         elif self.store.stage is Stage.CHECKED and self._on_model:  # a step whose `after_step` did not come
             self._end_step(cancelled=not self.store.stepped())  # (cancelled by `CancelBatchException`: not stepped)
         self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
-        if self._data_writes: self.store.follow_writes(everything=True)  # fastai's WGAN clipped the weights via `.data`
         self._follow_trainable()
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
         if self.health is not None and self.health.due(self.learn.train_iter): self.health.read(); self.health.arm(

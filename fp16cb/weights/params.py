@@ -178,7 +178,6 @@ class ModelParams:
     def unscale_grads(self): pass
     def divided(self, scale:float): pass
     def became_trainable(self) -> bool: return False
-    def follow_writes(self, everything:bool=False): pass
     def check_linked(self):
         "A param whose dtype changed since the set-up (`model.half()` mid-fit would train it without its FP32 values)."
         for n, p, dt in self._dtypes:

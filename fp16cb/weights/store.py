@@ -190,10 +190,6 @@ class WeightStore:
         "Whether a param of the optimizer that this store left out (frozen at its set-up) is trainable now."
         return any(getattr(p, 'requires_grad', False) for p in self.frozen)
 
-    def follow_writes(self, everything:bool=False):
-        """Other code's in-place writes to the model's params reach what the optimizer steps (`everything`: compared
-        element by element, for writes through `.data`). Here the model's params are what it steps: nothing to do."""
-
     def check_linked(self):
         "Raise (or re-link, when safe) if something replaced the tensors of the params the store steps."
 
