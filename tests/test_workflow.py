@@ -419,6 +419,21 @@ def test_precision_callbacks_given_to_fit():
     assert learn.precision_callbacks() == []
     assert_fp32_between_fits(learn)
 
+@pytest.mark.parametrize('kw', [dict(dynamic=False, loss_scale=2.**10), dict(dtype=torch.bfloat16)], ids=['fp16', 'bf16'])
+def test_mixed_precision_without_model_to_half_trains_as_fp32(kw):
+    """`MixedPrecision` alone (no `ModelToHalf`): the forward runs in FP32, the loss scaled, and the model's FP32 params
+    are what the optimizer steps, their grads divided by the scale on their way in: with a power-of-two scale the weights
+    are FP32 fastai's, bit for bit. (Before: FP32 masters beside the FP32 model, a second copy of the weights.)"""
+    ref = make_learner()
+    fit(ref, 'fit', 2, 1e-2)
+    learn = make_learner()
+    learn.add_cb(MixedPrecision(**kw))
+    fit(learn, 'fit', 2, 1e-2)
+    mp = learn.cbs.filter(lambda c: isinstance(c, MixedPrecision))[0]
+    assert not any(mp.skips) and len(mp.skips) > 4
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+    for a, b in zip(ref.model.parameters(), learn.model.parameters()): assert torch.equal(a, b)
+
 def test_fastai_own_master_weight_pair_is_one_setup():
     "fastai's ModelToHalf + NonNativeMixedPrecision are one setup (not 'stacked'); next to ours they are refused."
     import fastai.callback.fp16 as ffp16
