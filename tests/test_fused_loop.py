@@ -10,7 +10,7 @@ import fastai.optimizer
 from fastai.basics import Callback, Adam, SGD
 
 from conftest import make_learner, quiet_fit, weights, seed_all
-from fp16cb.weights import drivers, stored
+from fp16cb.weights import drivers, optstate
 
 def deep(n:int=6, w:int=16) -> nn.Sequential:
     "Linear layers with biases (fastai leaves biases out of weight decay: two kinds of params, interleaved)."
@@ -33,7 +33,7 @@ def updates(monkeypatch):
         calls.append(1)
         return real(state, new)
     monkeypatch.setattr(drivers, '_update', counted)
-    monkeypatch.setattr(stored, '_update', counted)  # fastai's loop over the other params (`fastai_step`)
+    monkeypatch.setattr(optstate, '_update', counted)  # fastai's loop over the other params (`fastai_update`)
     monkeypatch.setattr(fastai.optimizer, '_update', counted)  # fastai's own loop
     return calls
 

@@ -19,12 +19,11 @@ import weakref
 from contextlib import nullcontext, contextmanager
 import torch
 from torch import Tensor
-from fastai.optimizer import _update
 
 from ..compat import MOVING_AVERAGES
 from .drivers import FUSED, _same_order
 from .layout import memory_order
-from .optstate import wrapped, elementwise, sliced_update, sliced_torch_step
+from .optstate import wrapped, elementwise, fastai_update, sliced_update, sliced_torch_step
 from .state8 import State8
 
 __all__ = ['STORED', 'STATE_CHUNK', 'state_chunk', 'fastai_step', 'fastai_state_dict', 'wrapper_step', 'TorchHooks',
@@ -53,34 +52,27 @@ def fastai_step(self, closure=None):
         with lifted(run.params):
             fused = set(map(id, run.step(self, self.hypers[run.gi])))
             for p in run.params:
-                if id(p) not in fused: _fastai_update(self, p, self.hypers[run.gi])
+                if id(p) not in fused: fastai_update(self, p, self.hypers[run.gi])
         done.update(map(id, run.params))
         if storage is not None: run.parts.clear()  # their FP32 state buffers go: it is stored narrow between steps
     rest = [(p, hyper) for p, _, _, hyper in self.all_params(with_grad=True) if id(p) not in done]
     if storage is None:
-        for p, hyper in rest: _fastai_update(self, p, hyper)
+        for p, hyper in rest: fastai_update(self, p, hyper)
         return
     for chunk in _chunks(rest, key=lambda it: it[0]):
-        p, hyper = chunk[0]
-        if len(chunk) == 1 and _sliceable(p, self):
-            sliced_update(self, p, hyper, state_chunk(p.device), *_slices(p), storage)
+        if len(chunk) == 1:  # (a big param: a slice at a time)
+            step_one(self, *chunk[0], storage)
             continue
         with lifted([p for p, _ in chunk]):
-            for p, hyper in chunk: _fastai_update(self, p, hyper)
+            for p, hyper in chunk: fastai_update(self, p, hyper)
 
 def step_one(core, p, hyper:dict, storage=None):
     """fastai's update of the one param `p` (the step in the backward), its state widened around it when it is stored
     narrow; a param bigger than a chunk a slice at a time, the optimizer elementwise (the step's temporaries, and the
     widened state, of a slice's size: the backward's peak holds no whole-param step)."""
     if _sliceable(p, core): return sliced_update(core, p, hyper, state_chunk(p.device), *_slices(p), storage)
-    if storage is None: return _fastai_update(core, p, hyper)
-    with storage.lifted([p], core.state): _fastai_update(core, p, hyper)
-
-def _fastai_update(core, p, hyper:dict):
-    "fastai's update of one param: each callback in turn, its returns merged into the param's state."
-    state = core.state[p]
-    for cb in core.cbs: state = _update(state, cb(p, **{**state, **hyper}))
-    core.state[p] = state
+    if storage is None: return fastai_update(core, p, hyper)
+    with storage.lifted([p], core.state): fastai_update(core, p, hyper)
 
 def _chunks(items:list, key=lambda p: p) -> list:
     "`items` in consecutive chunks of params (`key(item)`) of at most `state_chunk` elements (a bigger one alone)."
