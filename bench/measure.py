@@ -65,7 +65,7 @@ def end_step(rec):
     "Count the step that just ended (and whether it was skipped) in `rec`."
     rec['skips'].append(rec['skip']); rec['skipped'] += rec['skip']; rec['all'] += 1; rec['skip'] = False
 
-_STORE_WORK = ('_lift', '_land', '_lift_slice', '_land_slice', 'master_to_model')  # the weight store's bookkeeping inside `opt.step()`
+_STORE_WORK = ('lift', 'land', '_lift_slice', '_land_slice')  # the weight store's bookkeeping inside `opt.step()`
 
 def _time_store(store, rec, device):
     "Wrap the bookkeeping a weight store does inside the optimizer's step (grads to FP32, masters to the model)."
@@ -90,7 +90,7 @@ def time_events(cb, rec, device):
         if f is None or getattr(f, '_timed', False): continue
         def timed(f=f, name=name):
             if not cb.learn.training: return f()
-            if getattr(cb, 'store', None) is not None: _time_store(cb.store, rec, device)
+            if getattr(cb, "store", None) is not None: _time_store(getattr(cb.store, "lifted", cb.store), rec, device)
             sync(device); t = clock()
             try: return f()
             finally:

@@ -111,9 +111,7 @@ def fp32_model_state(learn, stream:Stream=None) -> dict:
     mth = _active(learn, ModelToHalf)
     # the file holds each tensor alone (a fit's params are laid out in buffers for the fused step)
     if mth is None or not mth.converted: return own_storages(model.state_dict())
-    mth._streaming = True  # the model's own state-dict hook (`MixedPrecision`) leaves the FP32 values to this function
-    try: sd = model.state_dict()
-    finally: mth._streaming = False
+    sd = model.state_dict()
     vals = mth.fp32_tensors(None if stream is None else partial(_widened, stream))
     for prefix, mod in model.named_modules(remove_duplicate=False):
         for name, cur in list(mod._parameters.items()) + list(mod._buffers.items()):

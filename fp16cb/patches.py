@@ -1,10 +1,8 @@
 """Every change `import fp16cb` makes to fastai's and torch's classes, in one place: what is set on which class, and
 what it replaces. The functions live with what they serve (`learner`, `session`, `checkpoint`, `diagnostics`,
 `distributed`); this module only installs them, once, when `fp16cb` is imported (a reload installs them again, never
-wrapped twice). Two changes come later, each where its cause is: fastai's `DistributedDL` broadcasts its indices on the
-CPU too (`distributed.patch_fastai`, when `fastai.distributed` is loaded), and a fit's optimizer is of a routed
-subclass of its own class for the fit (`weights.route`: `learn.opt` keeps its identity; the class is given back
-after)."""
+wrapped twice). One change comes later, where its cause is: fastai's `DistributedDL` broadcasts its indices on the
+CPU too (`distributed.patch_fastai`, when `fastai.distributed` is loaded)."""
 from __future__ import annotations
 from typing import NamedTuple
 from fastai.learner import Learner

@@ -248,3 +248,9 @@ def per_param_steps(monkeypatch):
     param (fused, a run of masters is stepped as one flat tensor, which the spy sees as one)."""
     from fp16cb.weights.drivers import FusedRun
     monkeypatch.setattr(FusedRun, 'step', lambda self, core, hyper: [])
+
+def set_chunk(monkeypatch, n):
+    """The step's chunks of `n` elements (None: the device's own): the 16-bit params lifted to FP32 (`half_storage`)
+    and the optimizer's state widened, a chunk at a time (`fp16cb.weights.stored.STATE_CHUNK`)."""
+    from fp16cb.weights import stored
+    if n: monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': n, 'cuda': n})

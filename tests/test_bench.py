@@ -13,7 +13,7 @@ from bench.modes import POLICY_MODES, BareBF16, COMPILED_MODES, COMPILE_MODES, M
 from bench.modes import PLAIN, PLAIN_COMPILED, fused_adamw_ok, AutocastCB, FastaiAMP
 import bench.modes
 from bench.measure import evaluate
-from conftest import DEVICE
+from conftest import DEVICE, set_chunk
 
 torch.set_num_threads(1)
 
@@ -363,8 +363,7 @@ def test_true_peak_accounting(monkeypatch):
     bf16 moments: no lift scratch), nothing more at a mid-fit save but one tensor made as it is written, and at the
     fit's end the state's widening (4) and one param's FP32 at most; in the backward the copies and a bucket's grads."""
     from bench.peak_memory import run_one, format_peaks, PHASES
-    from fp16cb.weights import WeightStore
-    monkeypatch.setattr(WeightStore, 'lift_chunk', 256 * 256)
+    set_chunk(monkeypatch, 256 * 256)
     def data(g, n):
         return list(zip(torch.randn(8 * n, 256, generator=g), torch.randn(8 * n, 256, generator=g))), MSELossFlat()
     four = (lambda: nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)]), data)  # one param: 1 byte/param

@@ -395,9 +395,9 @@ def test_peak_figures_are_the_benchmarks():
 
 def test_memory_caption_gives_the_lifts_scratch():
     """The scratch one chunk of FP32 grads is lifted into (kept between steps, not in the table): the run's own figure,
-    at most one chunk (the CPU's chunk limit, `LIFT_CHUNK`) in every mode, flat masters included (Adam is elementwise: a
-    master bigger than a chunk is stepped a slice at a time)."""
-    from fp16cb.weights.lift import chunk_limit
+    at most one chunk (the CPU's chunk limit, `STATE_CHUNK`) in every mode (Adam is elementwise: a param bigger than a
+    chunk is stepped a slice at a time)."""
+    from fp16cb.weights.stored import state_chunk as chunk_limit
     res = json.loads(MEMORY_JSON.read_text())
     flat = ' '.join(section(README, 'Which mode').split())
     most = max(b for r in res['scratch_bytes'].values() for b in r.values())

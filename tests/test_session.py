@@ -14,11 +14,12 @@ OPTS = {'fastai SGD': partial(SGD, mom=0.9), 'fastai Adam': Adam,
 @pytest.mark.parametrize('kw', [{}, {'flat_master': True}, {'state_dtype': torch.bfloat16}, {'half_storage': True}],
                          ids=['own', 'flat', 'state', 'half'])
 def test_optimizer_gets_its_own_step_back(opt, kw):
-    """During the fit the optimizer is the same object: of its own class where it steps the model's FP32 params (laid
-    out flat or not, its state 16-bit or not), of a class whose step goes through the weight store where the model is
-    16-bit for the fit (`half_storage`); nothing is assigned on the instance; after the fit, its own class is back."""
+    """During the fit the optimizer is the same object, of its own class, in every mode: it steps the model's params
+    (FP32, laid out flat or not, its state 16-bit or not; or 16-bit for the fit, `half_storage`, lifted to FP32 by
+    fastai's step rows); nothing is assigned on the instance. Before, with `half_storage`, its class was a routed
+    subclass for the fit."""
     learn = make_learner(opt_func=OPTS[opt]).to_bf16(**kw)
-    routed = 'half_storage' in kw
+    routed = False
     learn.create_opt()
     opt_obj, cls, seen = learn.opt, type(learn.opt), []
     class Spy(Callback):
@@ -27,7 +28,7 @@ def test_optimizer_gets_its_own_step_back(opt, kw):
             o = self.learn.opt
             seen.append((o is opt_obj, isinstance(o, cls), type(o) is not cls, 'step' in vars(o), 'zero_grad' in vars(o)))
     quiet_fit(learn, 1, cbs=Spy())
-    # the user's optimizer steps the model's FP32 params as it is; 16-bit storage still routes it through its store
+    # the user's optimizer steps the model's params as it is
     assert seen and all(s == (True, True, routed, False, False) for s in seen) and learn.opt is opt_obj
     assert type(learn.opt) is cls and 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
     assert '_fp16cb_route' not in vars(learn.opt)

@@ -13,12 +13,12 @@ from fastai.basics import Adam, SGD, OptimWrapper, Callback
 
 from fp16cb import compat
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import WeightStore, state8, stored
+from fp16cb.weights import state8, stored
 from fp16cb.dtypes import resolve_state_dtype
 from fp16cb.weights.state8 import State8, empty8, quantize_, dequantize_into, BLOCK
 from fp16cb.weights.optstate import opt_state
 from fp16cb.demos.experiments import make_learner as digits_learner, train
-from conftest import make_learner, quiet_fit, Record, weights, seed_all
+from conftest import make_learner, quiet_fit, Record, weights, seed_all, set_chunk
 
 def q8(x:torch.Tensor, signed:bool=True) -> State8: return quantize_(empty8(x, signed), x)
 def codes(t:State8) -> torch.Tensor: return t.detach().clone()  # the codes, as a plain uint8 tensor
@@ -214,8 +214,7 @@ def test_sliced_8bit_state_steps_as_the_whole_param(kw, opt, monkeypatch):
     make = {'fastai': lambda spy: (lambda ps, lr: _with_first(Adam(ps, lr=lr), spy)),
             'torch': lambda spy: partial(OptimWrapper, opt=torch.optim.AdamW)}[opt]
     def fit(chunk):
-        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)  # a store's lift; the model's own params' state:
-        monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': chunk, 'cuda': chunk} if chunk else stored.STATE_CHUNK)
+        set_chunk(monkeypatch, chunk)  # the 16-bit params lifted, and the state widened, a chunk at a time
         spy = WidestState()
         learn = learner(make(spy)).to_bf16(state_dtype='8bit', stochastic_rounding=False, **SLICED[kw])
         quiet_fit(learn, 2, lr=1e-2)

@@ -11,8 +11,8 @@ from fastai.basics import Callback, SGD, Adam
 from fastai.optimizer import OptimWrapper
 from fastai.torch_core import trainable_params
 
-from fp16cb.weights import WeightStore, stored
-from conftest import make_learner, quiet_fit, weights, Record
+from fp16cb.weights import stored
+from conftest import make_learner, quiet_fit, weights, Record, set_chunk
 
 def _f32(ts): return [t.detach().float().clone() for t in ts]
 
@@ -48,7 +48,7 @@ def test_group_step_optimizers_step_once_per_step_over_several_chunks(monkeypatc
         learn = make_learner(model=_tanh_mlp(), opt_func=opt_func, splitter=trainable_params)
         w0 = weights(learn)
         if mode == 'bf16':
-            monkeypatch.setattr(WeightStore, 'lift_chunk', 16)  # chunks: [32], [8], [64], [8, 8], [1] elements
+            set_chunk(monkeypatch, 16)  # chunks: [32], [8], [64], [8, 8], [1] elements
             learn.to_bf16(**kw)
         quiet_fit(learn, 1, lr=3e-2)
         res.append(_f32(learn.model.parameters()))
@@ -91,8 +91,7 @@ def test_interrupt_in_a_sliced_torch_step_leaves_a_consistent_optimizer(monkeypa
     (the weight's 2nd slice) raises. Then: the state's keys are exactly the model's params (no entry keyed by a slice),
     each with the step count of the 2 completed steps and FP32 moments of its param's shape; `learn.save` works; a
     further fit (4 steps) works and counts from there (6)."""
-    monkeypatch.setattr(WeightStore, 'lift_chunk', 12)
-    monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': 12, 'cuda': 12})  # the state widened 12 elements at a time
+    set_chunk(monkeypatch, 12)  # the state widened 12 elements at a time
     learn = make_learner(model=_mlp(), opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), splitter=trainable_params)
     learn.path = tmp_path
     learn.to_bf16(state_dtype=torch.bfloat16)  # (FP32 state is stepped whole: no slices)
@@ -200,7 +199,7 @@ def test_a_channels_last_weight_steps_in_slices_as_whole_with_a_contiguous_grad(
     element stepped with another's grad (~0.075 off for a movement of ~0.04)."""
     res = []
     for chunk in (2**22, 16):
-        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        set_chunk(monkeypatch, chunk)
         learn = make_learner(model=_cl_net(), opt_func=_STEP_OPTS[opt], splitter=trainable_params).to_bf16(**kw)
         w = learn.model[2].weight
         assert not w.is_contiguous() and w.is_contiguous(memory_format=torch.channels_last) and w.numel() > 16

@@ -15,9 +15,9 @@ from fastai.optimizer import OptimWrapper
 from functools import partial
 
 from fp16cb.checkpoint import fp32_view
-from fp16cb.weights import Stream, shared, WeightStore
+from fp16cb.weights import Stream, shared
 from bench.peak_memory import Tracker
-from conftest import DEVICE, seed_all
+from conftest import DEVICE, seed_all, set_chunk
 
 N_IN, WIDTH, DEPTH = 128, 128, 4  # four 128x128 weights: one param's FP32 is a quarter of the model's
 BIG = WIDTH * WIDTH * 4  # bytes of the largest param in FP32
@@ -214,7 +214,7 @@ def test_fit_end_peak(mode, widened, tmp_path, monkeypatch):
     16-bit tensor let go), the 16-bit state widened one tensor at a time, the 16-bit buffers freed at once (not when
     the garbage collector finds the store). Peak: the fit's memory, plus what becomes FP32 (`widened` bytes/param: the
     state's 4, 16-bit storage's weights 2), plus one param's FP32."""
-    monkeypatch.setattr(WeightStore, 'lift_chunk', WIDTH * WIDTH)  # flat masters: one param each
+    set_chunk(monkeypatch, WIDTH * WIDTH)  # flat masters: one param each
     dls = _data()
     tracker = Tracker('cpu')
     class Marks(Callback):

@@ -9,8 +9,8 @@ from torch import nn
 from fastai.basics import Adam
 from fastai.optimizer import OptimWrapper
 
-from fp16cb.weights import WeightStore, stored
-from conftest import make_learner, quiet_fit, weights, seed_all
+from fp16cb.weights import stored
+from conftest import make_learner, quiet_fit, weights, seed_all, set_chunk
 
 CHUNK = 32  # a chunk of this many elements: the model's 8x16 and 16x8 weights are stepped a slice at a time
 KW = {'masters': {}, 'half': {'half_storage': True}, 'sib': {'step_in_backward': True},
@@ -26,8 +26,7 @@ def learner(opt_func):
 
 def small_chunks(monkeypatch, n:int):
     "Chunks of `n` elements: a store's lift (`lift_chunk`), and the state widened on the model's own params."
-    monkeypatch.setattr(WeightStore, 'lift_chunk', n)
-    monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': n, 'cuda': n})
+    set_chunk(monkeypatch, n)
 
 def fit(kw, opt, chunk=None, monkeypatch=None):
     if chunk is not None: small_chunks(monkeypatch, chunk)

@@ -12,8 +12,8 @@ from fastai.torch_core import trainable_params
 from fastai.optimizer import sgd_step as fastai_sgd_step
 
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import Stage, WeightStore, HalfStorage, stored
-from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE, weights
+from fp16cb.weights import Stage, HalfStorage, ModelParams, stored
+from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE, weights, set_chunk
 
 MODES = [dict(), dict(flat_master=True), dict(half_storage=True)]
 IDS = ['masters', 'flat', 'half_storage']
@@ -195,7 +195,7 @@ def test_the_store_owns_the_step_and_its_stage():
         learn = make_learner().to_fp16(**kw)
         quiet_fit(learn, 1, cbs=[Watch()])
         assert stages[:2] == [Stage.CHECKED, Stage.READY]  # our after_step (order 10) ran before Watch's
-    assert issubclass(HalfStorage, WeightStore)
+    assert issubclass(HalfStorage, ModelParams)  # the one interface: 16-bit storage is the model's params too
 
 @pytest.mark.parametrize('opt', ['fastai Adam', 'OptimWrapper(AdamW)'])
 def test_half_storage_keeps_the_model_s_own_tensors_and_fp32_state(opt):
@@ -293,7 +293,7 @@ def test_grads_reach_fp32_a_bounded_chunk_at_a_time(monkeypatch, opt, kind):
           'half_storage': {'half_storage': True, 'stochastic_rounding': False}}[kind]
     res, alive = [], []
     for chunk in (2**22, 40):
-        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        set_chunk(monkeypatch, chunk)
         learn = make_learner(opt_func=opt_func).to_fp16(dynamic=False, loss_scale=2.**8, **kw)
         def count(learn=learn):
             fp32 = [t for t in (learn.mixed_precision.store.master_params if kind != 'half_storage' else []) if t.grad is not None]
@@ -323,14 +323,14 @@ def test_between_steps_at_most_one_chunk_of_fp32_grads_is_held(monkeypatch, flat
     """The lift's scratch is made once and kept for the fit (no allocation in the steps after: the same memory at
     every step) and holds at most `lift_chunk` elements, or the largest param where one is bigger; flat masters are
     cut at the chunk limit, so none needs memory of its own either."""
-    monkeypatch.setattr(WeightStore, 'lift_chunk', 30)  # the flat weights' group (40 elements) is over it
+    set_chunk(monkeypatch, 30)  # the flat weights' group (40 elements) is over it
     held = []
     class Watch(Callback):
         order = 20
         def before_batch(self): self.after_step()
         def after_step(self):
             store = self.learn.mixed_precision.store
-            held.append([(b.untyped_storage().data_ptr(), b.numel()) for b in store.scratch.bufs.values()])
+            held.append([(b.untyped_storage().data_ptr(), b.numel()) for b in store.lifted.scratch.bufs.values()])
             if flat: assert all(m.numel() <= 32 for m in store.master_params), [m.numel() for m in store.master_params]
     learn = make_learner(opt_func=Adam).to_fp16(half_storage=True)
     largest = max(p.numel() for p in learn.model.parameters())
@@ -358,7 +358,7 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the
     weights and the state are those of the whole-param step, and the scratch stays one chunk. LAMB takes whole-param
     norms: it is stepped whole (and refused with flat masters)."""
-    import fp16cb.weights.optstate as optstate, fp16cb.weights.half as half_mod
+    import fp16cb.weights.optstate as optstate, fp16cb.weights.lifted as half_mod
     calls = []  # the slice size of each param stepped in more than one slice
     def spy(f, i):  # the param is argument i, the slice size i + 1 (sliced_update: core, p, hyper, n; torch: opt, p, n)
         def g(*a, **k):
@@ -369,13 +369,12 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     monkeypatch.setattr(stored, 'sliced_torch_step', spy(optstate.sliced_torch_step, 2))
     res = []
     for chunk in (2**22, 12):
-        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
-        monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': chunk, 'cuda': chunk})  # the model's own params' state
+        set_chunk(monkeypatch, chunk)
         torch.manual_seed(0)
         learn = make_learner(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), opt_func=SLICE_OPTS[opt],
                              splitter=trainable_params).to_fp16(dynamic=False, loss_scale=2.**6, **kw)
         scratch = []
-        lifted = lambda store: sum(b.numel() for b in store.scratch.bufs.values()) if hasattr(store, 'scratch') else 0
+        lifted = lambda store: sum(b.numel() for b in store.lifted.scratch.bufs.values()) if hasattr(store, 'lifted') else 0
         quiet_fit(learn, 2, lr=1e-2, cbs=Record(after_step=lambda l: scratch.append(lifted(l.mixed_precision.store))))
         state = [{k: v.clone() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)}
                  for p in learn.model.parameters()]
@@ -396,7 +395,7 @@ def test_channels_last_masters_step_in_slices_like_whole(monkeypatch):
     from fastai.losses import MSELossFlat
     res = []
     for chunk in (2**22, 20):
-        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        set_chunk(monkeypatch, chunk)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 1)).to(memory_format=torch.channels_last)
         g = torch.Generator().manual_seed(1)
@@ -422,12 +421,12 @@ def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr, chu
     the default: all together): rounded to nearest, exactly the weights and state of lifting each param whole to FP32
     (the path LAMB and torch optimizers take), a channels-last weight too; rounded stochastically (the draws fall
     differently), a few 16-bit spacings from it."""
-    import fp16cb.weights.half as half_mod
+    import fp16cb.weights.lifted as half_mod
     res = []
     for whole in (True, False):
         if whole: monkeypatch.setattr(half_mod, 'elementwise', lambda core: False)
         else: monkeypatch.undo()
-        monkeypatch.setattr(WeightStore, 'lift_chunk', chunk)
+        set_chunk(monkeypatch, chunk)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)) if net == 'mlp' else _cl_convnet()
         learn = make_learner(model=model, opt_func=Adam,

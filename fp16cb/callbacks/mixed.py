@@ -3,11 +3,10 @@ clipping of the unscaled grads. The events of a step; the weight store (`weights
 loss scaling (`scaling`) picks the scale, reads the step's one host sync and accounts for skipped steps."""
 from __future__ import annotations
 import math, warnings
-from functools import partial
 import torch
 from fastai.callback.core import CancelStepException
 
-from ..dtypes import resolve_dtype, model_device, bare_copy, user_stacklevel
+from ..dtypes import resolve_dtype, model_device
 from ..weights import HalfStorage, Stage, ModelParams, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
@@ -72,7 +71,6 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         check(self.facts, OPTIONS)
         self.store, self.max_grad, self._rng, self._rng_state = None, None, None, None
         self.record = StepRecord(type(self).__name__)  # the loss scale of each step: `learn.loss_scale_history` too
-        self._trained = ()  # ids of the params this fit trained so far (kept by a store made again mid-fit)
 
     @property
     def facts(self) -> Facts:
@@ -137,11 +135,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         mth, model = self._model_to_half(), self.learn.model
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.session.suspending:  # a new fit
-            self.record.new_fit(self.learn); self._trained = ()
+            self.record.new_fit(self.learn)
         copies = mth.copies if mth is not None else None
         if not self.half_storage:  # the model keeps its FP32 params: the optimizer steps them (grads arrive unscaled)
             self._own_params(copies, names, model)  # (without `ModelToHalf`: an FP32 model, loss-scaled)
-            self._exposed, self._remembered = None, {}
+            self._remembered = {}
         else: self._store_beside(mth, model, names)
         self.show_scale_columns()
         # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
@@ -163,32 +161,16 @@ class MixedPrecision(ScaleColumns, SessionCallback):
                                  state=state, in_backward=self.step_in_backward)
 
     def _store_beside(self, mth, model, names:dict):
-        """The store of a 16-bit model (`half_storage`): 16-bit storage, made from the exact FP32 originals
-        `ModelToHalf` kept."""
+        """The store of a 16-bit model (`half_storage`): its params are 16-bit for the fit, the optimizer steps them
+        lifted to FP32 (fastai `Lookahead`'s slow weights made from the exact FP32 originals `ModelToHalf` kept)."""
         half = mth is not None and mth.converted
-        kw = dict(names=names, model=model, keep=self._trained, in_backward=self.step_in_backward,
-                  state_dtype=self.state_dtype, stochastic=self.stochastic_rounding, generator=self.rng(model))
-        self.store = HalfStorage(self.learn.opt, fp32_of=mth.fp32_of if half else None, **kw)
+        state = StateStorage(self.state_dtype, self.stochastic_rounding, self.rng(model))
+        self.store = HalfStorage(self.learn, names, state=state, in_backward=self.step_in_backward,
+                                 stochastic=self.stochastic_rounding, generator=self.rng(model),
+                                 fp32_of=mth.fp32_of if half else None)
         # FP32 originals still kept
-        self._remembered = {id(p): p for p in self.store.params} if half else {}
+        self._remembered = {id(p): p for p in self.store.params if p.requires_grad} if half else {}
         if self._remembered: self.store.stepped_hook = self._forget_originals
-        self._expose_fp32(mth if half else None)
-
-    def _expose_fp32(self, mth):
-        """Mid-fit, the copies of the model that other code takes hold FP32 values, as FP32 fastai's would:
-        `copy.deepcopy(learn.model)` (an EMA callback, keep-the-best) is a plain FP32 model with the exact values of
-        now, without fp16cb's hooks; `learn.model.state_dict()` holds the exact FP32 values (the masters: like FP32's,
-        it shares the storage of what trains). Reading the params themselves still gives their 16-bit values."""
-        model, self._exposed = self.learn.model, None
-        if mth is None: return
-        model.__dict__['__deepcopy__'] = partial(_fp32_copy, model, mth)
-        self._exposed = model, model.register_state_dict_post_hook(partial(_fp32_state, mth))
-
-    def _unexpose(self):
-        exposed, self._exposed = getattr(self, '_exposed', None), None
-        if exposed is None: return
-        exposed[0].__dict__.pop('__deepcopy__', None)
-        exposed[1].remove()
 
     def teardown(self):
         """The mirror of `setup`: the optimizer on the model's own params again, with its state; the Recorder columns
@@ -196,21 +178,19 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         grads made for a step that never came are divided by the scale (BatchNorm's, FP32 islands'; the 16-bit ones
         go)."""
         fit_ends = not self.session.suspending
-        self._unexpose()
         if self.health is not None:
             self.health.disarm()
             if fit_ends and not self.session.failing: self.health.read(final=True)
         if fit_ends and self.store is not None and (self.store.stage in (Stage.STEPPED, Stage.SKIPPED)
-                                                    or self._on_model and self.store.stepped()): self._end_step(False)
+                                                    or self.store.stepped()): self._end_step(False)
         self.record.teardown()
         self.drop_scale_columns(fit_ends)
         if self.store is None: return
         self._was_checked = self.store.stage is Stage.CHECKED and not fit_ends  # a paused step keeps its grads
         # ... divided by the scale already (`_unscale_for_others`)
         self._divided = getattr(self.store, '_rescale', None)
-        self._trained = () if fit_ends else {id(p) for pg in self.store.model_pgs + self.store.own_pgs for p in pg}
         self.store.restore()
-        if fit_ends and self._on_model: self.store.own_storage()
+        if fit_ends: self.store.own_storage()
         if fit_ends: self.record.unscale_left([p.grad for pg in self.store.old_param_lists for p in pg])
         self.store = None
         # an error says more
@@ -249,10 +229,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             self._make_store()
         if self.store.stage is Stage.NEW: self._sync_ranks()
         elif self.store.stage in (Stage.STEPPED, Stage.SKIPPED): self._end_step()  # our after_step did not run
-        elif self.store.stage is Stage.CHECKED and self._on_model:  # a step whose `after_step` did not come
+        elif self.store.stage is Stage.CHECKED:  # a step whose `after_step` did not come
             self._end_step(cancelled=not self.store.stepped())  # (cancelled by `CancelBatchException`: not stepped)
-        self.store.check_linked()  # the model's params are still the store's (a `.to()` since the setup?)
-        self._follow_trainable()
+        self.store.check_linked()  # the model's params kept their dtype (a `.half()` since the setup?)
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
         if self.health is not None and self.health.due(self.learn.train_iter): self.health.read(); self.health.arm(
             self.learn.train_iter)
@@ -263,19 +242,11 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     def before_backward(self):
         if self.store is not None: self.store.backward(self.loss_scale)
         # what the grads carry until the step (a fit ending before it divides them); none when they arrive unscaled
-        if not isinstance(self.store, ModelParams): self.record.scaled(self.loss_scale)
+        if isinstance(self.store, HalfStorage): self.record.scaled(self.loss_scale)
         if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
-
-    def _follow_trainable(self):
-        """Other code made a param trainable that the store left out, frozen at its set-up (`requires_grad_(True)` by a
-        hand-written unfreeze, fastai's GAN switching generator and critic): the store is made again with it, so that
-        it trains as in FP32. Params trained so far stay the store's when frozen (FP32 steps them with their grads)."""
-        if self.store.became_trainable():
-            with self.session.suspended(): pass  # the store made again; the grads so far brought in again
 
     def before_step(self):
         self._step_cancelled = False
-        self._follow_trainable()  # made trainable after our `before_batch`: its grad is this step's
         scale, calibrating = self.loss_scale, self.scaler.calibrating
         self.store.grads_final = not self._runs_after('before_step')  # then the grads it checks are the ones stepped
         watch, self._watch_flush = getattr(self, '_watch_flush', False), False
@@ -335,16 +306,12 @@ class MixedPrecision(ScaleColumns, SessionCallback):
 
     def _half_grads(self) -> list:
         "The model's 16-bit grads as the backward left them (the calibrating step's underflow check)."
-        if isinstance(self.store, ModelParams): return self.store.half_grads(self.dtype)
-        return [g for g in self.store.checked if g.dtype == self.dtype]
+        return self.store.half_grads(self.dtype)
 
     def after_step(self):
         """fastai calls this even for a cancelled step. The model already follows the store (it copies right after
         stepping)."""
         self._end_step()
-
-    _on_model = property(lambda self: isinstance(self.store, ModelParams),
-                         doc="The optimizer steps the model's params.")
 
     def _end_step(self, cancelled:bool=None):
         """A step the optimizer took counts here (the micro-batches of an accumulated step share one scale); one that
@@ -352,7 +319,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         it."""
         stage = self.store.stage
         if cancelled is None: cancelled, self._step_cancelled = self.__dict__.get('_step_cancelled', False), False
-        if stage is Stage.CHECKED and self._on_model and not cancelled: stage = Stage.STEPPED  # no route tells it
+        if stage is Stage.CHECKED and not cancelled: stage = Stage.STEPPED  # fastai's `_step` ran (`stepped`)
         # in the backward: stepped there
         if stage is Stage.STEPPED or (stage is Stage.CHECKED and self.store.in_backward):
             self.record.record(self.store.scale, False)
@@ -400,23 +367,3 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             # a generator's state is a CPU tensor; `learn.load` maps it to the model's device
             self._rng_state = sd['rng'].cpu()
             if self.store is not None: self.rng(self.learn.model)
-
-def _fp32_values(model, mth) -> dict:
-    "`{(module, name, tensor now): exact FP32 value}` of the converted params and buffers of `model`."
-    vals = mth.fp32_tensors()
-    return {(pre, n, cur): vals[(id(mod), n)] for pre, mod in model.named_modules(remove_duplicate=False)
-            for n, cur in list(mod._parameters.items()) + list(mod._buffers.items()) if (id(mod), n) in vals}
-
-def _fp32_copy(model, mth, memo):
-    "`copy.deepcopy(model)` mid-fit: the FP32 model of now (the masters' values), without fp16cb's hooks."
-    res = bare_copy(model, {cur: v for (_, _, cur), v in _fp32_values(model, mth).items() if cur is not None})
-    memo[id(model)] = res
-    return res
-
-def _fp32_state(mth, module, state_dict, prefix, local_metadata):
-    "`model.state_dict()` mid-fit: the exact FP32 values in place of the 16-bit ones."
-    if getattr(mth, '_streaming', False): return  # `learn.save`: `fp32_model_state` makes them, as the file is written
-    for (pre, n, cur), v in _fp32_values(module, mth).items():
-        key = prefix + (f'{pre}.{n}' if pre else n)
-        if key in state_dict and cur is not None and v.shape == cur.shape: state_dict[key] = v.detach()
-

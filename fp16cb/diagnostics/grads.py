@@ -242,7 +242,7 @@ def state_bytes(learn) -> dict:
             seen.add(k); tot += t.untyped_storage().nbytes()
         return tot
     res = {'weights': size(p.data for p in params), 'grads': size(p.grad for p in params)}
-    masters = mp.store.master_params if mp is not None and hasattr(mp.store, 'master_params') else []
+    masters = (mp.store.master_params if mp is not None else None) or []
     res['masters'] = size(m.data for m in masters) + size(getattr(mp.store, '_masters', []) if mp else [])
     st = getattr(learn.opt, 'state', {})
     res['optimizer state'] = size(v for s in st.values() for v in s.values())

@@ -5,21 +5,19 @@ steps during a fit, merged into flat masters and split back."""
 from __future__ import annotations
 import torch
 from torch import Tensor
-from fastcore.foundation import L
 from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
 from ..compat import known_elementwise
-from .route import own_class
-from .layout import flat_views, flatten_like, split_like, memory_order, with_layout_of, shared
+from .layout import memory_order, with_layout_of
 from . import state8
 from .state8 import State8
 
-__all__ = ['move_opt_state', 'copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'rekey', 'fastai_update',
+__all__ = ['copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'rekey', 'fastai_update',
            'steps_param_by_param', 'elementwise', 'sliced_update', 'sliced_torch_step']
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
-    while (not isinstance(opt, OptimWrapper) and own_class(opt) is not Optimizer
+    while (not isinstance(opt, OptimWrapper) and type(opt) is not Optimizer
            and isinstance(getattr(opt, 'opt', None), _BaseOptimizer)):
         opt = opt.opt
     return opt
@@ -65,101 +63,6 @@ def copy_clone(d:dict) -> dict:
     return {k: (v.detach().clone().float() if isinstance(v, Tensor) and torch.is_floating_point(v) else
                 v.detach().clone() if isinstance(v, Tensor) else v) for k, v in d.items()}
 
-def _fp32_state(d:dict) -> dict:
-    "`d` itself when its floating tensors are FP32 already (moved, not copied), else its FP32 clone."
-    if all(not isinstance(v, Tensor) or not torch.is_floating_point(v) or v.dtype == torch.float32 for v in d.values()):
-        return d
-    return copy_clone(d)
-
-def _merge_states(states:list, params:list) -> dict:
-    "One flat state from per-param states (tensors shaped like their param are concatenated; flags are shared)."
-    keys = dict.fromkeys(k for s in states for k in s)
-    out = {}
-    for k in keys:
-        vals = [s.get(k) for s in states]
-        if any(isinstance(v, Tensor) and v.dim() > 0 for v in vals):
-            out[k] = flatten_like([v if v is not None else torch.zeros_like(p, dtype=torch.float32)
-                                   for v, p in zip(vals, params)], params, torch.float32)
-        else: out[k] = next(v for v in vals if v is not None)
-    return out
-
-def _split_state(state:dict, params:list) -> list:
-    """Per-param states from a flat one: flat tensors are cut into tensors of their own that share its memory (no copy:
-    `shared`), other entries copied to each."""
-    n = sum(p.numel() for p in params)
-    res = [{} for _ in params]
-    for k, v in state.items():
-        if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n:
-            for r, view in zip(res, flat_views(v, params)): r[k] = shared(view)
-        else:
-            for r in res: r[k] = v.clone() if isinstance(v, Tensor) else v
-    return res
-
-def _set_param_lists(opt, pgs):
-    """Point `opt` (the innermost optimizer) at `pgs`: `L`s for a fastai `Optimizer`, lists for an `OptimWrapper`'s
-    torch optimizer."""
-    opt.param_lists = [list(pg) for pg in pgs] if isinstance(opt, OptimWrapper) else L(L(pg) for pg in pgs)
-
-def move_opt_state(opt, from_pgs, to_pgs, flat:str|None=None, param_lists=None, stash:dict=None):
-    """Move the per-param state from `from_pgs` to `to_pgs` (no copy when already FP32) and point `opt` at `param_lists`
-    (default `to_pgs`). `flat='merge'`: `to_pgs` are flat masters of `from_pgs`; `flat='split'`: the reverse. The state
-    moves in every state dict of the optimizer (`opt_states`: a torch wrapper's and its inner optimizer's). fastai's
-    `Lookahead` keeps slow weights per param: they follow the same way (flat ones are split, per-param ones merged).
-    `stash`: a view, for reading (a checkpoint): nothing converted, and the flat state and slow weights that a split
-    leaves in `stash` are put back as they were by the merge given the same `stash` (no copy either way)."""
-    core = innermost(opt)
-    slow, states = _slow_weights(opt, core), opt_states(core)
-    _set_param_lists(core, param_lists if param_lists is not None else to_pgs)
-    for src, dst in zip(from_pgs, to_pgs):
-        for state in states: _move_state(state, src, dst, flat, make=state is states[-1], stash=stash)
-        if slow is not None: _move_slow(slow, src, dst, flat, stash)
-    if slow is not None:
-        opt.slow_weights = L(L(slow.get(id(p), None) if id(p) in slow else p.detach().clone() for p in pg)
-                             for pg in core.param_lists)
-
-def _move_state(state:dict, src:list, dst:list, flat:str|None, make:bool, stash:dict=None):
-    """`src`'s entries of `state` moved to `dst` (merged into flat masters, split from them, or one to one); `make`: an
-    entry for every param (the optimizer's own state), else only for those that have one (a wrapper's)."""
-    if flat == 'merge':
-        for part, m in zip(split_like(src, dst), dst):
-            kept = stash.pop((id(state), id(m)), None) if stash is not None else None
-            if kept is not None:
-                for p in part: state.pop(p, None)
-                state[m] = kept
-            elif make or any(p in state for p in part): state[m] = _merge_states([state.pop(p, {}) for p in part], part)
-    elif flat == 'split':
-        for part, m in zip(split_like(dst, src), src):
-            if make or m in state:
-                whole = state.pop(m, {})
-                if stash is not None: stash[(id(state), id(m))] = whole
-                for p, s in zip(part, _split_state(whole, part)): state[p] = s
-    else:
-        for p, m in zip(src, dst):
-            if p is not m and (make or p in state):
-                state[m] = state.pop(p, {}) if stash is not None else _fp32_state(state.pop(p, {}))
-
-def _move_slow(slow:dict, src:list, dst:list, flat:str|None, stash:dict=None):
-    "fastai `Lookahead`'s slow weights (`{id(param): tensor}`) moved from `src` to `dst`, as `_move_state` moves state."
-    if flat == 'merge':
-        for part, m in zip(split_like(src, dst), dst):
-            kept = stash.pop(('slow', id(m)), None) if stash is not None else None
-            if kept is None: kept = flatten_like([slow.get(id(p), p) for p in part], part, torch.float32)
-            slow[id(m)] = kept
-    elif flat == 'split':
-        for part, m in zip(split_like(dst, src), src):
-            if id(m) not in slow: continue
-            if stash is not None: stash[('slow', id(m))] = slow[id(m)]
-            slow.update({id(p): shared(v) for p, v in zip(part, flat_views(slow[id(m)], part))})
-    else:
-        for p, m in zip(src, dst):
-            if id(p) in slow: slow[id(m)] = slow[id(p)]
-
-def _slow_weights(opt, core):
-    "`{id(param): slow weight}` of a fastai `Lookahead` that has started (None otherwise)."
-    sw = opt.__dict__.get('slow_weights') if opt is not core else None
-    if sw is None: return None
-    return {id(p): s for pg, sg in zip(core.param_lists, sw) for p, s in zip(pg, sg)}
-
 def fastai_update(core, p, hyper:dict, key=None):
     "fastai's `Optimizer.step` for one param `p`: its callbacks in order, on the state kept under `key` (default `p`)."
     key = p if key is None else key
@@ -169,7 +72,7 @@ def fastai_update(core, p, hyper:dict, key=None):
 
 def steps_param_by_param(core) -> bool:
     "Whether `core` is a fastai `Optimizer` whose `step` is fastai's own loop over params (so we may run it ourselves)."
-    return isinstance(core, Optimizer) and getattr(own_class(core), 'step', None) is Optimizer.step
+    return isinstance(core, Optimizer) and getattr(type(core), 'step', None) is Optimizer.step
 
 def elementwise(core) -> bool:
     """Whether optimizer `core` steps each element on its own, as `fp16cb.compat` declares it (`known_elementwise`): a

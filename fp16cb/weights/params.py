@@ -5,7 +5,9 @@ params held inf/NaN is noted), or clip the grads in place, on the device. The ch
 step, so that an inf written there by other code after the backward skips the step too."""
 from __future__ import annotations
 import weakref
+from functools import partial
 from contextlib import contextmanager
+from enum import Enum
 import torch
 
 from ..scaling import OverflowCheck, nonfinite_flags, _real
@@ -19,22 +21,30 @@ from .backward import BackwardSteps
 from .lazy import Stream, lazy_state
 from .state_storage import StateStorage
 from .layout import shared, own_storages
-from .store import Stage
 
-__all__ = ['ModelParams', 'counted_step']
+__all__ = ['ModelParams', 'Stage', 'counted_step', 'AROUND']
+
+class Stage(Enum):
+    "Where a store is in the current optimizer step (as torch's `GradScaler` keeps an `OptState` per optimizer)."
+    NEW = 0       # set up for a fit: under DDP, the ranks still have to agree on the weights (at the first batch)
+    READY = 1     # between steps: the next backward accumulates into the model's grads
+    CHECKED = 2   # `prepare_grads` checked the grads for inf/NaN; the step may still be cancelled
+    STEPPED = 3   # the optimizer stepped; the model's grads are owed a clearing
+    SKIPPED = 4   # the step overflowed and was skipped; the model's grads are owed a clearing
 
 STEPS = weakref.WeakKeyDictionary()  # learner -> the optimizer steps fastai's loop took (`counted_step`)
 
-LIFTED = weakref.WeakKeyDictionary()  # learner -> the `StateStorage` its whole step is widened in (`counted_step`)
+# learner -> `fn(step)` that runs its optimizer's `step` for it (`counted_step`): an optimizer neither fastai's loop nor
+# a torch one, with all its state widened (`state_dtype`) or its 16-bit params lifted (`half_storage`)
+AROUND = weakref.WeakKeyDictionary()
 
 def counted_step(self):
     """fastai's `Learner._step` (the optimizer's step), counted: a step whose `after_step` never came is still known.
-    An optimizer whose state is stored narrow, neither fastai's loop nor a torch one, steps with all of it widened."""
-    storage = LIFTED.get(self)
-    if storage is None: self.opt.step()
-    else:
-        state = opt_state(self.opt)
-        with storage.lifted(list(state), state): self.opt.step()
+    An optimizer with a `step` of its own, whose state is stored narrow or whose params are 16-bit, steps through
+    `AROUND`."""
+    around = AROUND.get(self)
+    if around is None: self.opt.step()
+    else: around(self.opt.step)
     STEPS[self] = STEPS.get(self, 0) + 1
 
 class ModelParams:
@@ -58,7 +68,7 @@ class ModelParams:
         self._dtypes = [(n, p, p.dtype) for n, p in learn.model.named_parameters()]
         check_unique_params(innermost(learn.opt).param_lists, self.names)
         self.stage, self.scale, self.check = Stage.NEW, 1., OverflowCheck()
-        if scaled: sink.hook(p for p in learn.model.parameters() if p.requires_grad)
+        if scaled and sink is not None: sink.hook(p for p in learn.model.parameters() if p.requires_grad)
         self._fuse(innermost(learn.opt))
         self._store_state(innermost(learn.opt))
         self._backward = self._arm(innermost(learn.opt)) if in_backward else None
@@ -68,8 +78,9 @@ class ModelParams:
         """The step in the backward: a hook on each trainable param of fastai's optimizer `core` steps it with fastai's
         update as soon as its grad is complete, and drops the grad (`backward.BackwardSteps`)."""
         group = {id(p): gi for gi, pg in enumerate(core.param_lists) for p in pg}
-        def one(p): step_one(core, p, core.hypers[group[id(p)]], self.state)
-        return BackwardSteps(self.params, one)
+        return BackwardSteps(self.params, lambda p: self._step_one(core, p, core.hypers[group[id(p)]]))
+
+    def _step_one(self, core, p, hyper:dict): step_one(core, p, hyper, self.state)
 
     def _fuse(self, core):
         """fastai's loop, where its callbacks are elementwise, steps runs of consecutive params as one flat tensor each
@@ -90,13 +101,12 @@ class ModelParams:
         self.state.narrow_all(opt_state(core))
         if steps_param_by_param(core): STORED[core] = self.state
         elif isinstance(getattr(core, 'opt', None), torch.optim.Optimizer): self._hooks = TorchHooks(core, self.state)
-        else: LIFTED[self.learn] = self.state
+        else: AROUND[self.learn] = partial(_widened_step, self.state, opt_state(core))
 
     @property
     def model_pgs(self) -> list:
         "The trainable params of the optimizer, per group (the optimizer of now: `create_opt` may have made a new one)."
         return [[p for p in pg if p.requires_grad] for pg in innermost(self.learn.opt).param_lists]
-    own_pgs = property(lambda self: [[] for _ in self.model_pgs])
     old_param_lists = property(lambda self: [list(pg) for pg in innermost(self.learn.opt).param_lists])
     params = property(lambda self: [p for pg in self.model_pgs for p in pg])
     # the FP32 masters are the model's params themselves
@@ -109,7 +119,7 @@ class ModelParams:
 
     def backward(self, scale:float=1.):
         "A backward at loss scale `scale` is coming: its grads arrive divided by it."
-        self.sink.begin(scale)
+        if self.sink is not None: self.sink.begin(scale)
 
     def prepare_grads(self, scale:float, with_max:bool=False):
         """`[found, (max |grad|)]` on the device (no sync): the grads as they are now (unscaled, whatever wrote into
@@ -141,6 +151,11 @@ class ModelParams:
     def clip(self, max_norm:float, global_norm:bool=False):
         """Clip the grads in place as `torch.nn.utils.clip_grad_norm_` would: each param group's norm, or all groups'
         together (`global_norm`); the coefficient stays on the device (no host sync)."""
+        for _, gs, coef in self._clip_coefs(max_norm, global_norm):
+            with torch.no_grad(): torch._foreach_mul_(gs, coef)
+
+    def _clip_coefs(self, max_norm:float, global_norm:bool, factor:float=1.):
+        "`(group indices, their grads, clip coefficient)` per group, or for all of them (the norm times `factor`)."
         groups = [[p.grad for p in pg if p.grad is not None] for pg in self.model_pgs]
         for gis in ([list(range(len(groups)))] if global_norm else [[i] for i in range(len(groups))]):
             gs = [g for i in gis for g in groups[i]]
@@ -149,8 +164,7 @@ class ModelParams:
             dev = real[0].device
             norms = torch._foreach_norm(real, 2, dtype=torch.float32)
             total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]))
-            coef = (max_norm / (total + 1e-6)).clamp_(max=1.)
-            with torch.no_grad(): torch._foreach_mul_(gs, coef)
+            yield gis, gs, (max_norm / (total * factor + 1e-6)).clamp_(max=1.)
 
     def skip(self) -> tuple:
         """The step overflowed: its grads go (None), nothing of them reaches the weights. Returns which params' grads
@@ -177,7 +191,6 @@ class ModelParams:
     def cancel(self): self.stage = Stage.READY  # cancelled by another callback: the grads stay, unscaled, as in FP32
     def unscale_grads(self): pass
     def divided(self, scale:float): pass
-    def became_trainable(self) -> bool: return False
     def check_linked(self):
         "A param whose dtype changed since the set-up (`model.half()` mid-fit would train it without its FP32 values)."
         for n, p, dt in self._dtypes:
@@ -191,12 +204,12 @@ class ModelParams:
     def fp32_views(self) -> dict: return {p: p.detach() for p in self.params}
     def restore(self):
         self.checked = ()
-        self.sink.unhook()
+        if self.sink is not None: self.sink.unhook()
         if self._core is not None: FUSED.pop(self._core, None)
         if self._backward is not None: self._backward.remove()
         if self.state is None: return
         core = innermost(self.learn.opt)
-        STORED.pop(core, None); LIFTED.pop(self.learn, None)
+        STORED.pop(core, None); AROUND.pop(self.learn, None)
         if self._hooks is not None: self._hooks.remove()
         self.state.widen_all(opt_state(core))  # FP32 between fits
 
@@ -215,11 +228,13 @@ class ModelParams:
         """Every rank starts from rank `src`'s weights (the model's params), and its stochastic rounding's generator
         (16- or 8-bit state): the ranks round alike, so they stay identical."""
         broadcast_([p.data for p in self.params], src)
-        g = self.state.generator if self.state is not None else None
+        g = self._generator()
         if g is None: return
         st = g.get_state().to(g.device)  # on the generator's device: nccl's collectives take CUDA tensors
         broadcast_([st], src)
         g.set_state(st.cpu())
+
+    def _generator(self): return self.state.generator if self.state is not None else None
 
     @contextmanager
     def opt_view(self):
@@ -231,3 +246,7 @@ class ModelParams:
         if self.state is None: return own_storages(opt.state_dict())
         with as_stored(): sd = opt.state_dict()
         return lazy_state(sd, opt_state(opt), self.state, stream or Stream(eager=True))
+
+def _widened_step(storage, state:dict, step):
+    "`step()` with all of `state` widened to FP32 around it (an optimizer with a `step` of its own)."
+    with storage.lifted(list(state), state): return step()

@@ -26,10 +26,12 @@ from .layout import memory_order
 from .optstate import wrapped, elementwise, fastai_update, sliced_update, sliced_torch_step
 from .state8 import State8
 
-__all__ = ['STORED', 'STATE_CHUNK', 'state_chunk', 'fastai_step', 'fastai_state_dict', 'wrapper_step', 'TorchHooks',
-           'wide_copy', 'as_stored', 'step_one']
+__all__ = ['STORED', 'HALF', 'STATE_CHUNK', 'state_chunk', 'fastai_step', 'fastai_state_dict', 'wrapper_step',
+           'TorchHooks', 'wide_copy', 'as_stored', 'step_one']
 
 STORED = weakref.WeakKeyDictionary()  # a fastai optimizer -> the `StateStorage` of its state, while a fit stores it
+# a fastai optimizer or `OptimWrapper` -> the `lifted.LiftedSteps` that step its 16-bit params (`half_storage`)
+HALF = weakref.WeakKeyDictionary()
 TORCH = weakref.WeakKeyDictionary()  # an `OptimWrapper` -> its `TorchHooks`, while a fit stores its state narrow
 
 # The most param elements whose state is widened to FP32 at once, by device type (elsewhere 2^25): on a CPU, a chunk
@@ -44,6 +46,8 @@ def fastai_step(self, closure=None):
     flat tensor (`drivers.FusedLoop`): the same update, far fewer calls. With its state stored narrow (`STORED`), each
     run's and each chunk's state is widened for its update and narrowed after."""
     if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
+    half = HALF.get(self)
+    if half is not None: return half.fastai_loop(self)
     loop, storage = FUSED.get(self), STORED.get(self)
     lifted = (lambda ps: storage.lifted(ps, self.state)) if storage is not None else (lambda ps: nullcontext())
     done = set()
@@ -98,8 +102,10 @@ def _slices(p) -> tuple:
 
 def wrapper_step(self, closure=None):
     """fastai's `OptimWrapper` steps its torch optimizer (`opt.step()`); while a fit stores the state narrow, a chunk
-    of params at a time (`TorchHooks.step`)."""
-    hooks = TORCH.get(self)
+    of params at a time (`TorchHooks.step`); its params 16-bit, each chunk lifted to FP32 (`HALF`)."""
+    hooks, half = TORCH.get(self), HALF.get(self)
+    if half is not None and closure is None:
+        with hooks.quiet() if hooks is not None else nullcontext(): return half.torch_step(self, self.opt.step)
     if hooks is not None and closure is None: return hooks.step()
     return self.opt.step() if closure is None else self.opt.step(closure)
 
@@ -163,6 +169,13 @@ class TorchHooks:
             for p, g in grads.items(): p.grad = g
             self.busy = False
         return out
+
+    @contextmanager
+    def quiet(self):
+        "Within: the step hooks do nothing (a caller widens and narrows the state a chunk at a time)."
+        self.busy = True
+        try: yield
+        finally: self.busy = False
 
     def _widen(self, opt, args, kwargs):
         if not self.busy: self.storage.widen_all(self.state)
