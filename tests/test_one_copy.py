@@ -1,9 +1,10 @@
 """One copy of the truth: during a fit the model's params are what FP32 fastai holds, whoever reads, writes, loads,
 copies, pickles or replaces them, the optimizer or its state. Each case runs the same code with plain FP32 fastai and
-in a mixed-precision mode, and the mode must match FP32 (dtypes aside). The cases marked `xfail` fail with today's
-design, where the weights the model holds (16-bit) are not the weights that train (FP32 masters in a store): they are
-the targets of the redesign in which the model's params are the FP32 masters and 16 bits is what the forward computes
-with. `strict`: a case that starts passing must lose its mark."""
+in a mixed-precision mode, and the mode must match FP32 (dtypes aside: with `half_storage` the params are 16-bit, and
+that is what other code sees). Each case failed with the design these tests were written against, where the weights
+the model held (16-bit) were not the weights that trained (FP32 masters in a store beside it, reached through a routed
+optimizer class); every case passes since the model's params are the masters and the storage precision lives in the
+optimizer's step."""
 import copy, io, pickle
 from functools import partial
 import pytest
@@ -14,10 +15,9 @@ from fastai.optimizer import OptimWrapper
 
 from conftest import make_learner, quiet_fit, weights
 
-TODAY = "today's design: the model holds 16-bit copies, the FP32 masters live in a store beside it"
-today = partial(pytest.mark.xfail, strict=True, reason=TODAY)
 MODES = {'fp32': None, 'fp16': ('to_fp16', {'max_loss_scale': 2.**8}), 'bf16': ('to_bf16', {}),
-         'bf16-half': ('to_bf16', {'half_storage': True}), 'fp16-flat': ('to_fp16', {'flat_master': True, 'max_loss_scale': 2.**8}),
+         'bf16-half': ('to_bf16', {'half_storage': True}), 'fp16-half': ('to_fp16', {'half_storage': True, 'max_loss_scale': 2.**8}),
+         'fp16-flat': ('to_fp16', {'flat_master': True, 'max_loss_scale': 2.**8}),
          'bf16-state': ('to_bf16', {'state_dtype': torch.bfloat16}), 'bf16-state8': ('to_bf16', {'state_dtype': '8bit'}),
          'bf16-sib': ('to_bf16', {'step_in_backward': True})}
 
@@ -66,7 +66,7 @@ class PickleOpt(Callback):
         buf = io.BytesIO(); torch.save(self.learn.opt, buf)
         self.copied = copy.deepcopy(self.learn.opt)
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'fp32'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'fp32', 'bf16-half', 'fp16-half'])
 def test_the_optimizer_pickles_and_copies_mid_fit_as_the_users_class(mode):
     "FP32: `pickle.dumps(learn.opt)` and `torch.save(learn.opt)` work mid-fit. Today: `PicklingError` on `Routed[...]`."
     learn, cb = learner(mode), PickleOpt()
@@ -81,7 +81,7 @@ class NewOpt(Callback):
         if self.epoch == 0: self.learn.create_opt()
 
 @pytest.mark.parametrize('mode, opt', [('fp16', 'torch-sgd'), ('fp16', 'fastai-adam'), ('bf16', 'fastai-adam'),
-                                       ('bf16', 'torch-sgd')])
+                                       ('bf16', 'torch-sgd'), ('fp16-half', 'torch-sgd'), ('fp16-half', 'fastai-adam')])
 def test_an_optimizer_made_again_mid_fit_trains_as_in_fp32(mode, opt):
     """FP32: the new optimizer steps the model's params. Today, `to_fp16()` with torch's SGD: it steps the 16-bit params
     with loss-scaled grads (the weights move 25.5, against 0.05); fastai's Adam: `Can't detach views in-place`."""
@@ -134,7 +134,7 @@ class SavedZeroGrad(Callback):
     def after_batch(self):
         if hasattr(self, 'saved'): self.learn.opt.zero_grad = self.saved; del self.saved
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'fp16-half'])
 def test_zero_grad_saved_and_restored_by_a_callback_accumulates_as_in_fp32(mode):
     "FP32 trains. Today: `RecursionError`."
     ref = learner('fp32', SGD); quiet_fit(ref, 2, cbs=SavedZeroGrad())
@@ -171,7 +171,7 @@ def adam_state(learn) -> list:
     "The sum of AdamW's `exp_avg_sq` of each param inside timm's `Lookahead`, in the order of its state dict."
     return [float(st['exp_avg_sq'].sum()) for st in learn.opt.opt.state_dict()['state'].values()]
 
-@pytest.mark.parametrize('mode', [pytest.param('bf16-half', marks=today()), 'bf16'])
+@pytest.mark.parametrize('mode', ['bf16-half', 'bf16'])
 def test_timms_lookahead_of_adamw_keeps_its_state_where_fp32_does(mode):
     """After the fit, AdamW's state inside timm's Lookahead is where FP32's is: each param's second moment in its place
     in the state dict (a checkpoint of it loads into FP32 as it should). Today with `half_storage` the fit gives them
@@ -219,7 +219,7 @@ class Inside(Callback):
         self.model = [(set(vars(m)), len(m._state_dict_hooks), len(m._state_dict_pre_hooks),
                        len(m._load_state_dict_pre_hooks)) for m in self.learn.model.modules()]
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'fp16-half'])
 def test_the_users_optimizer_and_model_hold_what_they_hold_in_fp32(mode):
     """Mid-fit, `learn.opt` is of the user's class with the attributes it has in FP32, and the model's modules hold no
     attribute or state-dict hook of ours. Today: `_fp16cb_route` and a routed class on the optimizer, `__deepcopy__`

@@ -240,9 +240,8 @@ class LiftedSteps:
         finally:
             for gi, i, p, q in lifted:
                 lists[gi][i] = p
-                if q is not p:
-                    rekey(states, q, p)
-                    self.land(p, q)
+                rekey(states, q, p)  # (each param's state put last, in the params' order: the order FP32's has)
+                if q is not p: self.land(p, q)
                 p.grad = None
             self.storage.narrow([p for _, _, p, _ in lifted], states[-1], wide)
 
