@@ -321,3 +321,39 @@ def test_an_8bit_moving_average_moves_on_average():
     got = state[p]['exp_avg'].dequantize()
     rest = x != 1.
     assert abs(float(got[rest].mean() - exact[rest].mean())) < 0.002, (float(got[rest].mean()), float(exact[rest].mean()))
+
+# ---- the step's cost: one quantizer call per map over a chunk's blocks, and no binary search per value
+def test_a_chunks_8bit_state_is_coded_by_one_call_per_map(monkeypatch):
+    """A step quantizes and dequantizes a chunk's moving averages (every param of a fused run, or of a chunk) in one
+    compiled call per map (signed for Adam's first moment, unsigned for its second), the codes and scales those of coding
+    each tensor in turn, bit for bit. Before: one or two calls per tensor (its whole blocks, then its padded last
+    block), 600 calls a step for 150 layers."""
+    calls = {'q': 0, 'dq': 0}
+    def count(f, k):
+        def g(*a): calls[k] += 1; return f(*a)
+        return g
+    monkeypatch.setattr(state8, '_quantize_stochastic', count(state8._quantize_stochastic, 'q'))
+    monkeypatch.setattr(state8, '_dequantize', count(state8._dequantize, 'dq'))
+    from fastai.basics import Learner, DataLoaders, MSELossFlat
+    model = nn.Sequential(*[nn.Linear(70, 70) for _ in range(12)])  # 4900 elements each: whole blocks and a tail
+    x, y = torch.randn(32, 70), torch.randn(32, 70)
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x[:8], y[:8])), bs=16, num_workers=0)
+    learn = Learner(dls, model, loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3).to_bf16(state_dtype='8bit')
+    steps = Record(after_step=lambda l: dict(calls))
+    quiet_fit(learn, 1, cbs=[steps])
+    per_step = [b['q'] - a['q'] for a, b in zip(steps.log['after_step'], steps.log['after_step'][1:])]
+    assert per_step and max(per_step) <= 2, per_step  # one run of 12 weights: two maps
+
+def test_the_code_search_is_torchs_bucketize():
+    "The start table and one compare give `torch.bucketize(y, qmap)` for every value the quantizer sees, both maps."
+    for signed in (True, False):
+        qmap = state8._qmap(signed, 'cpu')
+        lut, qext, steps = state8._lut(signed, 'cpu')
+        lo = -1. if signed else 0.
+        every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        y = torch.cat([torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * (1 - lo) + lo, qmap,
+                       torch.nextafter(qmap, torch.tensor(2.)), torch.nextafter(qmap, torch.tensor(-2.)),
+                       torch.tensor([0., -0., 1., -1., 1e-30, -1e-30, 1e-45]), every_bf16.nan_to_num(0.).clamp(lo, 1)])
+        up = lut[state8._key16(y)].long()
+        for _ in range(steps): up = up + (qext[up] < y).long()
+        assert steps == 1 and torch.equal(up, torch.bucketize(y, qmap))

@@ -93,8 +93,7 @@ class StateStorage:
             lows = [v for _, _, v in mine]
             scratch = torch.empty(sum(t.numel() for t in lows), dtype=torch.float32, device=dev)
             views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
-            if self.dtype == EIGHT_BIT:
-                for view, low in zip(views, lows): state8.dequantize_into(view, low)
+            if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
             else: torch._foreach_copy_(views, lows)
             for (d, k, _), v in zip(mine, views): d[k] = v
             res[dev] = _Widened(mine, scratch, views)
@@ -150,10 +149,16 @@ class StateStorage:
     def _quantize_back(self, pairs:list, old:dict, stochastic:bool):
         """Each of `pairs`' FP32 values quantized into the 8-bit tensor it was widened from (else into a new one),
         stochastically with `self.generator` (else to nearest)."""
+        dsts = []
         for d, k, v in pairs:
             t = old.get((id(d), k))
-            if t is None or t.shape != v.shape or t.stride() != v.stride(): t = state8.empty8(v, state8.signed_for(k))
-            d[k] = state8.quantize_(t, v, self.generator if stochastic else None)
+            dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
+                        else state8.empty8(v, state8.signed_for(k)))
+        for dev in dict.fromkeys(v.device for _, _, v in pairs):
+            mine = [i for i, (_, _, v) in enumerate(pairs) if v.device == dev]
+            state8.quantize_many([dsts[i] for i in mine], [pairs[i][2] for i in mine],
+                                 self.generator if stochastic else None)
+        for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
     def narrow_all(self, state:dict):
         """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so
