@@ -268,22 +268,34 @@ def _pieces(rows:int, device) -> list:
     step = max(1, _piece(device) // BLOCK)
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
+def _gather(ts:list, dtype, zero_pads:bool=False) -> tuple:
+    """`(rows of blocks, offsets)`: `ts` copied one after the other into a buffer of whole blocks (one fused copy), each
+    from a block boundary; `zero_pads`: the rest of each one's last block zero (it changes no scale)."""
+    offs, rows = _rows(ts)
+    buf = torch.empty(rows * BLOCK, dtype=dtype, device=ts[0].device)
+    if zero_pads:
+        pads = [buf[o + t.numel():o + -(-t.numel() // BLOCK) * BLOCK] for o, t in zip(offs, ts) if t.numel() % BLOCK]
+        if pads: torch._foreach_zero_(pads)
+    torch._foreach_copy_([buf[o:o + t.numel()] for o, t in zip(offs, ts)], [memory_order(t) for t in ts])
+    return buf.view(rows, BLOCK), offs
+
+def _scatter(dsts:list, rows:Tensor, offs:list):
+    "Each of `dsts` (dense) given its elements of `rows` back (`_gather`'s offsets), in one fused copy."
+    flat = rows.view(-1)
+    torch._foreach_copy_([memory_order(t) for t in dsts], [flat[o:o + t.numel()] for o, t in zip(offs, dsts)])
+
 def dequantize_many(dsts:list, srcs:list) -> list:
     """`dequantize_into` of each pair of `dsts` (dense FP32) and `srcs` (`State8`s of one device): the codes of all of
-    them gathered into rows of blocks (one fused copy), dequantized by one call per map and piece, scattered back."""
+    them gathered into rows of blocks, dequantized by one call per map and piece, scattered back."""
     for signed in (True, False):
         idx = [i for i, t in enumerate(srcs) if t.signed == signed]
         if not idx: continue
         ss = [srcs[i] for i in idx]
-        offs, rows = _rows(ss)
-        dev = ss[0].device
-        codes = torch.empty(rows * BLOCK, dtype=torch.uint8, device=dev)
-        torch._foreach_copy_([codes[o:o + t.numel()] for o, t in zip(offs, ss)], [memory_order(t) for t in ss])
-        scale, qmap = torch.cat([t.scale for t in ss]), _qmap(signed, dev)
-        out = torch.empty(rows, BLOCK, dtype=torch.float32, device=dev)
-        for a, b in _pieces(rows, dev): out[a:b] = _dequantize(codes.view(rows, BLOCK)[a:b], qmap, scale[a:b])
-        flat = out.view(-1)
-        torch._foreach_copy_([memory_order(dsts[i]) for i in idx], [flat[o:o + t.numel()] for o, t in zip(offs, ss)])
+        codes, offs = _gather(ss, torch.uint8)
+        scale, qmap = torch.cat([t.scale for t in ss]), _qmap(signed, codes.device)
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        for a, b in _pieces(len(codes), codes.device): out[a:b] = _dequantize(codes[a:b], qmap, scale[a:b])
+        _scatter([dsts[i] for i in idx], out, offs)
     return dsts
 
 def quantize_many(dsts:list, srcs:list, generator=None) -> list:
@@ -293,33 +305,23 @@ def quantize_many(dsts:list, srcs:list, generator=None) -> list:
     codes, of quantizing each tensor in turn."""
     offs, rows = _rows(srcs)
     if not rows: return dsts
-    dev = srcs[0].device
-    u = None if generator is None else torch.rand(rows, BLOCK, generator=generator, device=dev)
+    u = None if generator is None else torch.rand(rows, BLOCK, generator=generator, device=srcs[0].device)
     for signed in (True, False):
         idx = [i for i, t in enumerate(dsts) if t.signed == signed]
         if not idx: continue
-        vs = [srcs[i] for i in idx]
-        my_offs, my_rows = _rows(vs)
-        dev = vs[0].device
-        x = torch.empty(my_rows * BLOCK, dtype=torch.float32, device=dev)
-        pads = [x[o + v.numel():o + -(-v.numel() // BLOCK) * BLOCK] for o, v in zip(my_offs, vs) if v.numel() % BLOCK]
-        if pads: torch._foreach_zero_(pads)
-        torch._foreach_copy_([x[o:o + v.numel()] for o, v in zip(my_offs, vs)], [memory_order(v) for v in vs])
-        rs = x.view(my_rows, BLOCK)
-        mine = None
+        rs, my_offs = _gather([srcs[i] for i in idx], torch.float32, zero_pads=True)
+        dev, mine = rs.device, None
         if u is not None:  # the rows of `u` each tensor of this map would have drawn, in order
             sel = torch.cat([torch.arange(offs[i] // BLOCK, offs[i] // BLOCK + -(-srcs[i].numel() // BLOCK))
                              for i in idx]).to(dev)
             mine = u.index_select(0, sel) if len(idx) < len(dsts) else u
-        codes = torch.empty(my_rows, BLOCK, dtype=torch.uint8, device=dev)
-        scale = torch.empty(my_rows, dtype=torch.float32, device=dev)
+        codes = torch.empty(rs.shape, dtype=torch.uint8, device=dev)
+        scale = torch.empty(len(rs), dtype=torch.float32, device=dev)
         qmap = _qmap(signed, dev)
-        for a, b in _pieces(my_rows, dev):
-            c, sc = (_quantize(rs[a:b], qmap) if mine is None
-                     else _quantize_stochastic(rs[a:b], qmap, mine[a:b], *_lut(signed, dev)))
-            codes[a:b], scale[a:b] = c, sc
-        flat = codes.view(-1)
+        for a, b in _pieces(len(rs), dev):
+            codes[a:b], scale[a:b] = (_quantize(rs[a:b], qmap) if mine is None
+                                      else _quantize_stochastic(rs[a:b], qmap, mine[a:b], *_lut(signed, dev)))
         ts = [dsts[i] for i in idx]
-        torch._foreach_copy_([memory_order(t) for t in ts], [flat[o:o + t.numel()] for o, t in zip(my_offs, ts)])
+        _scatter(ts, codes, my_offs)
         torch._foreach_copy_([t.scale for t in ts], list(scale.split([t.scale.numel() for t in ts])))
     return dsts
