@@ -27,6 +27,7 @@ def memory_order(t:Tensor) -> Tensor:
 
 def flat_views(flat:Tensor, like:list) -> list:
     "Views into the 1-d `flat`, one per tensor of `like` in order, each with the shape and dense strides of its tensor."
+    if all(t.is_contiguous() for t in like): return list(torch._C._nn.unflatten_dense_tensors(flat, like))  # (in C++)
     res, o = [], 0
     for t in like:
         n = t.numel()

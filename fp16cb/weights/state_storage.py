@@ -57,6 +57,14 @@ def _is(k, v, p, dtype) -> bool:
     return (k in MOVING_AVERAGES and isinstance(v, Tensor) and kind and v.dim() > 0 and isinstance(p, Tensor)
             and v.numel() == p.numel())
 
+def _key_major(entries:list) -> list:
+    """`entries` (`(state dict, key, tensor)`, param by param) ordered key by key, the params in their order within a
+    key: a run of consecutive params then finds each key's widened state consecutive too, and steps it as one flat
+    tensor where it lies (`drivers._Stretch`), no copy."""
+    order = {}
+    for _, k, _ in entries: order.setdefault(k, len(order))
+    return sorted(entries, key=lambda e: order[e[1]])
+
 class _Widened:
     "What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in."
     def __init__(self, entries, scratch, views): self.entries, self.scratch, self.views = entries, scratch, views
@@ -86,7 +94,8 @@ class StateStorage:
         """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused
         copy each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
-        entries = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, self.dtype)]
+        entries = _key_major([(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items()
+                              if _is(k, v, p, self.dtype)])
         res = {}
         for dev in dict.fromkeys(v.device for _, _, v in entries):
             mine = [e for e in entries if e[2].device == dev]
@@ -121,8 +130,9 @@ class StateStorage:
         old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
         pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)
                  and ((id(d), k) in old or self._big(numel or p.numel()))]
-        if self.dtype == EIGHT_BIT:
+        if self.dtype == EIGHT_BIT:  # (param by param: the order of the draws, and so of the codes, as ever)
             return self._quantize_back(pairs, old, self.stochastic if stochastic is None else stochastic)
+        pairs = _key_major(pairs)  # as `widen` laid the scratch out: rounded in place there
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
             self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev),
                              self.stochastic if stochastic is None else stochastic)
@@ -137,13 +147,14 @@ class StateStorage:
         else:
             flat = torch.empty(sum(v.numel() for v in srcs), dtype=torch.float32, device=srcs[0].device)
             torch._foreach_copy_(flat_views(flat, srcs), srcs)
+            srcs = flat_views(flat, srcs)
         if stochastic: _dither_(flat, self.generator)  # then the copies below to bf16 are exact (else: to nearest)
         dsts = []
         for d, k, v in pairs:
             t = old.get((id(d), k))
             dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
                         else torch.empty_like(v, dtype=self.dtype))
-        torch._foreach_copy_(dsts, flat_views(flat, srcs))
+        torch._foreach_copy_(dsts, srcs)  # (views of `flat`, rounded)
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
     def _quantize_back(self, pairs:list, old:dict, stochastic:bool):
