@@ -110,3 +110,24 @@ def test_an_in_place_op_after_the_module_is_no_divergence():
     make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
     learn, said = fit(make)
     assert said == [] and max(c['rel_diff'] for c in learn.mixed_precision.health_checks) < DIVERGES / 4
+
+def at_24():
+    "A linear model whose weights all sit near 24, where bf16's spacing is 0.125: Adam's steps of ~1e-3 are far under."
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    with torch.no_grad(): m[1].weight.mul_(.01).add_(24.); m[1].bias.fill_(24.)
+    return m
+
+def test_half_storage_records_the_updates_under_half_a_16bit_spacing():
+    """`half_storage`: at each health check the record gets the share of that step's weight updates that rounded back
+    onto the 16-bit weight they started from, and the plot draws it beside the checks. Weights near 24 in bf16: every
+    update lost (to nearest, the weights never move; stochastic rounding moves them on average). A model that keeps
+    its FP32 params has no such row. Before: nothing in the fit said so."""
+    nearest, _ = fit(at_24, 'to_bf16', epochs=1, half_storage=True, stochastic_rounding=False, health_every=5)
+    rows = nearest.mixed_precision.lost_updates
+    assert [r['step'] for r in rows] == [5, 10, 15] and all(r['lost'] == 1. and r['updates'] == 650 for r in rows), rows
+    ax = plot_precision_health(nearest)
+    assert any('half a 16-bit spacing' in t.get_text() for t in ax.get_legend().get_texts())
+    sr, _ = fit(at_24, 'to_bf16', epochs=1, half_storage=True, health_every=5)
+    assert all(r['lost'] == 1. for r in sr.mixed_precision.lost_updates)  # the same updates: under half a spacing
+    fp32_params, _ = fit(at_24, 'to_bf16', epochs=1, health_every=5)
+    assert fp32_params.mixed_precision.lost_updates == [] and fp32_params.mixed_precision.health_checks

@@ -138,7 +138,7 @@ def test_interrupt_in_a_half_storage_batch_keeps_state_and_weights_together(tmp_
     """FP32 fastai's Adam updates each param's state and its weight together, one param after the other: after a
     `KeyboardInterrupt` in the middle of a step, a param whose step count advanced has moved, and one whose count did not
     has not. Under `to_bf16(half_storage=True)` the 4 small bf16 params are stepped together in the scratch
-    (`HalfStorage._step_batch`); Adam's first callback raises at its 3rd call of the 3rd training step (0.weight and
+    (`LiftedSteps._step_batch`); Adam's first callback raises at its 3rd call of the 3rd training step (0.weight and
     0.bias done, 2.weight next). Then, for every param, its step count advanced (2 -> 3) exactly when its weight changed
     since that step's `before_step`; the state is FP32 and keyed by the params; save, load and a further fit work, and
     every param's count goes on by the 4 steps of that fit."""

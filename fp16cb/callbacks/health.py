@@ -63,6 +63,9 @@ class PrecisionWatch:
         self.mods = [(n, m) for n, m in mods if own(m) or any(True for _ in m.parameters())]
         self.names = [n for n, _ in self.mods]
         self.checks = deque(maxlen=KEEP)  # `{'step', 'module', 'rel_diff'}` of each module checked
+        # `half_storage`: `{'step', 'lost', 'updates'}` at each check step, the share of its weight updates that rounded
+        # back onto the 16-bit weight they started from (`note_lost`)
+        self.lost, self._pending_lost = deque(maxlen=KEEP), []
         self.said, self.flagged, self._pending, self._hooks, self._seen = set(), {}, [], [], {}
         self.unchecked = {}  # name -> why: modules that could not be copied or run alone, left out of the check
         self.active = bool(self.mods) and not any(is_compiled(m) for m in model.modules())
@@ -140,8 +143,21 @@ class PrecisionWatch:
         for h in self._hooks: h.remove()
         self._hooks = []
 
+    def note_lost(self, step:int, counts:torch.Tensor):
+        "`counts` (`[updates lost, updates]`, on the device) of the check step `step`'s landings, read later (`read`)."
+        self._pending_lost.append((step, _landing(counts)))
+
+    def _read_lost(self, final:bool):
+        keep = []
+        for step, (host, ready) in self._pending_lost:
+            if not (final or ready()): keep.append((step, (host, ready))); continue
+            lost, n = host.tolist()
+            self.lost.append(dict(step=step, lost=lost / n if n else 0., updates=n))
+        self._pending_lost = keep
+
     def read(self, final:bool=False) -> list:
         "The figures that have landed (all of them when `final`): recorded, and what diverges said; the new warnings."
+        self._read_lost(final)
         keep, said = [], []
         for step, names, (host, ready) in self._pending:
             if not (final or ready()): keep.append((step, names, (host, ready))); continue

@@ -95,6 +95,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
                            doc="Why each skipped step was skipped: `{step: 'inf/NaN' or 'underflow'}`.")
     health_checks = property(lambda self: [] if self.health is None else list(self.health.checks),
                              doc="The precision-health checks so far: `{'step', 'module', 'rel_diff'}`.")
+    lost_updates = property(lambda self: [] if self.health is None else list(self.health.lost),
+                            doc="`half_storage`, at each precision-health check: the share of that step's weight "
+                                "updates under half a 16-bit spacing (`{'step', 'lost', 'updates'}`): to nearest they "
+                                "round back onto the weight they started from; stochastic rounding keeps them on average.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
                        doc="Whether the last step was skipped.")
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs,
@@ -233,8 +237,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
             self._end_step(cancelled=not self.store.stepped())  # (cancelled by `CancelBatchException`: not stepped)
         self.store.check_linked()  # the model's params kept their dtype (a `.half()` since the setup?)
         self.record.snapshot()  # BatchNorm's statistics, put back if this step is skipped
-        if self.health is not None and self.health.due(self.learn.train_iter): self.health.read(); self.health.arm(
-            self.learn.train_iter)
+        if self.health is not None and self.health.due(self.learn.train_iter):
+            self.health.read(); self.health.arm(self.learn.train_iter)
+            if isinstance(self.store, HalfStorage): self.store.count_lost()
 
     def after_loss(self):
         if self.health is not None and self.health.armed: self.health.compare()  # the check step's forward is done
@@ -321,7 +326,9 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if cancelled is None: cancelled, self._step_cancelled = self.__dict__.get('_step_cancelled', False), False
         if stage is Stage.CHECKED and not cancelled: stage = Stage.STEPPED  # fastai's `_step` ran (`stepped`)
         # in the backward: stepped there
+        lost = self.store.lost_updates() if isinstance(self.store, HalfStorage) else None
         if stage is Stage.STEPPED or (stage is Stage.CHECKED and self.store.in_backward):
+            if lost is not None and self.health is not None: self.health.note_lost(self.learn.train_iter, lost)
             self.record.record(self.store.scale, False)
             with lr_find_stops_on(self.learn): self.scaler.update(False, self.max_grad)
         elif stage is not Stage.SKIPPED:  # cancelled: its grads stay until the optimizer's `zero_grad`, as in FP32

@@ -58,7 +58,8 @@ def plot_precision_health(
     """Beside the loss scale's plot: the fit's precision-health checks (`MixedPrecision(health_every=...)`), each
     checked module's output off its FP32 output (relative, log axis) at the step it was checked, the line over which a
     module is named (`DIVERGES`), the named modules labelled, and the skipped steps marked at the foot by cause
-    (inf/NaN gradients, or a calibrating step's underflow). Returns `ax`."""
+    (inf/NaN gradients, or a calibrating step's underflow); with `half_storage`, on a right axis, the share of each
+    check step's weight updates under half a 16-bit spacing (`lost_updates`). Returns `ax`."""
     from ..callbacks.health import DIVERGES
     cb = scaling_callback(obj)
     checks, skips = list(getattr(cb, 'health_checks', [])), list(cb.skips)
@@ -77,7 +78,16 @@ def plot_precision_health(
     ax.set_yscale('log'); ax.set_xlabel('step'); ax.set_ylabel('relative difference')
     named = sum(c['rel_diff'] > DIVERGES for c in checks)
     ax.set_title(f'precision health: {len(checks)} checks, {named} over the line')
-    ax.legend(loc='best', fontsize='small')
+    handles, labels = ax.get_legend_handles_labels()
+    lost = list(getattr(cb, 'lost_updates', []))
+    if lost:  # `half_storage`: the share of a check step's weight updates that rounded back onto their 16-bit weights
+        right = ax.twinx()
+        right.plot([r['step'] for r in lost], [100 * r['lost'] for r in lost], color='green', marker='.', lw=1,
+                   label='updates under half a 16-bit spacing (%)')
+        right.set_ylim(0, 100); right.set_ylabel('% of updates')
+        h, l = right.get_legend_handles_labels()
+        handles, labels = handles + h, labels + l
+    ax.legend(handles, labels, loc='best', fontsize='small')
     return ax
 
 @dataclass

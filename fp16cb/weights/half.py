@@ -124,6 +124,16 @@ class HalfStorage(ModelParams):
         core = innermost(self.learn.opt)
         if core is not self.core: self._adopt(core)
 
+    def count_lost(self):
+        "This step's landings tally the updates that round back onto their 16-bit weights (`lost_updates`)."
+        self.lifted.tally = []
+
+    def lost_updates(self):
+        """`[updates lost, updates]` of the landings since `count_lost` (a device tensor; None: not counted, or
+        nothing landed), and the tally stops."""
+        tally, self.lifted.tally = self.lifted.tally, None
+        return torch.stack(tally).sum(0) if tally else None
+
     def fp32_views(self) -> dict: return {p: p.detach() for p in self.params if p.dtype not in HALF_DTYPES}
     def _generator(self): return self.lifted.generator
 

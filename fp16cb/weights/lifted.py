@@ -86,6 +86,14 @@ class LiftedSteps:
         self.factor, self.storage, self.stochastic, self.generator = factor, storage, stochastic, generator
         self.stepped = stepped or (lambda ps: None)
         self.scratch, self._views, self._kind = Scratch({}), {}, (None, False, False)
+        self.tally = None  # on a health-check step, a list: each landing adds `(updates lost, updates)` (`_count`)
+
+    def _count(self, old16:Tensor, q:Tensor):
+        """On a tally step: of the elements of `q` (stepped FP32) that the update moved off `old16` (their 16-bit
+        values), how many round to nearest back onto it: the updates under half a 16-bit spacing (on the device)."""
+        if self.tally is None or old16.dtype not in HALF_DTYPES: return
+        moved = q != old16.float()
+        self.tally.append(torch.stack([(moved & (q.to(old16.dtype) == old16)).sum(), moved.sum()]))
 
     def _kinds(self, core) -> tuple:
         "`(elementwise, fastai's loop too)` of `core`, read once per optimizer (`fp16cb.compat` declares it)."
@@ -120,6 +128,7 @@ class LiftedSteps:
     def land(self, p, q):
         "`p`'s stepped FP32 value `q` back into its 16-bit storage, rounded once (to nearest, or stochastically)."
         if q is p: return
+        self._count(p.detach(), q)
         with torch.no_grad(): p.copy_(round_to(q, p.dtype, self.stochastic, self.generator, inplace=True))  # q is ours
         self.stepped([p])
 
@@ -183,6 +192,7 @@ class LiftedSteps:
                     if q.data_ptr() != view.data_ptr(): view.copy_(q)
         finally:
             # even when interrupted: the params stepped so far keep their step (the others round back to themselves)
+            if self.tally is not None: self._count(torch.cat([memory_order(p) for p in b.ps]), w)
             r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
             with torch.no_grad():
                 torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
@@ -198,6 +208,7 @@ class LiftedSteps:
 
     def _land_slice(self, w16:Tensor, s:slice, q:Tensor):
         "The stepped slice `q` rounded back into the 16-bit param (`w16`, in memory order), in place in the scratch."
+        self._count(w16[s], q)
         w16[s].copy_(round_to(q, w16.dtype, self.stochastic, self.generator, inplace=True))
 
     # -- any other optimizer: its own `step`, on lifted params put in its param lists for the call
