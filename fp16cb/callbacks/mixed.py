@@ -98,7 +98,7 @@ class MixedPrecision(ScaleColumns, SessionCallback):
     lost_updates = property(lambda self: [] if self.health is None else list(self.health.lost),
                             doc="`half_storage`, at each precision-health check: the share of that step's weight "
                                 "updates under half a 16-bit spacing (`{'step', 'lost', 'updates'}`): to nearest they "
-                                "round back onto the weight they started from; stochastic rounding keeps them on average.")
+                                "round back onto their weights; stochastic rounding keeps them on average.")
     skipped = property(lambda self: bool(self.record.skips) and self.record.skips[-1],
                        doc="Whether the last step was skipped.")
     model_pgs = property(lambda self: None if self.store is None else self.store.model_pgs,
