@@ -125,6 +125,9 @@ def run_one(model:str, mode:str, epochs:int=1, n_batches:int=3, seed:int=0, devi
     make, data = PEAK_MODELS[model] if isinstance(model, str) else model
     g = torch.Generator().manual_seed(seed)
     items, loss = data(g, n_batches)
+    if 'state8' in mode:  # the 8-bit maps and their search tables: made once per process, not per param (counted out)
+        from fp16cb.weights import state8
+        for signed in (True, False): state8._lut(signed, device)
     with tempfile.TemporaryDirectory() as tmp:
         dls = DataLoaders.from_dsets(items, items[:len(items) // n_batches], bs=len(items) // n_batches, shuffle=False,
                                      device=device)

@@ -101,6 +101,9 @@ def state_learner(mode:str, opt:str, width:int=2048, bs:int=8, n_batches:int=2, 
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(bs * n_batches, width // 4, generator=g), torch.randn(bs * n_batches, 10, generator=g)
     dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x[:bs], y[:bs])), bs=bs, shuffle=False, device='cpu')
+    if 'state8' in mode:  # the 8-bit maps and their search tables: made once per process, not per param (counted out)
+        from fp16cb.weights import state8
+        for signed in (True, False): state8._lut(signed, 'cpu')
     gc.collect()
     baseline = live_storages()
     torch.manual_seed(seed)

@@ -99,17 +99,18 @@ def _key16(y:Tensor) -> Tensor:
 
 def _lut(signed:bool, device) -> tuple:
     """`(lut, qmap with +inf after it, steps)`: where the search for a value's code starts, by the top 16 bits of the
-    value (`_key16`): how many values of the map lie under the smallest float with those bits; from there at most
-    `steps` values of the map lie under it (1 for torchao's maps). A gather and a compare per value in place of a binary
-    search over 256 (`torch.bucketize`: about 30 ns a value on a CPU, most of a step)."""
+    value (`_key16`): how many values of the map lie under the smallest float with those bits (64 KiB a map); from
+    there at most `steps` values of the map lie under it (1 for torchao's maps). A gather and a compare per value in
+    place of a binary search over 256 (`torch.bucketize`: about 30 ns a value on a CPU, most of a step)."""
     key = ('lut', signed, torch.device(device))
     if key not in _LIB:
         qmap = _qmap(signed, device)
         k = ((torch.arange(65536, dtype=torch.int64, device=device) - 32768) << 16).to(torch.int32)
         edge = (k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32).nan_to_num(nan=float('inf'))
         steps = int(torch.bincount(_key16(qmap.contiguous()), minlength=65536).max())
-        _LIB[key] = (torch.bucketize(edge, qmap).to(torch.int32), torch.cat([qmap, qmap.new_tensor([float('inf')])]),
-                     steps)
+        # (a value the quantizer sees is in [-1, 1]: its start is at most the index of the map's 1.0, 255: one byte)
+        _LIB[key] = (torch.bucketize(edge, qmap).clamp_(max=255).to(torch.uint8),
+                     torch.cat([qmap, qmap.new_tensor([float('inf')])]), steps)
     return _LIB[key]
 
 def _quantize_rows_stochastic(x:Tensor, qmap:Tensor, u:Tensor, lut:Tensor, qext:Tensor, steps:int) -> tuple:
