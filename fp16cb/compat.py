@@ -32,7 +32,8 @@ SEMANTICS = (
     "Nothing loss-scaled or 16-bit outlives the fit (ended, raised or interrupted): the params, their grads and the "
     "optimizer's state are FP32 and unscaled, as FP32 fastai would leave them.",
     "Other code in the fit sees and changes what it would in FP32, dtypes aside: a copy of the model "
-    "(`copy.deepcopy(learn.model)`, `learn.model.state_dict()`) holds the FP32 weights; a weight changed in place "
+    "(`copy.deepcopy(learn.model)`, `learn.model.state_dict()`) holds the FP32 weights (with `half_storage`, the "
+    "16-bit weights, which are the weights in that mode); a weight changed in place "
     "(under `torch.no_grad()`) is what the next step starts from; a callback's `before_step` reads the grads unscaled "
     "and may change them; a cancelled step's grads stay until the optimizer's `zero_grad`; a param made trainable "
     "mid-fit trains.",
