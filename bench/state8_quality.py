@@ -30,6 +30,7 @@ Targets (reported, never asserted): each 8-bit mode's held-out loss within 5% of
 fine-tune's accuracy within 0.3 points of FP32's (mean over seeds; 1 image of 360 is 0.28 points)."""
 from __future__ import annotations
 import argparse, json, platform, statistics, sys, time, warnings
+from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
@@ -56,6 +57,45 @@ CALLS = {'fp32': 'FP32 (no mixed precision)', 'bf16': 'to_bf16() (FP32 state)',
          'bf16-half-state8': "to_bf16(half_storage=True, state_dtype='8bit')",
          'bf16-half-sib-state8': "to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')"}
 STATE8 = ('bf16-state8', 'fp16-state8', 'bf16-half-state8', 'bf16-half-sib-state8')
+
+# ---- the peers (`--peers`): other libraries' 8-bit AdamW stepping the same model under fastai, with `to_bf16()` (the
+# model's FP32 params, bf16 compute) and fastai Adam's hyperparameters (betas 0.9/0.99, eps 1e-5, decoupled decay 0.01)
+def _torchao_adamw8bit():
+    """torchao's `AdamW8bit`, under fastai's `OptimWrapper`. Its friction: fastai sets the learning rate as a float
+    (`set_hyper`), and torchao keeps it as a tensor and refuses a float ('lr was changed to a non-Tensor object'): each
+    step gives it back a tensor first."""
+    from torchao.optim import AdamW8bit
+    class AdamW8bitUnderFastai(AdamW8bit):
+        def step(self, closure=None):
+            for g in self.param_groups:
+                if not isinstance(g['lr'], torch.Tensor): g['lr'] = torch.tensor(g['lr'], dtype=torch.float32)
+            return super().step(closure)
+    return AdamW8bitUnderFastai
+
+def _bnb_adamw8bit():
+    "bitsandbytes' `AdamW8bit` (it runs on a CPU since 0.45), under fastai's `OptimWrapper` as it is: no friction."
+    import bitsandbytes as bnb
+    return bnb.optim.AdamW8bit
+
+PEERS = {'torchao-8bit': (_torchao_adamw8bit, "torchao's AdamW8bit in OptimWrapper, with to_bf16()"),
+         'bnb-8bit': (_bnb_adamw8bit, "bitsandbytes' AdamW8bit in OptimWrapper, with to_bf16()")}
+
+def _peer(name:str):
+    "The learner transform of peer `name`: its optimizer in fastai's `OptimWrapper`, then `to_bf16()`."
+    from fastai.optimizer import OptimWrapper
+    cls = PEERS[name][0]()
+    def mode(learn):
+        learn.opt_func, learn.opt = partial(OptimWrapper, opt=cls, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01), None
+        return learn.to_bf16()
+    return mode
+
+def available_peers() -> tuple:
+    "`(names of the peers installed here, {name: why not} for the others)`."
+    ok, missing = [], {}
+    for name, (load, _) in PEERS.items():
+        try: load(); ok.append(name)
+        except ImportError as e: missing[name] = f"not installed ({e})"
+    return ok, missing
 QUALITY_MODES = ('fp32', 'bf16', 'bf16-state16') + STATE8
 SPEED_MODES = ('fp32', 'bf16', 'bf16-state16', 'bf16-state8')
 LOSS_TOL, ACC_TOL = 0.05, 0.3  # the targets: held-out loss within 5% of FP32's; the fine-tune's accuracy, 0.3 points
@@ -334,7 +374,7 @@ def run_speed(workloads=None, modes=SPEED_MODES, steps:int=5, rounds:int=5, warm
         for mode in modes:
             dls = DataLoaders(_Batches(batches), _Batches([valid]))
             dls.device = torch.device('cpu')
-            learn = MODES[mode](Learner(dls, copy.deepcopy(init), loss_func=CrossEntropyLossFlat(), opt_func=Adam,
+            learn = (MODES[mode] if mode in MODES else _peer(mode))(Learner(dls, copy.deepcopy(init), loss_func=CrossEntropyLossFlat(), opt_func=Adam,
                                         lr=1e-3))
             learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
             rec = {'batch': [], 'step': [], 'first': []}
@@ -423,7 +463,8 @@ def format_speed(speed:dict) -> str:
         for mode, f in r.items():
             if mode == '_workload': continue
             fmt = lambda v, spec='.2f', suf='': '-' if v is None else f"{v:{spec}}{suf}"
-            lines.append(f"| `{CALLS[mode]}` | {f['ms_batch']:.2f} | {fmt(f['ms_step'])} | "
+            call = CALLS[mode] if mode in CALLS else PEERS[mode][1]
+            lines.append(f"| `{call}` | {f['ms_batch']:.2f} | {fmt(f['ms_step'])} | "
                          f"{fmt(f.get('batch_vs_bf16'), '.2f', 'x')} | {fmt(f.get('step_vs_bf16'), '.2f', 'x')} | "
                          f"{fmt(f.get('batch_vs_fp32'), '.2f', 'x')} | {f['ms_batch_first']:.2f} |")
         lines.append('')
@@ -454,6 +495,8 @@ def main(argv=None):
                    help="speed workloads: " + ', '.join(SPEED_WORKLOADS))
     p.add_argument('--speed-modes', default=','.join(SPEED_MODES), help="speed modes: " + ', '.join(MODES))
     p.add_argument('--rounds', type=int, default=5, help="timed rounds (speed)")
+    p.add_argument('--peers', action='store_true', help="speed: also torchao's and bitsandbytes' AdamW8bit, where "
+                                                       "installed, in the same loop")
     p.add_argument('--threads', type=int, default=1, help="torch's threads")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -473,8 +516,12 @@ def main(argv=None):
                       (f"{t['value']:+.2f}", f"{t['threshold']:g} points"))
             print(f"target {t['task']} {t['mode']}: {t['what']} {v} (within {tol}): {'met' if t['met'] else 'NOT met'}")
     if 'speed' in parts:
-        sp = res['speed'] = run_speed(args.workloads.split(','), tuple(args.speed_modes.split(',')),
-                                      rounds=args.rounds)
+        modes = tuple(args.speed_modes.split(','))
+        if args.peers:
+            peers, res['peers_missing'] = available_peers()
+            modes += tuple(peers)
+            for name, why in res['peers_missing'].items(): print(f"peer {name}: {why}")
+        sp = res['speed'] = run_speed(args.workloads.split(','), modes, rounds=args.rounds)
         print("\nThe step's cost, process CPU time, one process, modes interleaved:\n" + format_speed(sp))
     res['wall_s'] = time.perf_counter() - t0
     print(f"{res['wall_s']:.0f} s in all")
