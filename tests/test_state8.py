@@ -357,3 +357,30 @@ def test_the_code_search_is_torchs_bucketize():
         up = lut[state8._key16(y)].long()
         for _ in range(steps): up = up + (qext[up] < y).long()
         assert steps == 1 and torch.equal(up, torch.bucketize(y, qmap))
+
+def test_moments_of_whole_blocks_are_coded_where_they_lie():
+    """Moving averages that are a whole number of blocks each and lie one after the other in one buffer (the widened
+    state of a fused run) are quantized from, and dequantized into, that buffer itself: no gather, no scatter, the same
+    codes and values as tensors of their own. Before: always gathered into a buffer of blocks and scattered back."""
+    shapes = [(64, 64), (256,), (128, 32), (16, 16, 4, 4)]
+    flat = torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=torch.Generator().manual_seed(0)).abs()
+    views = list(torch.split(flat, [torch.Size(s).numel() for s in shapes]))
+    views = [v.view(s) for v, s in zip(views, shapes)]
+    apart = [v.clone() for v in views]
+    gathers = []
+    real = state8._gather
+    def spy(ts, *a, **k): gathers.append(len(ts)); return real(ts, *a, **k)
+    for stochastic in (False, True):
+        a, b = ([empty8(v, signed=False) for v in views] for _ in range(2))
+        g = [torch.Generator().manual_seed(3) if stochastic else None for _ in range(2)]
+        state8.quantize_many(a, apart, g[0])
+        state8._gather, gathers[:] = spy, []
+        try: state8.quantize_many(b, views, g[1])
+        finally: state8._gather = real
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) and torch.equal(x.scale, y.scale)
+                   for x, y in zip(a, b))
+        assert gathers == []  # the values read where they lie (the codes' own tensors are gathered from, once)
+        out, sep = torch.empty_like(flat), [torch.empty_like(v) for v in views]
+        outs = [o.view(s) for o, s in zip(torch.split(out, [torch.Size(s).numel() for s in shapes]), shapes)]
+        state8.dequantize_many(outs, a); state8.dequantize_many(sep, a)
+        assert all(torch.equal(x, y) for x, y in zip(outs, sep))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ['dense_strides', 'memory_order', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of', 'shared',
-           'laid_out_as', 'split_like', 'own_storages']
+__all__ = ['dense_strides', 'memory_order', 'span_of', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of',
+           'shared', 'laid_out_as', 'split_like', 'own_storages']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -24,6 +24,17 @@ def dense_strides(t:Tensor) -> tuple:
 def memory_order(t:Tensor) -> Tensor:
     "The dense tensor `t` as a 1-d view in memory order (channels_last included), detached."
     return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+
+def span_of(ts:list) -> Tensor|None:
+    """The 1-d tensor over the memory of `ts` when each is dense and each starts in one storage where the one before
+    it ends (views of one buffer, one after the other): their elements in memory order, no copy. Else None."""
+    if not ts: return None
+    ptr, end = ts[0].untyped_storage().data_ptr(), ts[0].storage_offset()
+    for t in ts:
+        if (t.untyped_storage().data_ptr() != ptr or t.storage_offset() != end or t.dim() == 0
+                or tuple(t.stride()) != dense_strides(t)): return None
+        end += t.numel()
+    return ts[0].detach().as_strided((end - ts[0].storage_offset(),), (1,), ts[0].storage_offset())
 
 def flat_views(flat:Tensor, like:list) -> list:
     "Views into the 1-d `flat`, one per tensor of `like` in order, each with the shape and dense strides of its tensor."

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..compat import NONNEGATIVE
-from .layout import memory_order, dense_strides
+from .layout import memory_order, dense_strides, span_of
 
 __all__ = ['State8', 'BLOCK', 'MIN_NUMEL', 'COMPILE', 'quantize_', 'dequantize_into', 'quantize_many',
            'dequantize_many', 'empty8', 'flat8', 'part8', 'copy8_', 'signed_for', 'aligned']
@@ -285,6 +285,11 @@ def _scatter(dsts:list, rows:Tensor, offs:list):
     flat = rows.view(-1)
     torch._foreach_copy_([memory_order(t) for t in dsts], [flat[o:o + t.numel()] for o, t in zip(offs, dsts)])
 
+def _aligned_span(ts:list):
+    "`ts` as rows of blocks where they lie (`span_of`), when each is a whole number of blocks: no gather, no scatter."
+    span = span_of(ts) if all(t.numel() % BLOCK == 0 for t in ts) else None
+    return None if span is None else span.view(-1, BLOCK)
+
 def dequantize_many(dsts:list, srcs:list) -> list:
     """`dequantize_into` of each pair of `dsts` (dense FP32) and `srcs` (`State8`s of one device): the codes of all of
     them gathered into rows of blocks, dequantized by one call per map and piece, scattered back."""
@@ -294,9 +299,12 @@ def dequantize_many(dsts:list, srcs:list) -> list:
         ss = [srcs[i] for i in idx]
         codes, offs = _gather(ss, torch.uint8)
         scale, qmap = torch.cat([t.scale for t in ss]), _qmap(signed, codes.device)
-        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        mine = [dsts[i] for i in idx]
+        out = _aligned_span(mine)  # (the widened state of whole blocks, one tensor after the other: written in place)
+        into = out is None
+        if into: out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
         for a, b in _pieces(len(codes), codes.device): out[a:b] = _dequantize(codes[a:b], qmap, scale[a:b])
-        _scatter([dsts[i] for i in idx], out, offs)
+        if into: _scatter(mine, out, offs)
     return dsts
 
 def quantize_many(dsts:list, srcs:list, generator=None) -> list:
@@ -310,7 +318,9 @@ def quantize_many(dsts:list, srcs:list, generator=None) -> list:
     for signed in (True, False):
         idx = [i for i, t in enumerate(dsts) if t.signed == signed]
         if not idx: continue
-        rs, my_offs = _gather([srcs[i] for i in idx], torch.float32, zero_pads=True)
+        vs = [srcs[i] for i in idx]
+        rs = _aligned_span(vs)  # read where they lie; else gathered, each last block zero-padded
+        rs, my_offs = (rs, _rows(vs)[0]) if rs is not None else _gather(vs, torch.float32, zero_pads=True)
         dev, mine = rs.device, None
         if u is not None:  # the rows of `u` each tensor of this map would have drawn, in order
             sel = torch.cat([torch.arange(offs[i] // BLOCK, offs[i] // BLOCK + -(-srcs[i].numel() // BLOCK))
