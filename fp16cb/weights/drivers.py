@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from fastai.optimizer import _update
 
-from .layout import flat_views, dense_strides
+from .layout import flat_views, dense_strides, span_of
 
 __all__ = ['FusedRun', 'fused_runs', 'is_param_state', 'FUSE_LIMIT', 'fuse_limit', 'FusedLoop', 'FUSED', 'lay_out',
            'flag_ranks', 'LAYOUT_RUN']
@@ -101,18 +101,14 @@ class _Stretch:
         filled with their tensors, and its views given to them in their place)."""
         ts, views = [st[k] for st in sts], self.views.get(k)
         if views is not None and all(map(operator.is_, ts, views)): return self.bufs[k]
-        if self._consecutive(ts): return _span(ts)  # widened for this step, one after the other: stepped in place
+        if all(map(_same_order, self.params, ts)) and (span := span_of(ts)) is not None:
+            return span  # widened for this step, one after the other: stepped in place
         buf = torch.empty(self.master.numel(), dtype=ts[0].dtype, device=self.master.device)
         views = flat_views(buf, self.params)
         torch._foreach_copy_(views, [t.detach() for t in ts])
         for st, v in zip(sts, views): st[k] = v
         self.bufs[k], self.views[k] = buf, views
         return buf
-
-    def _consecutive(self, ts:list) -> bool:
-        "Whether `ts` lie one after the other in one storage, each in its param's memory order (widened state)."
-        return (all(isinstance(t, Tensor) and _same_order(p, t) for p, t in zip(self.params, ts))
-                and all(map(_contiguous, ts, ts[1:])))
 
     def _spread(self, st:dict, sts:list, flat:dict):
         """The fused update's state back into each param's: flat tensors the step replaced are copied into the buffer,

@@ -13,8 +13,8 @@ from fastcore.foundation import L
 from ..scaling.check import _by_device
 from .params import ModelParams, AROUND
 from .lifted import LiftedSteps, HALF_DTYPES
-from .stored import HALF, STORED, TorchHooks
-from .optstate import innermost, opt_state, opt_states, steps_param_by_param
+from .stored import HALF
+from .optstate import innermost, opt_states, steps_param_by_param
 from .state_storage import StateStorage
 
 __all__ = ['HalfStorage']
@@ -47,18 +47,9 @@ class HalfStorage(ModelParams):
 
     def _fuse(self, core): self._core = None  # the 16-bit params are lifted, not laid out
 
-    def _store_state(self, core):
-        """The optimizer's state stored narrow from now to the fit's end: the lifted steps widen it around each chunk;
-        read through the optimizer's state dict in FP32 (fastai's `Optimizer.state_dict` row, a torch optimizer's
-        state-dict hook, whose step hooks stay quiet while the lifted steps run)."""
-        self._hooks = None
-        if self.state is None: return
-        self.state.narrow_all(opt_state(core))
-        if steps_param_by_param(core): STORED[core] = self.state
-        elif isinstance(getattr(core, 'opt', None), torch.optim.Optimizer): self._hooks = TorchHooks(core, self.state)
-
     def _adopt(self, core):
-        "The optimizer `core` steps the 16-bit params lifted: its step rows (or, with a `step` of its own, `_step`)."
+        """The optimizer `core` steps the 16-bit params lifted: its step rows (or, with a `step` of its own, `_step`,
+        in place of the state's widening around it that `ModelParams._store_state` set: the lift widens it too)."""
         self.core = core
         if steps_param_by_param(core) or isinstance(getattr(core, 'opt', None), torch.optim.Optimizer):
             HALF[core] = self.lifted

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .stored import state_chunk
+from .stored import state_chunk, chunks
 from .optstate import fastai_update, opt_states, rekey, elementwise, steps_param_by_param, sliced_update
 from .layout import memory_order, flat_views, laid_out_as
 from .state_storage import StateStorage, round_bf16_stochastic_, random16
@@ -77,15 +77,6 @@ class _Batch:
         return p.device == q.device and p.dtype == q.dtype and f == self.f and self.numel + p.numel() <= n
     def add(self, p, f, hyper:dict):
         self.ps.append(p); self.hypers.append(hyper); self.f = f; self.numel += p.numel()
-
-def _chunks(items:list, n) -> list:
-    "`items` (`(param, ...)`) in consecutive chunks of one device of at most `n(device)` elements (a bigger alone)."
-    res, k = [], 0
-    for it in items:
-        p = it[0]
-        if not res or k + p.numel() > n(p.device) or p.device != res[-1][0][0].device: res.append([]); k = 0
-        res[-1].append(it); k += p.numel()
-    return res
 
 class LiftedSteps:
     """How the optimizer steps 16-bit params: each lifted to FP32 (its weights, and its grad multiplied by `factor(gi)`
@@ -243,7 +234,8 @@ class LiftedSteps:
         grads, out = {p: p.grad for p, _, _ in with_grad}, None
         for p in grads: p.grad = None
         try:
-            for chunk in _chunks(with_grad, state_chunk if chunked else lambda d: float('inf')):
+            whole = lambda device: float('inf')  # not known to be elementwise: one call over all of them
+            for chunk in chunks(with_grad, key=lambda it: it[0], limit=state_chunk if chunked else whole):
                 with self._swapped(lists, states, [(p, gi, i, grads[p]) for p, gi, i in chunk]):
                     out = step()
         finally:

@@ -48,9 +48,9 @@ def counted_step(self):
     STEPS[self] = STEPS.get(self, 0) + 1
 
 class ModelParams:
-    """What a step needs of the model's FP32 params during a fit whose forward computes with copies: the interface of
-    `WeightStore` that `MixedPrecision` uses, where most of it has nothing to do (`p.grad` is always FP32 fastai's)."""
-    flat, in_backward, checked, lift_chunk, stepped_hook = False, False, (), None, None
+    """What a step needs of the model's FP32 params during a fit whose forward computes with copies: the interface
+    `MixedPrecision` asks a step through, where most of it has nothing to do (`p.grad` is always FP32 fastai's)."""
+    flat, in_backward, checked, stepped_hook = False, False, (), None
     grads_final = property(lambda self: True, lambda self, v: None)  # the grads are unscaled as they arrive
     def __init__(self,
         learn, # the learner: its optimizer (read at each step: a callback may make a new one) and model

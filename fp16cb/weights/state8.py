@@ -258,10 +258,12 @@ def dequantize_into(dst:Tensor, src:State8) -> Tensor:
     return dst
 
 # ---- many tensors at once: one call over all their blocks (a chunk of a step's state), not one or two per tensor
+def _rows_each(ts:list) -> list: return [-(-t.numel() // BLOCK) for t in ts]
+
 def _rows(ts:list) -> tuple:
     "`(offsets in elements, total rows)`: each of `ts` from a block boundary, in order, its last block padded."
     offs, r = [], 0
-    for t in ts: offs.append(r * BLOCK); r += -(-t.numel() // BLOCK)
+    for k in _rows_each(ts): offs.append(r * BLOCK); r += k
     return offs, r
 
 def _pieces(rows:int, device) -> list:
@@ -312,7 +314,7 @@ def quantize_many(dsts:list, srcs:list, generator=None) -> list:
     rows of blocks (the last block of each zero-padded), quantized by one call per map and piece, codes and scales
     scattered back. Stochastically, the draws are made for all rows at once in `dsts`' order: the draws, and so the
     codes, of quantizing each tensor in turn."""
-    offs, rows = _rows(srcs)
+    rows = sum(_rows_each(srcs))
     if not rows: return dsts
     u = None if generator is None else torch.rand(rows, BLOCK, generator=generator, device=srcs[0].device)
     for signed in (True, False):
@@ -323,9 +325,8 @@ def quantize_many(dsts:list, srcs:list, generator=None) -> list:
         rs, my_offs = (rs, _rows(vs)[0]) if rs is not None else _gather(vs, torch.float32, zero_pads=True)
         dev, mine = rs.device, None
         if u is not None:  # the rows of `u` each tensor of this map would have drawn, in order
-            sel = torch.cat([torch.arange(offs[i] // BLOCK, offs[i] // BLOCK + -(-srcs[i].numel() // BLOCK))
-                             for i in idx]).to(dev)
-            mine = u.index_select(0, sel) if len(idx) < len(dsts) else u
+            mine = u if len(idx) == len(dsts) else u[torch.repeat_interleave(
+                torch.tensor([t.signed == signed for t in dsts]), torch.tensor(_rows_each(srcs))).to(dev)]
         codes = torch.empty(rs.shape, dtype=torch.uint8, device=dev)
         scale = torch.empty(len(rs), dtype=torch.float32, device=dev)
         qmap = _qmap(signed, dev)

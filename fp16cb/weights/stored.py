@@ -27,7 +27,7 @@ from .optstate import wrapped, elementwise, fastai_update, sliced_update, sliced
 from .state8 import State8
 
 __all__ = ['STORED', 'HALF', 'STATE_CHUNK', 'state_chunk', 'fastai_step', 'fastai_state_dict', 'wrapper_step',
-           'TorchHooks', 'wide_copy', 'as_stored', 'step_one']
+           'TorchHooks', 'wide_copy', 'as_stored', 'step_one', 'chunks']
 
 STORED = weakref.WeakKeyDictionary()  # a fastai optimizer -> the `StateStorage` of its state, while a fit stores it
 # a fastai optimizer or `OptimWrapper` -> the `lifted.LiftedSteps` that step its 16-bit params (`half_storage`)
@@ -63,7 +63,7 @@ def fastai_step(self, closure=None):
     if storage is None:
         for p, hyper in rest: fastai_update(self, p, hyper)
         return
-    for chunk in _chunks(rest, key=lambda it: it[0]):
+    for chunk in chunks(rest, key=lambda it: it[0]):
         if len(chunk) == 1:  # (a big param: a slice at a time)
             step_one(self, *chunk[0], storage)
             continue
@@ -78,12 +78,13 @@ def step_one(core, p, hyper:dict, storage=None):
     if storage is None: return fastai_update(core, p, hyper)
     with storage.lifted([p], core.state): fastai_update(core, p, hyper)
 
-def _chunks(items:list, key=lambda p: p) -> list:
-    "`items` in consecutive chunks of params (`key(item)`) of at most `state_chunk` elements (a bigger one alone)."
+def chunks(items:list, key=lambda p: p, limit=state_chunk) -> list:
+    """`items` in consecutive chunks of params (`key(item)`) of one device and at most `limit(device)` elements
+    (`state_chunk`; a bigger param alone)."""
     res, n = [], 0
     for it in items:
         p = key(it)
-        if not res or n + p.numel() > state_chunk(p.device): res.append([]); n = 0
+        if not res or n + p.numel() > limit(p.device) or p.device != key(res[-1][0]).device: res.append([]); n = 0
         res[-1].append(it); n += p.numel()
     return res
 
@@ -156,7 +157,7 @@ class TorchHooks:
         grads, out, self.busy = {p: p.grad for p in ps}, None, True
         try:
             for p in ps: p.grad = None
-            for chunk in _chunks(ps):
+            for chunk in chunks(ps):
                 p = chunk[0]
                 for q in chunk: q.grad = grads[q]
                 if len(chunk) == 1 and p.numel() > state_chunk(p.device) and _same_order(p, p.grad):
@@ -182,7 +183,7 @@ class TorchHooks:
 
     def _narrow(self, opt, args, kwargs):
         if self.busy: return
-        for chunk in _chunks(list(self.state)): self.storage.narrow(chunk, self.state)
+        for chunk in chunks(list(self.state)): self.storage.narrow(chunk, self.state)
 
     def _fp32(self, opt, sd:dict) -> dict:
         if 'state' in sd and not _RAW:
