@@ -26,3 +26,6 @@ from .diagnostics import (plot_loss_scale, plot_precision_health, gradient_repor
 __all__ += ['plot_loss_scale', 'plot_precision_health', 'gradient_report', 'plot_gradient_range', 'GradientReport',
             'precision_check',
             'plot_precision_check']
+
+from .fsdp import shard_model, DistributedData, full_state_dict, load_full_state_dict
+__all__ += ['shard_model', 'DistributedData', 'full_state_dict', 'load_full_state_dict']

@@ -16,6 +16,7 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer
 from fastai.callback.training import GradientAccumulation, GradientClip
 
 from .options import options_of, bf16_defaults, Refused
+from .distributed import is_fsdp
 
 __all__ = ['SEMANTICS', 'MOVING_AVERAGES', 'NONNEGATIVE',
            'Mode', 'MODES', 'OPTIMIZERS', 'CONTEXTS',
@@ -95,6 +96,7 @@ CONTEXTS = {  # name: what it is
     'cancel': "a callback that cancels steps (`CancelStepException` in `before_step`)",
     'gradclip': "fastai's `GradientClip`",
     'ddp': "several processes (fastai's `distrib_ctx`, DDP)",
+    'fsdp2': "several processes, the model sharded with PyTorch FSDP2 (`fully_shard`, `fp16cb.shard_model`)",
     'compile': "`torch.compile`d model",
     # other code that reads or writes the model's params, their grads, `requires_grad` or the optimizer during the fit:
     # what it sees and changes is what FP32 fastai's would, dtypes aside (`SEMANTICS`)
@@ -128,6 +130,7 @@ class Facts:
     accumulate: bool = False
     gradient_clip: float|None = None  # fastai's `GradientClip(max_norm)` among the callbacks
     ddp: bool = False
+    fsdp: bool = False  # the model is sharded with FSDP2 (its units' `MixedPrecisionPolicy` computes in 16 bits)
     compiled: bool = False
     float64_layers: tuple = ()  # names of float64 params of torch layers (a 16-bit model may feed them 16-bit inputs)
     float64_model: bool = False  # every floating param of the model is float64 (nothing would be 16-bit)
@@ -155,7 +158,7 @@ class Facts:
         dtype = torch.bfloat16 if bf16 else torch.float16
         known = dict(optimizer=kind, optimizer_name=OPTIMIZERS[opt][1], counts_steps=opt != 'sgd',
                      accumulate=ctx == 'accumulate', gradient_clip=1. if ctx == 'gradclip' else None, ddp=ctx == 'ddp',
-                     compiled=ctx == 'compile', cancels_steps=_CANCELS.get(ctx),
+                     fsdp=ctx == 'fsdp2', compiled=ctx == 'compile', cancels_steps=_CANCELS.get(ctx),
                      grads_read=ctx in ('cancel', 'gradclip', 'userclip', 'cancelaccum'),
                      intermittent='<a branch>' if ctx == 'branch' and kind in ('torch', 'fused') else None)
         if native: return cls(native=True, dtype=dtype, **known)
@@ -280,6 +283,27 @@ RULES = (
          reason="with a 16-bit model (`half_storage`) fastai's "
                 "`GradientClip` would clip the 16-bit, loss-scaled grads: use `to_fp16(clip=..., clip_global=True)`."),
 )
+_FSDP = "a model sharded with PyTorch FSDP2"
+RULES += (
+    Rule('fsdp-native', FIT, lambda f: f.native and f.fsdp,
+         "`to_native_fp16`/`to_native_bf16` cannot be used with " + _FSDP + ": use `learn.to_bf16()` or "
+         "`learn.to_fp16()`, which set FSDP2's own mixed precision (16-bit all-gathers, FP32 reductions) and a loss "
+         "scale whose skips agree on every rank. Autocast would cast the FP32 params FSDP2 all-gathers, each forward.",
+         reason="FSDP2 computes in 16 bits through its `MixedPrecisionPolicy`, which `to_bf16`/`to_fp16` set."),
+    Rule('fsdp-half', FIT, lambda f: not f.native and f.half_storage and f.fsdp,
+         "half_storage=True cannot be used with " + _FSDP + ": drop half_storage. FSDP2 keeps the sharded params "
+         "FP32 and all-gathers them in 16 bits; each rank holds 1/world of them already, and there is no 16-bit copy "
+         "to save.",
+         reason="FSDP2 keeps its shards FP32 and casts them as it all-gathers: no 16-bit copy to drop."),
+    Rule('fsdp-sib', FIT, lambda f: not f.native and f.step_in_backward and f.fsdp,
+         _SIB + _FSDP + ": train without step_in_backward. FSDP2 reduce-scatters each unit's grads across the ranks "
+         "after its backward, and " + _SIB_WHY + ".",
+         reason="FSDP2 reduces each unit's grads across ranks after its backward; step_in_backward would step before."),
+    Rule('fsdp-flat', FIT, lambda f: not f.native and f.flat_master and f.fsdp,
+         "flat_master=True would do nothing on " + _FSDP + ": drop it. FSDP2 keeps each unit's shards in one flat "
+         "buffer already, and its params are the masters.",
+         reason="FSDP2 keeps each unit's shards in one flat buffer already."),
+)
 _ORDER = {OPTIONS: 0, FIT: 1, BATCH: 2, STEP: 3}
 
 def refusal(f:Facts, moment:str=STEP) -> Rule|None:
@@ -399,4 +423,4 @@ def learner_facts(learn, f:Facts) -> Facts:
                      optimizer_name=optimizer_name(learn.opt) if learn.opt is not None else None,
                      accumulate=any(isinstance(cb, GradientAccumulation) for cb in learn.cbs),
                      gradient_clip=next((cb.max_norm for cb in learn.cbs if isinstance(cb, GradientClip)), None),
-                     ddp=f.ddp or _distributed(learn), compiled=hasattr(model, '_orig_mod'))
+                     ddp=f.ddp or _distributed(learn), fsdp=is_fsdp(model), compiled=hasattr(model, '_orig_mod'))

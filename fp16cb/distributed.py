@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+try: from torch.distributed.fsdp import FSDPModule
+except ImportError: FSDPModule = None  # a torch without FSDP2
 
-__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'syncs', 'all_max_', 'reduce_max_', 'step_reducer', 'broadcast_',
-           'rewrap', 'patch_fastai', 'recording_init']
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'syncs', 'all_max_', 'reduce_max_', 'step_reducer',
+           'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
 
 def world_size() -> int:
     "The number of processes training together (1 when torch.distributed is not initialized)."
@@ -32,10 +34,15 @@ def is_multiprocess() -> bool: return world_size() > 1
 
 def is_ddp(model) -> bool: return isinstance(model, DDP)
 
+def is_fsdp(model) -> bool:
+    "Whether `model` is sharded with PyTorch FSDP2 (`fully_shard` was called on it: the root of its units)."
+    return FSDPModule is not None and isinstance(model, FSDPModule)
+
 def syncs(model) -> bool:
-    """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP (a learner that
-    trains a plain model on one rank only, in a multi-process job, stays local: no collective it would hang on)."""
-    return is_ddp(model) and is_multiprocess()
+    """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP or an FSDP2 module
+    (a learner that trains a plain model on one rank only, in a multi-process job, stays local: no collective it would
+    hang on)."""
+    return (is_ddp(model) or is_fsdp(model)) and is_multiprocess()
 
 def all_max_(t:Tensor) -> Tensor:
     "`t` all-reduced in place with MAX across ranks (every rank's worst); no host sync of its own."

@@ -42,7 +42,8 @@ def refused_at_setup(mode:str, opt:str, ctx:str) -> bool:
     r = compat.refusal(compat.Facts.of_cell(mode, opt, ctx))
     return r is not None and r.moment != compat.STEP
 
-SUBSETS = ('ddp', 'compile')  # contexts with subsets of their own (a 2-process launch; torch.compile), not in the grid
+SUBSETS = ('ddp', 'fsdp2', 'compile')  # contexts with subsets of their own (2-process launches; torch.compile), not in the
+# grid
 OUTSIDE = tuple(c for c in CONTEXTS if CONTEXTS[c].startswith('other code'))  # other code touching params, grads, opt
 OUTSIDE_OPTS = ('adam', 'torch')  # the outside contexts cross every mode with a fastai and a torch optimizer
 GRID_CONTEXTS = tuple(c for c in CONTEXTS if c not in SUBSETS + OUTSIDE)
@@ -196,7 +197,8 @@ BS = 16
 GRADCLIP = 1.  # as compat declares the cell; it binds on loss-scaled grads only (the global norm here: 0.06 to 0.4)
 CONTEXT_CBS = {'plain': lambda: [], 'accumulate': lambda: [GradientAccumulation(n_acc=2*BS)], 'branch': lambda: [],
                'cancel': lambda: [CancelEveryOther()], 'gradclip': lambda: [GradientClip(max_norm=GRADCLIP)],
-               'compile': lambda: [], 'ddp': lambda: [], **{k: (lambda c=c: [c()]) for k, c in OUTSIDE_CBS.items()}}
+               'compile': lambda: [], 'ddp': lambda: [], 'fsdp2': lambda: [],
+               **{k: (lambda c=c: [c()]) for k, c in OUTSIDE_CBS.items()}}
 
 def first_linear(model:nn.Module) -> str:
     "The qualified name of `model`'s first Linear, as the learner's model names it ('_orig_mod.lin1' once compiled)."
@@ -367,4 +369,66 @@ def _ddp_rank(out:Path):
     from fp16cb.demos.ddp import shutdown
     shutdown()
 
-if __name__ == '__main__': _ddp_rank(Path(sys.argv[1]))
+# ---- the FSDP2 subset: one rank (`python tests/matrix.py OUT fsdp2`)
+
+FSDP_MODES = ('fp16', 'bf16', 'bf16-keep', 'bf16-state', 'bf16-state8', 'fp16-clip', 'bf16-half', 'bf16-sib',
+              'bf16-flat', 'native-bf16')
+
+def fsdp_shard(learn):
+    """`learn.model` sharded with FSDP2 as a user would before the fit (`fp16cb.shard_model`): each Linear a unit, the
+    module its mode keeps FP32 (`bf16-keep`) too, then the root."""
+    from fp16cb import shard_model, ModelToHalf
+    keep = next((cb.policy for cb in learn.cbs if isinstance(cb, ModelToHalf)), None)
+    shard_model(learn.model, layers=(nn.Linear,), keep_fp32=keep)
+
+class Seen(Callback):
+    """What a sharded fit computed with and stored: the dtype of `lin1`'s and `lin2`'s weights as their forward runs
+    (FSDP2's all-gathered params), and the types and dtypes of the optimizer's state after each step."""
+    order = 30
+    def before_fit(self):
+        self.weights, self.state = set(), set()
+        m = self.learn.model
+        self.hooks = [getattr(m, n).register_forward_pre_hook(lambda mod, a, n=n: self.weights.add(
+            f"{n}:{str(mod.weight.dtype)[6:]}")) for n in ('lin1', 'lin2')]
+    def after_step(self):
+        self.state |= {f"{type(v).__name__}:{str(v.dtype)[6:]}" for st in opt_state(self.learn.opt).values()
+                       for v in st.values() if torch.is_tensor(v) and v.dim()}
+    def after_fit(self):
+        for h in self.hooks: h.remove()
+
+def gathered(r:Run) -> Run:
+    "`r` with its final params whole (FSDP2's shards gathered from every rank: a collective) and on the CPU."
+    from fp16cb.fsdp import full_tensor
+    return r._replace(params={n: (i.cpu(), full_tensor(f).cpu()) for n, (i, f) in r.params.items()})
+
+def _fsdp_rank(out:Path):
+    import warnings; warnings.filterwarnings('ignore')
+    import torch.distributed as dist
+    from fp16cb import DistributedData
+    from fp16cb.demos.ddp import init, shutdown
+    torch.set_num_threads(1)
+    rank, res = init(timeout=60), {}
+    device = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+    res['_where'] = dict(backend=dist.get_backend(), device=str(device))
+    for mode in FSDP_MODES:
+        with every_state_8bit(mode):
+            learn, error = ddp_build(mode, single=False, device=device)
+            torch.manual_seed(1000 + rank)
+            init_w = snapshot(learn)
+            if error is None:
+                seen = Seen()
+                try:
+                    fsdp_shard(learn)
+                    quiet_fit(learn, DDP_EPOCHS, cbs=[DistributedData(), seen])
+                except (ValueError, TypeError) as e: error = e
+            r = gathered(finish(learn, init_w, error))
+        torch.save(r.params, out/f'rank{rank}-{mode}.pt')
+        res[mode] = dict(error=None if error is None else f'{type(error).__name__}: {error}', n_steps=r.n_steps,
+                         losses=r.losses, dtypes=sorted({str(d) for d in r.dtypes.values()}),
+                         left=[type(c).__name__ for c in r.left], state=r.state_dtypes,
+                         seen={k: sorted(getattr(seen, k, ())) for k in ('weights', 'state')})
+        dist.barrier()
+    (out/f'rank{rank}.json').write_text(json.dumps(res))
+    shutdown()
+
+if __name__ == '__main__': (_fsdp_rank if sys.argv[2:] == ['fsdp2'] else _ddp_rank)(Path(sys.argv[1]))

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from conftest import quiet_fit, ranks_device, ranks_env, ranks_backend
 from fp16cb import compat
-from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, OUTSIDE, OUTSIDE_OPTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict, refused_at_setup, run,
-                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish)
+from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, OUTSIDE, OUTSIDE_OPTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict,
+                    refused_at_setup, run,
+                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish, FSDP_MODES)
 
 # The largest relative error of a param tensor's update, ||d - d_fp32|| / ||d_fp32||, per 16-bit dtype and weight
 # storage: what the agreeing cells reach (the whole grid on this model, 16 steps; over 5 seeds in brackets), with a
@@ -168,5 +169,49 @@ def test_ddp_trains_like_one_fp32_process_or_is_refused(ranks, one_process, mode
     got = one_process._replace(params=p0)
     bad = worst(rel_errors(got, one_process), tolerance(mode))
     assert not bad, f"2 ranks off one FP32 process on the concatenated batches: {bad}"
+    moved = changed(got, untouched(one_process))
+    assert not moved, f"params FP32 leaves untouched changed: {', '.join(moved)}"
+
+# ---- FSDP2: 2 processes, the model sharded (`fp16cb.shard_model`), the data by `fp16cb.DistributedData`
+
+@pytest.fixture(scope='module')
+def fsdp_ranks(tmp_path_factory) -> dict:
+    "As `ranks`, for the FSDP2 subset (`python tests/matrix.py OUT fsdp2`): each rank's gathered full params."
+    from fp16cb.demos.ddp import launch
+    out = tmp_path_factory.mktemp('matrix-fsdp2')
+    launch([sys.executable, str(RANK), str(out), 'fsdp2'], nprocs=2, timeout=240, env=ranks_env(2))
+    res = [json.loads((out/f'rank{r}.json').read_text()) for r in (0, 1)]
+    return {'where': [r['_where'] for r in res],
+            **{m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in FSDP_MODES}}
+
+_COMPUTE = {'fp16': 'float16', 'bf16': 'bfloat16'}
+_STORED = {'bf16-state': 'DTensor:bfloat16', 'bf16-state8': 'State8:uint8'}
+
+@ddp_only
+@pytest.mark.parametrize('mode', FSDP_MODES)
+def test_fsdp2_trains_like_one_fp32_process_or_is_refused(fsdp_ranks, one_process, mode):
+    """Supported: the ranks learn, computing with 16-bit all-gathered weights (the kept layer with FP32 ones), their
+    state stored as the mode says; gathered, both hold the same full model, that of one FP32 process on the
+    concatenated batches within the mode's tolerance. Refused: at set-up, on every rank, with compat's sentence."""
+    (r0, p0), (r1, p1) = fsdp_ranks[mode]
+    cuda = ranks_device(2).type == 'cuda'
+    assert fsdp_ranks['where'] == [dict(backend=ranks_backend(2), device=f'cuda:{r}' if cuda else 'cpu') for r in (0, 1)]
+    why = verdict(mode, DDP_OPT, 'fsdp2')
+    if why is not None:
+        assert r0['error'] is not None and why in r0['error'] and why in r1['error'], r0['error']
+        assert r0['n_steps'] == 0 and all(torch.equal(*p0[n]) for n in p0)
+        return
+    assert r0['error'] is None and r1['error'] is None, r0['error'] or r1['error']
+    half = _COMPUTE[mode[:4]]
+    for r in (r0, r1):
+        assert sum(r['losses'][-3:]) < 0.6 * sum(r['losses'][:3]), r['losses']  # it learns (last 3 steps vs first 3)
+        assert r['dtypes'] == ['torch.float32'] and not r['left'] and r['state'] == ['torch.float32']
+        kept = 'float32' if mode == 'bf16-keep' else half
+        assert r['seen']['weights'] == [f'lin1:{kept}', f'lin2:{half}'], r['seen']
+        assert r['seen']['state'] == [_STORED.get(mode, 'DTensor:float32')], r['seen']
+    assert all(torch.equal(p0[n][1], p1[n][1]) for n in p0)
+    got = one_process._replace(params=p0)
+    bad = worst(rel_errors(got, one_process), tolerance(mode))
+    assert not bad, f"2 FSDP2 ranks off one FP32 process on the concatenated batches: {bad}"
     moved = changed(got, untouched(one_process))
     assert not moved, f"params FP32 leaves untouched changed: {', '.join(moved)}"

@@ -7,17 +7,18 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device
-from ..weights import HalfStorage, Stage, ModelParams, StateStorage
+from ..weights import HalfStorage, Stage, ModelParams, ShardedParams, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
                       warn_all_skipped, warn_skips)
 from ..monitor import ScaleColumns, scale_health
 from ..session import SessionCallback
-from ..distributed import patch_fastai, is_ddp, syncs, step_reducer
+from ..distributed import patch_fastai, is_ddp, is_fsdp, syncs, step_reducer
 from .model_to_half import ModelToHalf
 from .health import PrecisionWatch
 from .copies import GradSink
+from ..fsdp import ReduceSink
 
 __all__ = ['MixedPrecision']
 
@@ -149,7 +150,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         # a static fp16 scale that flushes every gradient trains nothing: the fit's first step looks (in its one sync)
         self._watch_flush = isinstance(self.scaler, StaticScaler) and self.dtype == torch.float16
         self.record.setup(model)
-        if mth is not None and mth.computing and self.health_every and (self.health is None or
+        # (FSDP2: re-running one unit outside the model's forward would all-gather on one rank alone)
+        if mth is not None and mth.computing and self.health_every and not is_fsdp(model) and (self.health is None or
                                                                           self.health.model is not model):
             self.health = PrecisionWatch(model, mth.policy.resolve(model, warn=False).kept, self.dtype,
                                          self.health_every, sources=copies.sources if copies is not None else None)
@@ -161,8 +163,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         state = StateStorage(self.state_dtype, self.stochastic_rounding,
                              self.rng(model) if self.state_dtype is not None else None)
         sink, computed = (copies.sink, {self.dtype: copies.computed_in(self.dtype)}) if copies else (GradSink(), {})
-        self.store = ModelParams(self.learn, sink, names, computed, scaled=not unit, flat=self.flat_master,
-                                 state=state, in_backward=self.step_in_backward)
+        kind = ShardedParams if is_fsdp(model) else ModelParams  # FSDP2: its policy computes, the grads come sharded
+        if kind is ShardedParams: sink = ReduceSink(model)
+        self.store = kind(self.learn, sink, names, computed, scaled=not unit, flat=self.flat_master, state=state,
+                          in_backward=self.step_in_backward)
 
     def _store_beside(self, mth, model, names:dict):
         """The store of a 16-bit model (`half_storage`): its params are 16-bit for the fit, the optimizer steps them

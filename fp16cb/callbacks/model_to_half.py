@@ -11,7 +11,8 @@ from ..weights import shared
 from ..compat import Facts, check, float64_layers, FIT, STEP
 from ..session import SessionCallback
 from ..policy import PrecisionPolicy, policy_report, named_modules
-from ..distributed import rewrap, is_ddp
+from ..distributed import rewrap, is_ddp, is_fsdp
+from ..fsdp import ShardPolicy
 from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, EntryCasts, RangeWatch
 from .copies import ComputeCopies
 
@@ -42,6 +43,7 @@ class ModelToHalf(SessionCallback):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
         self.originals, self.masters, self._hook, self.islands, self._trained = None, {}, None, None, False
         self.copies = None  # the 16-bit copies the forward computes with, the model keeping its FP32 params
+        self.sharded = None  # FSDP2: the units' `MixedPrecisionPolicy` set for the fit (`fsdp.ShardPolicy`)
 
     def check_model(self, model:nn.Module):
         """`model`, when it is first known (`to_fp16()`, else the fit's set-up): float64 layers are refused (the
@@ -62,7 +64,7 @@ class ModelToHalf(SessionCallback):
     @property
     def computing(self) -> bool:
         "Whether the model computes in 16-bit now: its params converted, or copies of them made for each forward."
-        return self.converted or self.copies is not None
+        return self.converted or self.copies is not None or self.sharded is not None
 
     def _uses_copies(self) -> bool:
         "Whether this fit keeps the model's FP32 params and computes with copies (the learner's `MixedPrecision` says)."
@@ -76,6 +78,7 @@ class ModelToHalf(SessionCallback):
         warn_slow_half(self.dtype, model_device(model))
         self.check_model(model)  # before the model is converted
         res = self.policy.resolve(model, warn=False)
+        if is_fsdp(model): return self._shard_policy(model, res)
         if self._uses_copies(): self.copies = ComputeCopies(model, res.kept, self.dtype)
         else: self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
@@ -94,6 +97,14 @@ class ModelToHalf(SessionCallback):
                                                                      with_kwargs=True, prepend=True))
         # calls from outside its forward, kept weights
         self.entries = EntryCasts(self.learn.model, res, self.dtype, self.copies)
+
+    def _shard_policy(self, model, res):
+        """A model sharded with FSDP2: its units' policies compute in 16 bits (the kept ones in FP32), all-gathering
+        16-bit params and reducing FP32 grads; the sharded FP32 params stay the model's, and the optimizer's."""
+        if not self._uses_copies(): check(Facts(dtype=self.dtype, half_storage=True, fsdp=True), FIT)
+        self.sharded = ShardPolicy(model, res.kept, self.dtype, res.names)
+        self._trained, self.rewrapped = False, False
+        self._hook = self._float64 = self._range = self.entries = None
 
     def before_batch(self):
         if self.training: self._trained = True  # from now on a param's value may differ from its original
@@ -117,7 +128,9 @@ class ModelToHalf(SessionCallback):
     def teardown(self):
         "The mirror of `setup`: hooks off, the exact FP32 values back in the model, DDP wrapped again."
         if self._hook is not None: self._hook.remove()
-        for h in getattr(self, '_float64', ()): h.remove()
+        for h in getattr(self, '_float64', None) or (): h.remove()
+        if self.sharded is not None: self.sharded.restore()
+        self.sharded = None
         self._float64 = []
         if self.islands is not None: self.islands.remove()
         if getattr(self, 'entries', None) is not None: self.entries.remove()

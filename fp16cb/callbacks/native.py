@@ -14,9 +14,9 @@ from ..scaling import (GradScalerAdapter, OverflowCheck, StepRecord, count_skip,
                       warn_all_skipped, warn_skips, nonfinite_flags)
 # warns once: scale stuck at its floor, many skipped steps; the Recorder columns
 from ..monitor import scale_health, ScaleColumns
-from ..distributed import reduce_max_
+from ..distributed import reduce_max_, is_fsdp
 from ..options import check_bool, check_real, check_int, FP32_MAX, INT32_MAX, refuses_amp_args
-from ..compat import Facts, check, OPTIONS
+from ..compat import Facts, check, OPTIONS, FIT
 
 __all__ = ['NativeMixedPrecision']
 
@@ -72,6 +72,7 @@ class NativeMixedPrecision(ScaleColumns, SessionCallback):
                           enabled=self.enabled and self.dtype == torch.float16)
 
     def setup(self):
+        check(Facts(native=True, dtype=self.dtype, fsdp=is_fsdp(self.learn.model)), FIT)
         device_type = model_device(self.learn.model).type
         if self.enabled: warn_slow_half(self.dtype, device_type)
         if self.scaler is None or device_type != self.device_type:  # kept across fits: its scale is learned state

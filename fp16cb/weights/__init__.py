@@ -5,6 +5,8 @@ below it in this list (`tests/test_structure.py` checks the order):
 
 - `half`: 16-bit storage (`half_storage`): the model's params 16-bit for the fit, fp16's grads loss-scaled until the
   step (`HalfStorage`);
+- `sharded`: the model's own FP32 params sharded with FSDP2 (`ShardedParams`): this rank's shards checked, the
+  grads clipped by the norm over every rank's;
 - `params`: the model's own FP32 params as what the optimizer steps (`ModelParams`, the default: its forward computes
   with 16-bit copies), the `Stage` of a step, and fastai's `_step` counted (`counted_step`);
 - `lifted`: 16-bit params stepped in FP32 by the optimizer's own code, a bounded chunk at a time, and rounded back to
@@ -29,8 +31,9 @@ from .stored import fastai_step, fastai_state_dict, wrapper_step
 from .lifted import round_stochastic, round_to
 from .params import ModelParams, Stage, counted_step
 from .half import HalfStorage
+from .sharded import ShardedParams
 
-__all__ = ['MASTERED', 'Stage', 'HalfStorage',
+__all__ = ['MASTERED', 'Stage', 'HalfStorage', 'ShardedParams',
            'check_unique_params', 'get_master', 'to_master_grads', 'to_model_params', 'copy_clone',
            'round_stochastic', 'round_to', 'StateStorage', 'ModelParams', 'counted_step', 'fastai_step',
            'fastai_state_dict', 'wrapper_step',

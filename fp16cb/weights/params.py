@@ -228,6 +228,10 @@ class ModelParams:
         """Every rank starts from rank `src`'s weights (the model's params), and its stochastic rounding's generator
         (16- or 8-bit state): the ranks round alike, so they stay identical."""
         broadcast_([p.data for p in self.params], src)
+        self._broadcast_generator(src)
+
+    def _broadcast_generator(self, src:int):
+        "The stochastic rounding's generator set to rank `src`'s."
         g = self._generator()
         if g is None: return
         st = g.get_state().to(g.device)  # on the generator's device: nccl's collectives take CUDA tensors

@@ -19,6 +19,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..compat import MOVING_AVERAGES
 from ..dtypes import EIGHT_BIT
@@ -52,10 +53,20 @@ def round_bf16_stochastic_(x:Tensor, generator=None) -> Tensor:
 
 def _is(k, v, p, dtype) -> bool:
     """Whether the state entry `k: v` of param `p` is one `StateStorage` stores: a moving average
-    (`MOVING_AVERAGES`), in `dtype` ('8bit': a `State8`), with at least one dim and `p`'s element count."""
+    (`MOVING_AVERAGES`), in `dtype` ('8bit': a `State8`, of this rank's shard when `p` is sharded), with at least one
+    dim and `p`'s element count."""
     kind = isinstance(v, State8) if dtype == EIGHT_BIT else isinstance(v, Tensor) and v.dtype == dtype
     return (k in MOVING_AVERAGES and isinstance(v, Tensor) and kind and v.dim() > 0 and isinstance(p, Tensor)
-            and v.numel() == p.numel())
+            and v.numel() == (_local(p) if isinstance(v, State8) else p).numel())
+
+# FSDP2's sharded params (DTensors): their state is stored as this rank's shard (bf16: a DTensor of it; 8-bit: the
+# codes of the shard), widened and rounded on the local tensors, and given to the optimizer as DTensors again
+def _local(t): return t.to_local() if isinstance(t, DTensor) else t
+
+def _as(t:Tensor, p) -> Tensor:
+    "The local FP32 tensor `t` as the state of `p`: a DTensor over it for a sharded `p` (no copy), else `t`."
+    if not isinstance(p, DTensor) or isinstance(t, DTensor): return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 def _key_major(entries:list) -> list:
     """`entries` (`(state dict, key, tensor)`, param by param) ordered key by key, the params in their order within a
@@ -94,17 +105,18 @@ class StateStorage:
         """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused
         copy each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
+        owner = {id(d): p for p in params if (d := state.get(p))}  # (whose DTensor a sharded param's state is)
         entries = _key_major([(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items()
                               if _is(k, v, p, self.dtype)])
         res = {}
         for dev in dict.fromkeys(v.device for _, _, v in entries):
             mine = [e for e in entries if e[2].device == dev]
-            lows = [v for _, _, v in mine]
+            lows = [_local(v) for _, _, v in mine]
             scratch = torch.empty(sum(t.numel() for t in lows), dtype=torch.float32, device=dev)
             views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
             if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
             else: torch._foreach_copy_(views, lows)
-            for (d, k, _), v in zip(mine, views): d[k] = v
+            for (d, k, _), v in zip(mine, views): d[k] = _as(v, owner[id(d)])
             res[dev] = _Widened(mine, scratch, views)
         return res
 
@@ -117,7 +129,7 @@ class StateStorage:
 
     def zeros_like(self, p, k:str) -> Tensor:
         "A stored state tensor for the moving average `k` of `p`, all zeros (16-bit, or 8-bit codes and scales)."
-        if self.dtype == EIGHT_BIT: return state8.empty8(p.detach(), state8.signed_for(k), zero=True)
+        if self.dtype == EIGHT_BIT: return state8.empty8(_local(p.detach()), state8.signed_for(k), zero=True)
         return torch.zeros_like(p.detach(), dtype=self.dtype)
 
     def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None, numel:int|None=None):
@@ -140,7 +152,7 @@ class StateStorage:
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
         """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views
         in order: the usual case), then one fused copy back to 16-bit."""
-        srcs = [v for _, _, v in pairs]
+        srcs = [_local(v) for _, _, v in pairs]
         if (widened is not None and len(srcs) == len(widened.views)
                 and all(map(lambda a, b: a is b, srcs, widened.views))):
             flat = widened.scratch  # the step updated the views in place (the usual case): round the scratch itself
@@ -154,13 +166,13 @@ class StateStorage:
             t = old.get((id(d), k))
             dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
                         else torch.empty_like(v, dtype=self.dtype))
-        torch._foreach_copy_(dsts, srcs)  # (views of `flat`, rounded)
+        torch._foreach_copy_([_local(t) for t in dsts], srcs)  # (views of `flat`, rounded)
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
     def _quantize_back(self, pairs:list, old:dict, stochastic:bool):
         """Each of `pairs`' FP32 values quantized into the 8-bit tensor it was widened from (else into a new one),
         stochastically with `self.generator` (else to nearest)."""
-        dsts = []
+        dsts, pairs = [], [(d, k, _local(v)) for d, k, v in pairs]
         for d, k, v in pairs:
             t = old.get((id(d), k))
             dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
@@ -190,4 +202,5 @@ class StateStorage:
         if self.dtype is None: return
         for p, d in state.items():
             for k in list(d):  # each 16-bit tensor let go as soon as its FP32 one is made (not a param's at once)
-                if _is(k, d[k], p, self.dtype): d[k] = d[k].dequantize() if isinstance(d[k], State8) else d[k].float()
+                if not _is(k, d[k], p, self.dtype): continue
+                d[k] = _as(d[k].dequantize(), p) if isinstance(d[k], State8) else d[k].float()
