@@ -23,6 +23,9 @@ from .callbacks import ModelToHalf, MixedPrecision
 from .session import session_of, is_ours, _KEY
 from .weights import shared, dense_strides, Stream, own_storages
 from .monitor import PrecisionValue
+from .weights.optstate import opt_state
+from .distributed import is_fsdp
+from .fsdp import full_state_dict, load_full_state_dict, gathered, shard_state
 
 __all__ = ['PRECISION_KEY', 'precision_state', 'load_precision_state', 'fp32_view', 'fp32_model_state', 'save_atomic',
            'atomic_write', 'without_precision']
@@ -134,12 +137,19 @@ def _fp32_opt_state(learn, stream:Stream):
         with mp.store.opt_view() as opt: yield partial(mp.store.fp32_state_dict, opt, stream)
 
 class _OptLoader:
-    "Stands in for the optimizer in fastai's `load_model`: takes our key out of the state dict before loading it."
-    def __init__(self, opt): self.opt, self.precision = opt, None
+    """Stands in for the optimizer in fastai's `load_model`: takes our key out of the state dict before loading it
+    (`sharded`: the whole state then made this rank's shards, as its FSDP2 params are)."""
+    def __init__(self, opt, sharded:bool=False): self.opt, self.precision, self.sharded = opt, None, sharded
     def load_state_dict(self, sd):
         sd = dict(sd)
         self.precision = sd.pop(PRECISION_KEY, None)
         self.opt.load_state_dict(sd)
+        if self.sharded: shard_state(opt_state(self.opt))
+
+class _ShardedModel:
+    "Stands in for an FSDP2 model in fastai's `load_model`: the whole tensors of the file loaded as this rank's shards."
+    def __init__(self, model): self.model = model
+    def load_state_dict(self, sd, strict=True): return load_full_state_dict(self.model, sd, strict=strict)
 
 def save(self:Learner,
     file, # name in `self.path/self.model_dir` (`.pth` added)
@@ -150,6 +160,7 @@ def save(self:Learner,
     """Save the FP32 model (the masters mid-fit, the 16-bit model left as it is) and, if `with_opt`, the optimizer and
     loss-scaler state"""
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    if is_fsdp(get_model(self.model)): return _save_gathered(self, file, with_opt, pickle_protocol, **torch_save_kwargs)
     if rank_distrib(): return file  # don't save if child proc
     # mid-fit, nothing FP32 is made for the file but one tensor at a time, as torch.save writes it (its legacy format,
     # which writes a storage without asking its size first, gets them made before it starts)
@@ -160,6 +171,18 @@ def save(self:Learner,
                 osd, ps = opt_state_dict(), precision_state(self)
                 state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
             save_atomic(state, file, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+    return file
+
+def _save_gathered(learn, file, with_opt:bool, pickle_protocol:int, **kwargs):
+    """`save` of an FSDP2 learner: every rank gathers the whole model (and optimizer state) with the others, rank 0
+    writes the file of a one-process FP32 learner. Every rank must call it (`SaveModelCallback` does, on each)."""
+    state = full_state_dict(get_model(learn.model))
+    if with_opt and getattr(learn, 'opt', None) is not None:
+        with _fp32_opt_state(learn, Stream(eager=True)) as opt_state_dict: osd = gathered(opt_state_dict())
+        ps = precision_state(learn)
+        state = {'model': state, 'opt': {**osd, PRECISION_KEY: ps} if ps else osd}
+    if not rank_distrib(): save_atomic(state, file, pickle_protocol=pickle_protocol, **kwargs)
+    distrib_barrier()
     return file
 
 def save_atomic(obj, file, **kwargs):
@@ -175,8 +198,9 @@ def load(self:Learner, file, device=None, **kwargs):
     if self.opt is None: self.create_opt()
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     distrib_barrier()
-    opt = _OptLoader(self.opt)
-    with fp32_view(self): load_model(file, self.model, opt, device=device, **kwargs)
+    sharded = is_fsdp(get_model(self.model))  # FSDP2: the whole file, each rank taking its shards
+    opt, model = _OptLoader(self.opt, sharded), _ShardedModel(get_model(self.model)) if sharded else self.model
+    with fp32_view(self): load_model(file, model, opt, device=device, **kwargs)
     if kwargs.get('with_opt', True): load_precision_state(self, opt.precision)
     return self
 

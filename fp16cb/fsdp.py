@@ -26,7 +26,8 @@ from fastcore.basics import noop
 from .distributed import is_fsdp, patch_fastai
 
 __all__ = ['is_fsdp', 'fsdp_units', 'local', 'ShardPolicy', 'ReduceSink', 'shard_model', 'full_state_dict',
-           'load_full_state_dict', 'full_tensor', 'shard_like', 'DistributedData']
+           'load_full_state_dict', 'full_tensor', 'shard_like', 'DistributedData', 'gathered',
+           'shard_state']
 
 def fsdp_units(model:nn.Module) -> list:
     "The FSDP2 units of `model` (the modules `fully_shard` was called on), in `model.modules()`' order."
@@ -138,7 +139,8 @@ def shard_model(
     **kwargs, # more of `fully_shard`'s arguments (`reshard_after_forward`, ...)
 ) -> nn.Module:
     """`model` sharded with FSDP2 as fp16cb computes with it: each module kept FP32 (BatchNorm, `keep_fp32`) a unit of
-    its own, then each module of a class in `layers`, then the root. Call it before the learner makes its optimizer."""
+    its own, then each module of a class in `layers`, then the root. Call it before the learner makes its
+    optimizer."""
     from .policy import PrecisionPolicy
     kept = PrecisionPolicy.make(keep_fp32).resolve(model, warn=False).kept
     if mesh is not None: kwargs['mesh'] = mesh
@@ -162,9 +164,24 @@ def shard_like(t:torch.Tensor, like):
     if not isinstance(like, DTensor): return t
     return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
+def gathered(obj):
+    """`obj` (a state dict: dicts, lists and tuples of tensors and values) with every DTensor whole, on every rank (a
+    collective: every rank calls it, on the same structure)."""
+    if isinstance(obj, dict): return type(obj)((k, gathered(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, '_fields'): return type(obj)(gathered(v) for v in obj)
+    return full_tensor(obj).detach() if isinstance(obj, DTensor) else obj
+
 def full_state_dict(model:nn.Module) -> dict:
     "`model.state_dict()` with every sharded tensor whole, on every rank (a collective: every rank calls it)."
-    return {k: full_tensor(v).detach() for k, v in model.state_dict().items()}
+    return gathered(model.state_dict())
+
+def shard_state(state:dict):
+    """An optimizer's state (`{param: {key: value}}`) loaded whole made this rank's shards: each tensor shaped like its
+    sharded param becomes a DTensor of the param's placements (no communication: every rank read the whole file)."""
+    for p, st in state.items():
+        if not isinstance(p, DTensor): continue
+        for k, v in st.items():
+            if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape: st[k] = shard_like(v, p)
 
 def load_full_state_dict(model:nn.Module, sd:dict, strict:bool=True):
     "A whole state dict (`full_state_dict`, or a one-process learner's) into the sharded `model`: each rank its part."

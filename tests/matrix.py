@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from fastai.basics import Callback, SGD, Adam, OptimWrapper
@@ -30,6 +31,7 @@ from fastai.layers import BatchNorm
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.weights.optstate import opt_state
 from fp16cb.weights import state8
+from fp16cb.fsdp import full_tensor
 from conftest import make_learner, quiet_fit, seed_all
 
 # ---- what combines: fp16cb.compat, the one declaration
@@ -398,12 +400,10 @@ class Seen(Callback):
 
 def gathered(r:Run) -> Run:
     "`r` with its final params whole (FSDP2's shards gathered from every rank: a collective) and on the CPU."
-    from fp16cb.fsdp import full_tensor
     return r._replace(params={n: (i.cpu(), full_tensor(f).cpu()) for n, (i, f) in r.params.items()})
 
 def _fsdp_rank(out:Path):
     import warnings; warnings.filterwarnings('ignore')
-    import torch.distributed as dist
     from fp16cb import DistributedData
     from fp16cb.demos.ddp import init, shutdown
     torch.set_num_threads(1)
@@ -428,7 +428,50 @@ def _fsdp_rank(out:Path):
                          left=[type(c).__name__ for c in r.left], state=r.state_dtypes,
                          seen={k: sorted(getattr(seen, k, ())) for k in ('weights', 'state')})
         dist.barrier()
+    for mode in FSDP_CKPT_MODES: res[f'ckpt-{mode}'] = _resume(mode, out, rank, device)
+    res['skips'] = _one_rank_overflows(rank, device)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
     shutdown()
+
+FSDP_CKPT_MODES = ('fp16', 'bf16-state8')
+
+class InfOnRank1(Callback):
+    "After the 3rd backward, an inf in rank 1's shard of `lin2.weight`'s grad alone (rank 0's shards stay finite)."
+    def before_fit(self): self.n = 0
+    def after_backward(self):
+        self.n += 1
+        if self.n == 3 and dist.get_rank() == 1:
+            with torch.no_grad(): self.learn.model.lin2.weight.grad.to_local()[0, 0] = float('inf')
+
+def _one_rank_overflows(rank:int, device) -> dict:
+    "A sharded fp16 fit in which one rank's shard overflows at step 3: each rank's skips and loss scales."
+    from fp16cb import DistributedData
+    learn, _ = ddp_build('fp16', single=False, device=device)
+    fsdp_shard(learn)
+    quiet_fit(learn, 1, cbs=[DistributedData(), InfOnRank1()])
+    pcb = next(cb for cb in learn.precision_callbacks() if hasattr(cb, 'skips'))
+    return dict(skips=list(pcb.skips), scales=list(pcb.scales))
+
+def _resume(mode:str, out:Path, rank:int, device) -> dict:
+    """A sharded fit of 1 epoch saved (`learn.save`, every rank), then 2 more epochs; and a new sharded learner that
+    loads the file and fits the same 2: each one's gathered params (`OUT/rank{RANK}-ckpt-{mode}.pt`) and loss scales."""
+    from fp16cb import DistributedData
+    got, scales = {}, {}
+    with every_state_8bit(mode):
+        for name in ('through', 'resumed'):
+            learn, _ = ddp_build(mode, single=False, device=device)
+            learn.path = out
+            fsdp_shard(learn)
+            if name == 'through':
+                quiet_fit(learn, 1, cbs=DistributedData())
+                learn.save(f'mid-{mode}')
+                got['saved'] = {n: full_tensor(p).cpu() for n, p in learn.model.named_parameters()}
+            else: learn.load(f'mid-{mode}')
+            scales[name] = [float(cb.loss_scale) for cb in learn.precision_callbacks() if hasattr(cb, 'loss_scale')]
+            quiet_fit(learn, 2, cbs=DistributedData())
+            got[name] = {n: full_tensor(p).cpu() for n, p in learn.model.named_parameters()}
+            learn.to_fp32()
+    torch.save(got, out/f'rank{rank}-ckpt-{mode}.pt')
+    return dict(scales=scales)
 
 if __name__ == '__main__': (_fsdp_rank if sys.argv[2:] == ['fsdp2'] else _ddp_rank)(Path(sys.argv[1]))

@@ -16,7 +16,8 @@ from conftest import quiet_fit, ranks_device, ranks_env, ranks_backend
 from fp16cb import compat
 from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, OUTSIDE, OUTSIDE_OPTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict,
                     refused_at_setup, run,
-                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish, FSDP_MODES)
+                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish, FSDP_MODES,
+                    FSDP_CKPT_MODES)
 
 # The largest relative error of a param tensor's update, ||d - d_fp32|| / ||d_fp32||, per 16-bit dtype and weight
 # storage: what the agreeing cells reach (the whole grid on this model, 16 steps; over 5 seeds in brackets), with a
@@ -181,7 +182,9 @@ def fsdp_ranks(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp('matrix-fsdp2')
     launch([sys.executable, str(RANK), str(out), 'fsdp2'], nprocs=2, timeout=240, env=ranks_env(2))
     res = [json.loads((out/f'rank{r}.json').read_text()) for r in (0, 1)]
-    return {'where': [r['_where'] for r in res],
+    return {'where': [r['_where'] for r in res], 'out': out, 'skips': [r['skips'] for r in res],
+            **{f'ckpt-{m}': [(res[r][f'ckpt-{m}'], torch.load(out/f'rank{r}-ckpt-{m}.pt')) for r in (0, 1)]
+               for m in FSDP_CKPT_MODES},
             **{m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in FSDP_MODES}}
 
 _COMPUTE = {'fp16': 'float16', 'bf16': 'bfloat16'}
@@ -215,3 +218,30 @@ def test_fsdp2_trains_like_one_fp32_process_or_is_refused(fsdp_ranks, one_proces
     assert not bad, f"2 FSDP2 ranks off one FP32 process on the concatenated batches: {bad}"
     moved = changed(got, untouched(one_process))
     assert not moved, f"params FP32 leaves untouched changed: {', '.join(moved)}"
+
+@ddp_only
+@pytest.mark.parametrize('mode', FSDP_CKPT_MODES)
+def test_fsdp2_checkpoint_holds_every_shard_and_resumes_bit_for_bit(fsdp_ranks, mode):
+    """`learn.save` on every rank writes the whole model and optimizer state (the file of a one-process FP32 learner:
+    every shard, not rank 0's half), with the loss scaler's state; a new sharded learner that loads it fits on exactly
+    as the one that saved it did; and a one-process FP32 learner loads it."""
+    (s0, g0), (s1, g1) = fsdp_ranks[f'ckpt-{mode}']
+    assert s0['scales']['resumed'] == s0['scales']['through'] == s1['scales']['resumed']
+    for g in (g0, g1):
+        for n in g['through']: assert torch.equal(g['through'][n], g['resumed'][n]), n
+    sd = torch.load(fsdp_ranks['out']/'models'/f'mid-{mode}.pth', weights_only=False)
+    for n, p in g0['saved'].items(): assert torch.equal(sd['model'][n], p), n
+    shapes = {tuple(v.shape) for st in sd['opt']['state'] for v in st.values() if torch.is_tensor(v) and v.dim()}
+    assert 'fp16cb' in sd['opt'] and (8, 4) in shapes and shapes <= {tuple(p.shape) for p in g0['saved'].values()}
+    learn, _ = ddp_build(None, single=True)
+    learn.load(fsdp_ranks['out']/'models'/f'mid-{mode}')  # a one-process FP32 learner
+    for n, p in learn.model.named_parameters(): assert torch.equal(p.detach().cpu(), g0['saved'][n]), n
+    assert all(v.dtype == torch.float32 for st in learn.opt.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim())
+
+@ddp_only
+def test_fsdp2_skip_and_scale_agree_when_one_ranks_shard_overflows(fsdp_ranks):
+    """fp16 on 2 sharded ranks, an inf in rank 1's shard of a grad alone at step 3: both ranks skip that step and keep
+    the same loss scale (without the all-reduce of the check, rank 0 stepped and the ranks hung apart)."""
+    r0, r1 = fsdp_ranks['skips']
+    assert r0 == r1 and r0['skips'][2] and sum(r0['skips']) == 1, r0

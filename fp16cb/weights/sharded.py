@@ -42,6 +42,10 @@ class ShardedParams(ModelParams):
         for k, gis in enumerate(sets):
             yield gis, [g for i in gis for g in groups[i]], (max_norm / (sq[k].sqrt() * factor + 1e-6)).clamp_(max=1.)
 
+    def fp32_state_dict(self, opt, stream) -> dict:
+        "`opt.state_dict()` in FP32: this rank's shards, as DTensors (a save gathers them whole)."
+        return opt.state_dict()
+
     def broadcast_from(self, src:int=0):
         "Each rank holds its own shards: only the stochastic rounding's generator is rank `src`'s."
         self._broadcast_generator(src)

@@ -27,7 +27,7 @@ from .layout import flat_views
 from . import state8
 from .state8 import State8
 
-__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16']
+__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16', 'as_state_of']
 
 _NULL = nullcontext()
 
@@ -63,7 +63,7 @@ def _is(k, v, p, dtype) -> bool:
 # codes of the shard), widened and rounded on the local tensors, and given to the optimizer as DTensors again
 def _local(t): return t.to_local() if isinstance(t, DTensor) else t
 
-def _as(t:Tensor, p) -> Tensor:
+def as_state_of(t:Tensor, p) -> Tensor:
     "The local FP32 tensor `t` as the state of `p`: a DTensor over it for a sharded `p` (no copy), else `t`."
     if not isinstance(p, DTensor) or isinstance(t, DTensor): return t
     return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
@@ -116,7 +116,7 @@ class StateStorage:
             views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
             if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
             else: torch._foreach_copy_(views, lows)
-            for (d, k, _), v in zip(mine, views): d[k] = _as(v, owner[id(d)])
+            for (d, k, _), v in zip(mine, views): d[k] = as_state_of(v, owner[id(d)])
             res[dev] = _Widened(mine, scratch, views)
         return res
 
@@ -203,4 +203,4 @@ class StateStorage:
         for p, d in state.items():
             for k in list(d):  # each 16-bit tensor let go as soon as its FP32 one is made (not a param's at once)
                 if not _is(k, d[k], p, self.dtype): continue
-                d[k] = _as(d[k].dequantize(), p) if isinstance(d[k], State8) else d[k].float()
+                d[k] = as_state_of(d[k].dequantize(), p) if isinstance(d[k], State8) else d[k].float()

@@ -25,6 +25,7 @@ from .drivers import FUSED, _same_order
 from .layout import memory_order
 from .optstate import wrapped, elementwise, fastai_update, sliced_update, sliced_torch_step
 from .state8 import State8
+from .state_storage import as_state_of
 
 __all__ = ['STORED', 'HALF', 'STATE_CHUNK', 'state_chunk', 'fastai_step', 'fastai_state_dict', 'wrapper_step',
            'TorchHooks', 'wide_copy', 'as_stored', 'step_one', 'chunks']
@@ -110,12 +111,12 @@ def wrapper_step(self, closure=None):
     if hooks is not None and closure is None: return hooks.step()
     return self.opt.step() if closure is None else self.opt.step(closure)
 
-def wide_copy(d:dict, dtype) -> dict:
-    """A param's state dict `d` with each moving average stored in `dtype` ('8bit': 8-bit codes) replaced by its FP32
-    value, in a tensor of its own (the other entries are `d`'s own)."""
+def wide_copy(d:dict, dtype, p=None) -> dict:
+    """The state dict `d` of param `p` with each moving average stored in `dtype` ('8bit': 8-bit codes) replaced by its
+    FP32 value, in a tensor of its own (a DTensor for an FSDP2 param); the other entries are `d`'s own."""
     def wide(k, v):
         if not (k in MOVING_AVERAGES and isinstance(v, Tensor) and v.dim() > 0): return v
-        if isinstance(v, State8): return v.dequantize()
+        if isinstance(v, State8): return as_state_of(v.dequantize(), p)
         return v.float() if v.dtype == dtype else v
     return {k: wide(k, v) for k, v in d.items()}
 
@@ -133,7 +134,7 @@ def fastai_state_dict(self) -> dict:
     narrow, its FP32 values (copies), as an FP32 learner's."""
     storage = None if _RAW else STORED.get(self)
     state = [self.state[p] for p, *_ in self.all_params()]
-    if storage is not None: state = [wide_copy(d, storage.dtype) for d in state]
+    if storage is not None: state = [wide_copy(self.state[p], storage.dtype, p) for p, *_ in self.all_params()]
     return {'state': state, 'hypers': self.hypers}
 
 class TorchHooks:
@@ -187,7 +188,8 @@ class TorchHooks:
 
     def _fp32(self, opt, sd:dict) -> dict:
         if 'state' in sd and not _RAW:
-            sd['state'] = {i: wide_copy(d, self.storage.dtype) for i, d in sd['state'].items()}
+            ps = [p for g in opt.param_groups for p in g['params']]  # (the state dict's indices)
+            sd['state'] = {i: wide_copy(d, self.storage.dtype, ps[i]) for i, d in sd['state'].items()}
         return sd
 
     def remove(self):
