@@ -62,9 +62,9 @@ def check_sharded(model:nn.Module, kept:dict, names:dict):
         unit = owner[id(m)]
         if (id(m) in kept) != (id(unit) in kept):
             name, what = names.get(id(m), type(m).__name__), 'stays FP32' if id(m) in kept else 'computes in 16 bits'
-            raise ValueError(f"`{name or 'the model'}` ({type(m).__name__}) {what}, but FSDP2 casts all the params of a "
-                             f"unit together, and it shares its unit with modules that do not: call `fully_shard` on "
-                             f"it alone before its parent's (`fp16cb.shard_model` does so for BatchNorm and "
+            raise ValueError(f"`{name or 'the model'}` ({type(m).__name__}) {what}, but FSDP2 casts all the params "
+                             f"of a unit together, and it shares its unit with modules that do not: call `fully_shard` "
+                             f"on it alone before its parent's (`fp16cb.shard_model` does so for BatchNorm and "
                              f"`keep_fp32`).")
 
 class ShardPolicy:
