@@ -410,6 +410,8 @@ def _fsdp_rank(out:Path):
     rank, res = init(timeout=60), {}
     device = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
     res['_where'] = dict(backend=dist.get_backend(), device=str(device))
+    from fp16cb.weights import stored
+    stored.STATE_CHUNK = {'cpu': 16, 'cuda': 16}  # the state widened a few params at a time (a large param: sliced)
     for mode in FSDP_MODES:
         with every_state_8bit(mode):
             learn, error = ddp_build(mode, single=False, device=device)

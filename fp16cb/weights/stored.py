@@ -19,6 +19,7 @@ import weakref
 from contextlib import nullcontext, contextmanager
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..compat import MOVING_AVERAGES
 from .drivers import FUSED, _same_order
@@ -90,8 +91,10 @@ def chunks(items:list, key=lambda p: p, limit=state_chunk) -> list:
     return res
 
 def _sliceable(p, core) -> bool:
-    "Whether `p` is stepped a slice at a time: bigger than a chunk, its grad in its memory order, `core` elementwise."
-    return p.numel() > state_chunk(p.device) and _same_order(p, p.grad) and elementwise(core)
+    """Whether `p` is stepped a slice at a time: bigger than a chunk, its grad in its memory order, `core` elementwise
+    (not an FSDP2 param: a DTensor is stepped whole, its shard being what this rank holds)."""
+    return (p.numel() > state_chunk(p.device) and not isinstance(p, DTensor) and _same_order(p, p.grad)
+            and elementwise(core))
 
 def _slices(p) -> tuple:
     "`(lift, land)` for a sliced step of the model's own param `p`: a slice of it in memory order, with its grad's."
