@@ -290,6 +290,11 @@ RULES += (
          "`learn.to_fp16()`, which set FSDP2's own mixed precision (16-bit all-gathers, FP32 reductions) and a loss "
          "scale whose skips agree on every rank. Autocast would cast the FP32 params FSDP2 all-gathers, each forward.",
          reason="FSDP2 computes in 16 bits through its `MixedPrecisionPolicy`, which `to_bf16`/`to_fp16` set."),
+    Rule('fsdp-ddp', FIT, lambda f: f.ddp and f.fsdp,
+         "fastai's `distrib_ctx()` (`DistributedTrainer`) cannot train " + _FSDP + ": it would wrap the sharded model "
+         "in DistributedDataParallel. Fit with `cbs=fp16cb.DistributedData()` instead: each rank takes its part of "
+         "every batch, as under `distrib_ctx()`, and the model stays as FSDP2 sharded it.",
+         reason="fastai's `distrib_ctx()` wraps the model in DDP: use `fp16cb.DistributedData()` for the data."),
     Rule('fsdp-half', FIT, lambda f: not f.native and f.half_storage and f.fsdp,
          "half_storage=True cannot be used with " + _FSDP + ": drop half_storage. FSDP2 keeps the sharded params "
          "FP32 and all-gathers them in 16 bits; each rank holds 1/world of them already, and there is no 16-bit copy "

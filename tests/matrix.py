@@ -432,6 +432,9 @@ def _fsdp_rank(out:Path):
         dist.barrier()
     for mode in FSDP_CKPT_MODES: res[f'ckpt-{mode}'] = _resume(mode, out, rank, device)
     res['skips'] = _one_rank_overflows(rank, device)
+    res['refused'] = _setups_refused(rank, device)
+    torch.save(_clipped(rank, device), out/f'rank{rank}-clipped.pt')
+    res['one-process'] = _loads_one_process_file(out, rank, device)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
     shutdown()
 
@@ -452,7 +455,65 @@ def _one_rank_overflows(rank:int, device) -> dict:
     fsdp_shard(learn)
     quiet_fit(learn, 1, cbs=[DistributedData(), InfOnRank1()])
     pcb = next(cb for cb in learn.precision_callbacks() if hasattr(cb, 'skips'))
-    return dict(skips=list(pcb.skips), scales=list(pcb.scales))
+    return dict(skips=list(pcb.skips), scales=list(pcb.scales), overflowed=[o['params'] for o in pcb.overflows])
+
+CLIP = .01  # binds on every step (the grads' global norm here: 0.06 to 0.4)
+
+def _clipped(rank:int, device) -> dict:
+    "A sharded `to_fp16(clip=CLIP, clip_global=True)` fit of `DDP_EPOCHS`: its gathered params, initial and final."
+    from fp16cb import DistributedData
+    learn, _ = build(None, DDP_OPT, 'ddp', n_train=DDP_N, bn=False)
+    train = learn.dls.train
+    learn.dls.loaders[0] = train.new(ddp_order(list(train.dataset)))
+    learn.dls.to(device); learn.model.to(device)
+    learn.to_fp16(clip=CLIP, clip_global=True)
+    init_w = snapshot(learn)
+    fsdp_shard(learn)
+    quiet_fit(learn, DDP_EPOCHS, cbs=DistributedData())
+    return {n: (init_w[n].cpu(), full_tensor(p).cpu()) for n, p in learn.model.named_parameters()}
+
+def _setups_refused(rank:int, device) -> dict:
+    """What `to_bf16()` says of sharded models it cannot compute with: the root not sharded, a BatchNorm in a 16-bit
+    unit, fastai's `distrib_ctx()` (a DDP wrap) around a sharded model; and the FSDP2 policy after a fit."""
+    from torch.distributed.fsdp import fully_shard
+    import fastai.distributed  # noqa: F401  (Learner.distrib_ctx)
+    from fp16cb import DistributedData
+    res = {}
+    for case in ('no-root', 'bn-shared', 'distrib_ctx'):
+        learn, _ = build('bf16', DDP_OPT, 'ddp', n_train=DDP_N, bn=case == 'bn-shared')
+        learn.model.to(device)
+        for m in (learn.model.lin1, learn.model.lin2): fully_shard(m)
+        if case != 'no-root': fully_shard(learn.model)
+        try:
+            if case == 'distrib_ctx':
+                with learn.distrib_ctx(sync_bn=False, cpu=device.type == 'cpu'): quiet_fit(learn, 1)
+            else: quiet_fit(learn, 1, cbs=DistributedData())
+            res[case] = None
+        except (ValueError, TypeError) as e: res[case] = f'{type(e).__name__}: {e}'
+    learn, _ = ddp_build('bf16', single=False, device=device)
+    fsdp_shard(learn)
+    quiet_fit(learn, 1, cbs=DistributedData())
+    res['policies_after'] = sorted({repr(m._get_fsdp_state()._mp_policy) for m in learn.model.modules()
+                                    if hasattr(m, '_get_fsdp_state')})
+    return res
+
+def _loads_one_process_file(out:Path, rank:int, device) -> dict:
+    """A one-process FP32 learner's file (a fit on the concatenated batches, written by rank 0) loaded into a sharded
+    `to_bf16()` learner: its gathered params, and the file's."""
+    learn, _ = ddp_build(None, single=True, device=device)
+    learn.path = out
+    quiet_fit(learn, 1)
+    if rank == 0: learn.save('one-process')
+    dist.barrier()
+    one = {n: p.detach().cpu().clone() for n, p in learn.model.named_parameters()}
+    learn, _ = ddp_build('bf16', single=False, device=device)
+    learn.path = out
+    fsdp_shard(learn)
+    learn.load('one-process')
+    got = {n: full_tensor(p).cpu() for n, p in learn.model.named_parameters()}
+    return dict(equal=all(torch.equal(one[n], got[n]) for n in one), opt_sharded=all(
+        type(v).__name__ == 'DTensor' for st in opt_state(learn.opt).values() for v in st.values()
+        if torch.is_tensor(v) and v.dim()))
 
 def _resume(mode:str, out:Path, rank:int, device) -> dict:
     """A sharded fit of 1 epoch saved (`learn.save`, every rank), then 2 more epochs; and a new sharded learner that

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from conftest import quiet_fit, ranks_device, ranks_env, ranks_backend
 from fp16cb import compat
@@ -183,6 +184,8 @@ def fsdp_ranks(tmp_path_factory) -> dict:
     launch([sys.executable, str(RANK), str(out), 'fsdp2'], nprocs=2, timeout=240, env=ranks_env(2))
     res = [json.loads((out/f'rank{r}.json').read_text()) for r in (0, 1)]
     return {'where': [r['_where'] for r in res], 'out': out, 'skips': [r['skips'] for r in res],
+            'refused': [r['refused'] for r in res], 'one-process': [r['one-process'] for r in res],
+            'clipped': [torch.load(out/f'rank{r}-clipped.pt') for r in (0, 1)],
             **{f'ckpt-{m}': [(res[r][f'ckpt-{m}'], torch.load(out/f'rank{r}-ckpt-{m}.pt')) for r in (0, 1)]
                for m in FSDP_CKPT_MODES},
             **{m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in FSDP_MODES}}
@@ -245,3 +248,37 @@ def test_fsdp2_skip_and_scale_agree_when_one_ranks_shard_overflows(fsdp_ranks):
     the same loss scale (without the all-reduce of the check, rank 0 stepped and the ranks hung apart)."""
     r0, r1 = fsdp_ranks['skips']
     assert r0 == r1 and r0['skips'][2] and sum(r0['skips']) == 1, r0
+    assert r0['overflowed'] == [['lin2.weight']]  # named on rank 0 too, whose shards stayed finite
+
+@ddp_only
+def test_fsdp2_refuses_what_it_cannot_compute_with_and_gives_the_policy_back(fsdp_ranks):
+    """A model sharded in part (the root not a unit), a BatchNorm sharing a 16-bit unit, fastai's `distrib_ctx()`
+    around a sharded model: each refused at set-up with a sentence that says what to do. After a fit, every unit has
+    the policy it had before it (FSDP2's default: FP32)."""
+    for r in fsdp_ranks['refused']:
+        assert 'call `fully_shard(model)` on the root too' in r['no-root'], r['no-root']
+        assert '`bn` (BatchNorm1d) stays FP32' in r['bn-shared'] and 'fp16cb.shard_model' in r['bn-shared']
+        assert verdict('bf16', DDP_OPT, 'plain') is None and 'fp16cb.DistributedData()' in r['distrib_ctx']
+        assert r['policies_after'] == [repr(MixedPrecisionPolicy())]
+
+@ddp_only
+def test_fsdp2_learner_loads_a_one_process_file(fsdp_ranks):
+    "A one-process FP32 learner's file loads into a sharded learner: the whole weights, the optimizer state as shards."
+    assert fsdp_ranks['one-process'] == [dict(equal=True, opt_sharded=True)] * 2
+
+@ddp_only
+def test_fsdp2_clips_by_the_norm_of_the_whole_grads(fsdp_ranks, one_process):
+    """`to_fp16(clip=c, clip_global=True)` on 2 sharded ranks, a clip that binds on every step: one FP32 process with
+    fastai's `GradientClip(c)` on the concatenated batches, within fp16's tolerance (clipping each rank's shards by
+    their own norm would step each param by another factor)."""
+    from fastai.callback.training import GradientClip
+    from matrix import CLIP
+    c0, c1 = fsdp_ranks['clipped']
+    learn, _ = ddp_build(None, single=True, device=ranks_device(2))
+    init = snapshot(learn)
+    quiet_fit(learn, DDP_EPOCHS, cbs=GradientClip(CLIP))
+    ref = on_cpu(finish(learn, init, None))
+    assert all(torch.equal(c0[n][1], c1[n][1]) for n in c0)
+    bad = worst(rel_errors(ref._replace(params=c0), ref), tolerance('fp16'))
+    assert not bad, f"clipped on 2 FSDP2 ranks, off one FP32 process: {bad}"
+    assert worst(rel_errors(one_process._replace(params=c0), one_process), tolerance('fp16')), "the clip never bound"

@@ -42,6 +42,16 @@ class ShardedParams(ModelParams):
         for k, gis in enumerate(sets):
             yield gis, [g for i in gis for g in groups[i]], (max_norm / (sq[k].sqrt() * factor + 1e-6)).clamp_(max=1.)
 
+    def skip(self) -> tuple:
+        """The step overflowed on some rank: its grads go. Which params held inf/NaN is every rank's together (each
+        flag all-reduced with MAX: the param is named on every rank, whichever rank's shard overflowed)."""
+        flags, names = super().skip()
+        if flags is not None and is_multiprocess():
+            f = flags.to(torch.uint8)
+            dist.all_reduce(f, op=dist.ReduceOp.MAX)
+            flags = f.bool()
+        return flags, names
+
     def fp32_state_dict(self, opt, stream) -> dict:
         "`opt.state_dict()` in FP32: this rank's shards, as DTensors (a save gathers them whole)."
         return opt.state_dict()
