@@ -12,27 +12,15 @@ from torch import nn
 from fastai.basics import Learner, DataLoaders, Adam, MSELossFlat, Callback
 
 import fp16cb  # noqa: F401
-from fp16cb.fsdp import local
-from fp16cb.weights.state8 import State8
-from fp16cb.weights.optstate import opt_state
+from fp16cb.demos.fsdp import state_bytes
 
 MODES = {'bf16': {}, 'bf16-state': dict(state_dtype=torch.bfloat16), 'bf16-state8': dict(state_dtype='8bit')}
-
-def nbytes(t) -> int:
-    "Bytes this rank holds for `t` (a DTensor: its shard; 8-bit state: codes and block scales)."
-    t = local(t)
-    if isinstance(t, State8): return t.numel() + t.scale.numel() * 4
-    return t.numel() * t.element_size()
 
 class Count(Callback):
     "Bytes of params, grads and optimizer state at the first `after_step`."
     order = 30
     def after_step(self):
-        if hasattr(self, 'res'): return
-        ps = [p for p in self.learn.model.parameters() if p.requires_grad]
-        st = opt_state(self.learn.opt)
-        self.res = dict(params=sum(nbytes(p) for p in ps), grads=sum(nbytes(p.grad) for p in ps if p.grad is not None),
-                        state=sum(nbytes(v) for p in ps for v in st.get(p, {}).values() if torch.is_tensor(v) and v.dim()))
+        if not hasattr(self, 'res'): self.res = state_bytes(self.learn)
 
 def mlp(width:int=1536) -> nn.Module:
     torch.manual_seed(0)
