@@ -34,7 +34,8 @@ def test_every_rule_is_reachable_and_every_axis_named():
              refusal(Facts(step_in_backward=True, unit_scale=True, flat_master=True)),
              refusal(Facts(state_dtype=torch.float16)), refusal(Facts(half_storage=True, flat_master=True)),
              refusal(Facts(stochastic_rounding=False)),
-             refusal(Facts(step_in_backward=True, unit_scale=True, optimizer='fastai', sparse_grads=('emb',)))}
+             refusal(Facts(step_in_backward=True, unit_scale=True, optimizer='fastai', sparse_grads=('emb',))),
+             refusal(Facts(ddp=True, fsdp=True))}
     assert {r.name for r in cells | extra if r is not None} == {r.name for r in RULES}
     assert verdict('bf16', 'adam', 'plain') is None and 'DDP' in verdict('bf16-sib', 'adam', 'ddp')
 
