@@ -101,17 +101,24 @@ def _parents(model:nn.Module) -> dict:
 def _set_policy(unit, policy:MixedPrecisionPolicy):
     """`policy` on the FSDP2 unit `unit` and its param groups (torch has no public call to change a unit's policy
     after `fully_shard`): resharded, its params' dtypes set again, their all-gather buffers made anew at the next
-    forward."""
-    unit.reshard()
+    forward. A unit that has `policy` already is left as it is."""
     state = unit._get_fsdp_state()
-    state._mp_policy = policy
-    for g in state._fsdp_param_groups:
-        g.mp_policy = policy
-        for fp in g.fsdp_params:
-            fp.mp_policy = policy
-            fp.all_gather_outputs = []
-            if hasattr(fp, '_unsharded_param'): del fp._unsharded_param
-        g._init_mp_dtypes()
+    if getattr(state, '_mp_policy', None) == policy: return
+    unit.reshard()
+    try:
+        groups = state._fsdp_param_groups
+        state._mp_policy = policy
+        for g in groups:
+            g.mp_policy = policy
+            for fp in g.fsdp_params:
+                fp.mp_policy = policy
+                fp.all_gather_outputs = []
+                if hasattr(fp, '_unsharded_param'): del fp._unsharded_param
+            g._init_mp_dtypes()
+    except AttributeError as e:
+        raise RuntimeError(f"fp16cb cannot set the mixed precision of this torch's FSDP2 units ({torch.__version__}: "
+                           f"{e}). Shard the model with the policy itself: `fully_shard(module, mp_policy="
+                           f"{policy!r})` on each unit, then `learn.to_bf16()`/`to_fp16()` finds it set.") from e
 
 class ReduceSink:
     """Where a sharded model's grads arrive: reduce-scattered in FP32 and divided by the ranks' count times the loss
