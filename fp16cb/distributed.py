@@ -1,8 +1,8 @@
 """Multi-process training (torch's `DistributedDataParallel`, launched by `torchrun` or `accelerate launch`, wrapped by
 hand or by fastai's `to_distributed`/`distrib_ctx`): what the precision callbacks need so that every rank agrees.
 
-- Whether a model's steps must agree between processes (`syncs`: several processes and a DDP model), and the step's
-  stats taking every rank's worst (`all_max_`): the overflow flag and the lognormal scaler's largest |grad| are
+- Whether a model's steps must agree between processes (`syncs`: several processes and a DDP or FSDP2 model), and the
+  step's stats taking every rank's worst (`all_max_`): the overflow flag and the lognormal scaler's largest |grad| are
   all-reduced (MAX) before the step's one host sync reads them (`step_reducer`, chosen once at a fit's first batch), so
   an inf on one rank skips the step on every rank and the loss scale is the same everywhere.
 - At the start of a fit the FP32 masters are broadcast from rank 0 (DDP broadcasts the model's params when it wraps
@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-try: from torch.distributed.fsdp import FSDPModule
-except ImportError: FSDPModule = None  # a torch without FSDP2
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError: FSDPModule = DTensor = None  # a torch without FSDP2
 
-__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'syncs', 'all_max_', 'reduce_max_', 'step_reducer',
-           'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'is_sharded', 'syncs', 'all_max_', 'reduce_max_',
+           'step_reducer', 'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
 
 def world_size() -> int:
     "The number of processes training together (1 when torch.distributed is not initialized)."
@@ -37,6 +39,10 @@ def is_ddp(model) -> bool: return isinstance(model, DDP)
 def is_fsdp(model) -> bool:
     "Whether `model` is sharded with PyTorch FSDP2 (`fully_shard` was called on it: the root of its units)."
     return FSDPModule is not None and isinstance(model, FSDPModule)
+
+def is_sharded(model) -> bool:
+    "Whether FSDP2 shards `model` or some of it (the root a unit, or a param a DTensor)."
+    return is_fsdp(model) or (DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters()))
 
 def syncs(model) -> bool:
     """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP or an FSDP2 module

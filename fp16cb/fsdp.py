@@ -25,7 +25,7 @@ from fastcore.basics import noop
 
 from .distributed import is_fsdp, patch_fastai
 
-__all__ = ['is_fsdp', 'sharded', 'fsdp_units', 'local', 'ShardPolicy', 'ReduceSink', 'shard_model', 'full_state_dict',
+__all__ = ['is_fsdp', 'fsdp_units', 'local', 'ShardPolicy', 'ReduceSink', 'shard_model', 'full_state_dict',
            'load_full_state_dict', 'full_tensor', 'shard_like', 'DistributedData', 'gathered',
            'shard_state']
 
@@ -36,10 +36,6 @@ def fsdp_units(model:nn.Module) -> list:
 def local(t):
     "This rank's shard of `t` (a DTensor), or `t` itself: the same memory, so that writing it writes `t`."
     return t.to_local() if isinstance(t, DTensor) else t
-
-def sharded(model:nn.Module) -> bool:
-    "Whether FSDP2 shards `model` or some of it (the root a unit, or a param a DTensor)."
-    return is_fsdp(model) or any(isinstance(p, DTensor) for p in model.parameters())
 
 def _groups(unit) -> list: return list(unit._get_fsdp_state()._fsdp_param_groups)
 

@@ -11,8 +11,8 @@ from ..weights import shared
 from ..compat import Facts, check, float64_layers, FIT, STEP
 from ..session import SessionCallback
 from ..policy import PrecisionPolicy, policy_report, named_modules
-from ..distributed import rewrap, is_ddp, is_fsdp
-from ..fsdp import ShardPolicy, sharded
+from ..distributed import rewrap, is_ddp, is_sharded
+from ..fsdp import ShardPolicy
 from .casts import cast_floats, _cast_inputs, _floats, IslandHooks, EntryCasts, RangeWatch
 from .copies import ComputeCopies
 
@@ -78,7 +78,7 @@ class ModelToHalf(SessionCallback):
         warn_slow_half(self.dtype, model_device(model))
         self.check_model(model)  # before the model is converted
         res = self.policy.resolve(model, warn=False)
-        if sharded(model): return self._shard_policy(model, res)
+        if is_sharded(model): return self._shard_policy(model, res)
         if self._uses_copies(): self.copies = ComputeCopies(model, res.kept, self.dtype)
         else: self.originals = convert_network_keeping(model, self.dtype, keep=set(res.kept))
         self.islands = IslandHooks(model, res.islands, self.dtype)  # no hooks by default: BatchNorm takes 16-bit inputs
