@@ -327,11 +327,11 @@ def ddp_order(items:list, bs:int=BS, world:int=2) -> list:
     from fp16cb.demos.ddp import shard
     return [x for r in range(world) for x in shard(items, bs, r, world)]
 
-def ddp_build(mode:str|None, single:bool, device='cpu'):
+def ddp_build(mode:str|None, single:bool, device='cpu', opt:str=DDP_OPT):
     """The DDP subset's learner: no BatchNorm (its batch statistics are each rank's own); the data ordered for
     `DistributedDL`, or (`single`) one process on the 2 ranks' batches concatenated (batches of 32, in order); the
-    model and the data on `device` (where the ranks train)."""
-    learn, error = build(mode, DDP_OPT, 'ddp', n_train=DDP_N, bn=False)
+    model and the data on `device` (where the ranks train); the optimizer `opt`."""
+    learn, error = build(mode, opt, 'ddp', n_train=DDP_N, bn=False)
     train = learn.dls.train
     learn.dls.loaders[0] = train.new(bs=2*BS) if single else train.new(ddp_order(list(train.dataset)))
     learn.dls.to(device); learn.model.to(device)
@@ -373,8 +373,9 @@ def _ddp_rank(out:Path):
 
 # ---- the FSDP2 subset: one rank (`python tests/matrix.py OUT fsdp2`)
 
-FSDP_MODES = ('fp16', 'bf16', 'bf16-keep', 'bf16-state', 'bf16-state8', 'fp16-clip', 'bf16-half', 'bf16-sib',
-              'bf16-flat', 'native-bf16')
+FSDP_MODES = ('fp16', 'bf16', 'bf16-keep', 'bf16-state', 'bf16-state8', 'fp16-clip', 'fp16-lognormal', 'bf16-half',
+              'bf16-sib', 'bf16-flat', 'native-bf16')
+FSDP_CELLS = tuple((m, DDP_OPT) for m in FSDP_MODES) + tuple((m, 'torch') for m in ('fp16', 'bf16-state', 'bf16-state8'))
 
 def fsdp_shard(learn):
     """`learn.model` sharded with FSDP2 as a user would before the fit (`fp16cb.shard_model`): each Linear a unit, the
@@ -412,9 +413,9 @@ def _fsdp_rank(out:Path):
     res['_where'] = dict(backend=dist.get_backend(), device=str(device))
     from fp16cb.weights import stored
     stored.STATE_CHUNK = {'cpu': 16, 'cuda': 16}  # the state widened a few params at a time (a large param: sliced)
-    for mode in FSDP_MODES:
+    for mode, opt in FSDP_CELLS:
         with every_state_8bit(mode):
-            learn, error = ddp_build(mode, single=False, device=device)
+            learn, error = ddp_build(mode, single=False, device=device, opt=opt)
             torch.manual_seed(1000 + rank)
             init_w = snapshot(learn)
             if error is None:
@@ -424,11 +425,11 @@ def _fsdp_rank(out:Path):
                     quiet_fit(learn, DDP_EPOCHS, cbs=[DistributedData(), seen])
                 except (ValueError, TypeError) as e: error = e
             r = gathered(finish(learn, init_w, error))
-        torch.save(r.params, out/f'rank{rank}-{mode}.pt')
-        res[mode] = dict(error=None if error is None else f'{type(error).__name__}: {error}', n_steps=r.n_steps,
-                         losses=r.losses, dtypes=sorted({str(d) for d in r.dtypes.values()}),
-                         left=[type(c).__name__ for c in r.left], state=r.state_dtypes,
-                         seen={k: sorted(getattr(seen, k, ())) for k in ('weights', 'state')})
+        torch.save(r.params, out/f'rank{rank}-{mode}-{opt}.pt')
+        res[f'{mode}-{opt}'] = dict(error=None if error is None else f'{type(error).__name__}: {error}',
+                                    n_steps=r.n_steps, losses=r.losses, dtypes=sorted({str(d) for d in r.dtypes.values()}),
+                                    left=[type(c).__name__ for c in r.left], state=r.state_dtypes,
+                                    seen={k: sorted(getattr(seen, k, ())) for k in ('weights', 'state')})
         dist.barrier()
     for mode in FSDP_CKPT_MODES: res[f'ckpt-{mode}'] = _resume(mode, out, rank, device)
     res['skips'] = _one_rank_overflows(rank, device)

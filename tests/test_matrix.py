@@ -17,7 +17,7 @@ from conftest import quiet_fit, ranks_device, ranks_env, ranks_backend
 from fp16cb import compat
 from matrix import (MODES, OPTIMIZERS, GRID_CONTEXTS, OUTSIDE, OUTSIDE_OPTS, DDP_MODES, DDP_OPT, DDP_EPOCHS, verdict,
                     refused_at_setup, run,
-                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish, FSDP_MODES,
+                    fp32_reference, rel_errors, untouched, changed, ddp_build, on_cpu, snapshot, finish, FSDP_CELLS,
                     FSDP_CKPT_MODES)
 
 # The largest relative error of a param tensor's update, ||d - d_fp32|| / ||d_fp32||, per 16-bit dtype and weight
@@ -188,21 +188,33 @@ def fsdp_ranks(tmp_path_factory) -> dict:
             'clipped': [torch.load(out/f'rank{r}-clipped.pt') for r in (0, 1)],
             **{f'ckpt-{m}': [(res[r][f'ckpt-{m}'], torch.load(out/f'rank{r}-ckpt-{m}.pt')) for r in (0, 1)]
                for m in FSDP_CKPT_MODES},
-            **{m: [(res[r][m], torch.load(out/f'rank{r}-{m}.pt')) for r in (0, 1)] for m in FSDP_MODES}}
+            **{(m, o): [(res[r][f'{m}-{o}'], torch.load(out/f'rank{r}-{m}-{o}.pt')) for r in (0, 1)]
+               for m, o in FSDP_CELLS}}
 
 _COMPUTE = {'fp16': 'float16', 'bf16': 'bfloat16'}
 _STORED = {'bf16-state': 'DTensor:bfloat16', 'bf16-state8': 'State8:uint8'}
+_REFS = {}
+
+def one_fp32_process(opt:str):
+    "Plain FP32 fastai in this process with `opt` on the two ranks' batches concatenated (cached)."
+    if opt not in _REFS:
+        learn, _ = ddp_build(None, single=True, device=ranks_device(2), opt=opt)
+        init = snapshot(learn)
+        quiet_fit(learn, DDP_EPOCHS)
+        _REFS[opt] = on_cpu(finish(learn, init, None))
+    return _REFS[opt]
 
 @ddp_only
-@pytest.mark.parametrize('mode', FSDP_MODES)
-def test_fsdp2_trains_like_one_fp32_process_or_is_refused(fsdp_ranks, one_process, mode):
+@pytest.mark.parametrize('mode,opt', FSDP_CELLS)
+def test_fsdp2_trains_like_one_fp32_process_or_is_refused(fsdp_ranks, mode, opt):
     """Supported: the ranks learn, computing with 16-bit all-gathered weights (the kept layer with FP32 ones), their
     state stored as the mode says; gathered, both hold the same full model, that of one FP32 process on the
     concatenated batches within the mode's tolerance. Refused: at set-up, on every rank, with compat's sentence."""
-    (r0, p0), (r1, p1) = fsdp_ranks[mode]
+    (r0, p0), (r1, p1) = fsdp_ranks[(mode, opt)]
+    one_process = one_fp32_process(opt)
     cuda = ranks_device(2).type == 'cuda'
     assert fsdp_ranks['where'] == [dict(backend=ranks_backend(2), device=f'cuda:{r}' if cuda else 'cpu') for r in (0, 1)]
-    why = verdict(mode, DDP_OPT, 'fsdp2')
+    why = verdict(mode, opt, 'fsdp2')
     if why is not None:
         assert r0['error'] is not None and why in r0['error'] and why in r1['error'], r0['error']
         assert r0['n_steps'] == 0 and all(torch.equal(*p0[n]) for n in p0)

@@ -15,6 +15,7 @@ def _contiguous_strides(shape) -> tuple:
 def dense_strides(t:Tensor) -> tuple:
     """`t`'s strides when its elements fill a span of exactly `t.numel()` (contiguous, channels_last, or any other
     permutation of the dims); else the contiguous strides (an overlapping or gappy tensor gets a dense copy)."""
+    if t.is_contiguous(): return tuple(t.stride())  # (the usual case, asked in C++)
     expected = 1
     for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda o: o[1]):
         if stride != expected: return _contiguous_strides(t.shape)

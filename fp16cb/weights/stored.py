@@ -91,10 +91,13 @@ def chunks(items:list, key=lambda p: p, limit=state_chunk) -> list:
     return res
 
 def _sliceable(p, core) -> bool:
-    """Whether `p` is stepped a slice at a time: bigger than a chunk, its grad in its memory order, `core` elementwise
-    (not an FSDP2 param: a DTensor is stepped whole, its shard being what this rank holds)."""
-    return (p.numel() > state_chunk(p.device) and not isinstance(p, DTensor) and _same_order(p, p.grad)
-            and elementwise(core))
+    "Whether `p` is stepped a slice at a time: `_slices_well`, and `core` elementwise."
+    return _slices_well(p) and elementwise(core)
+
+def _slices_well(p) -> bool:
+    """Whether `p` is bigger than a chunk, its grad in its memory order (not an FSDP2 param: a DTensor is stepped
+    whole, its shard being what this rank holds)."""
+    return p.numel() > state_chunk(p.device) and not isinstance(p, DTensor) and _same_order(p, p.grad)
 
 def _slices(p) -> tuple:
     "`(lift, land)` for a sliced step of the model's own param `p`: a slice of it in memory order, with its grad's."
@@ -164,7 +167,7 @@ class TorchHooks:
             for chunk in chunks(ps):
                 p = chunk[0]
                 for q in chunk: q.grad = grads[q]
-                if len(chunk) == 1 and p.numel() > state_chunk(p.device) and _same_order(p, p.grad):
+                if len(chunk) == 1 and _slices_well(p):
                     out = sliced_torch_step(self.opt, p, state_chunk(p.device), *_slices(p), self.opt.step,
                                             self.storage)
                 else:
