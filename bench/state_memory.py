@@ -104,6 +104,8 @@ def state_learner(mode:str, opt:str, width:int=2048, bs:int=8, n_batches:int=2, 
     if 'state8' in mode:  # the 8-bit maps and their search tables: made once per process, not per param (counted out)
         from fp16cb.weights import state8
         for signed in (True, False): state8._lut(signed, 'cpu')
+    from fp16cb.weights.state_storage import _noise_table
+    _noise_table('cpu')  # the stochastic rounding's noise table (512 KiB on a CPU): once per process, counted out too
     gc.collect()
     baseline = live_storages()
     torch.manual_seed(seed)

@@ -33,6 +33,19 @@ def test_stochastic_rounding_to_bf16_is_unbiased_exact_on_grid_and_keeps_inf_nan
     got = round_bf16_stochastic_(special.clone()).float()
     assert torch.equal(got[:2], special[:2]) and got[2].isnan() and torch.equal(got[3:], special[3:])
 
+def test_stochastic_rounding_on_a_cpu_draws_once_per_piece_and_stays_unbiased_per_element():
+    """On a CPU the dither reads a fixed permutation of the 16-bit values at offsets drawn from the generator, one per
+    65536 elements (torch's generator drawing a number per 4 elements cost more than the rest of the narrowing): the
+    generator moves by exactly those draws; each element, rounded again and again, averages its own value."""
+    PIECE = 65536
+    g, ref = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    round_bf16_stochastic_(torch.full((3 * PIECE + 5,), 1. + 2.**-10), g)
+    torch.randint(0, PIECE, (4,), generator=ref)
+    assert torch.equal(g.get_state(), ref.get_state())
+    x = torch.full((1000,), 1. + 2.**-10)
+    ys = torch.stack([round_bf16_stochastic_(x.clone(), g).float() for _ in range(400)])
+    assert (ys.mean(0) - x).abs().max() < 8.5e-4  # 5 sigma of 400 roundings of a quarter spacing (2^-7 * 0.0217)
+
 def test_stochastic_rounding_keeps_the_second_moment_decaying_where_nearest_stalls():
     """torch's AdamW (beta2 = 0.999): with no new gradient, v decays by 0.1% a step, under half a bf16 spacing: rounded
     to nearest it never moves; rounded stochastically it decays as in FP32, on average."""
