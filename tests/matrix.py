@@ -435,6 +435,7 @@ def _fsdp_rank(out:Path):
     res['skips'] = _one_rank_overflows(rank, device)
     res['refused'] = _setups_refused(rank, device)
     torch.save(_clipped(rank, device), out/f'rank{rank}-clipped.pt')
+    torch.save(_accumulated(rank, device), out/f'rank{rank}-accumulated.pt')
     res['one-process'] = _loads_one_process_file(out, rank, device)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
     shutdown()
@@ -471,6 +472,16 @@ def _clipped(rank:int, device) -> dict:
     init_w = snapshot(learn)
     fsdp_shard(learn)
     quiet_fit(learn, DDP_EPOCHS, cbs=DistributedData())
+    return {n: (init_w[n].cpu(), full_tensor(p).cpu()) for n, p in learn.model.named_parameters()}
+
+def _accumulated(rank:int, device) -> dict:
+    """A sharded `to_fp16()` fit with fastai's `GradientAccumulation` (2 micro-batches a step): the loss scale is divided
+    out of each micro-batch's grads as FSDP2 reduces them, so the step adds unscaled grads. Its gathered params."""
+    from fp16cb import DistributedData
+    learn, _ = ddp_build('fp16', single=False, device=device)
+    init_w = snapshot(learn)
+    fsdp_shard(learn)
+    quiet_fit(learn, DDP_EPOCHS, cbs=[DistributedData(), GradientAccumulation(n_acc=2 * BS)])
     return {n: (init_w[n].cpu(), full_tensor(p).cpu()) for n, p in learn.model.named_parameters()}
 
 def _setups_refused(rank:int, device) -> dict:

@@ -186,6 +186,7 @@ def fsdp_ranks(tmp_path_factory) -> dict:
     return {'where': [r['_where'] for r in res], 'out': out, 'skips': [r['skips'] for r in res],
             'refused': [r['refused'] for r in res], 'one-process': [r['one-process'] for r in res],
             'clipped': [torch.load(out/f'rank{r}-clipped.pt') for r in (0, 1)],
+            'accumulated': [torch.load(out/f'rank{r}-accumulated.pt') for r in (0, 1)],
             **{f'ckpt-{m}': [(res[r][f'ckpt-{m}'], torch.load(out/f'rank{r}-ckpt-{m}.pt')) for r in (0, 1)]
                for m in FSDP_CKPT_MODES},
             **{(m, o): [(res[r][f'{m}-{o}'], torch.load(out/f'rank{r}-{m}-{o}.pt')) for r in (0, 1)]
@@ -294,3 +295,19 @@ def test_fsdp2_clips_by_the_norm_of_the_whole_grads(fsdp_ranks, one_process):
     bad = worst(rel_errors(ref._replace(params=c0), ref), tolerance('fp16'))
     assert not bad, f"clipped on 2 FSDP2 ranks, off one FP32 process: {bad}"
     assert worst(rel_errors(one_process._replace(params=c0), one_process), tolerance('fp16')), "the clip never bound"
+
+@ddp_only
+def test_fsdp2_accumulates_unscaled_grads(fsdp_ranks):
+    """`to_fp16()` with fastai's `GradientAccumulation` on 2 sharded ranks (2 micro-batches a step, the loss scale
+    divided out of each as FSDP2 reduces it): one FP32 process accumulating the same concatenated batches, within
+    fp16's tolerance."""
+    from fastai.callback.training import GradientAccumulation
+    from matrix import BS
+    a0, a1 = fsdp_ranks['accumulated']
+    learn, _ = ddp_build(None, single=True, device=ranks_device(2))
+    init = snapshot(learn)
+    quiet_fit(learn, DDP_EPOCHS, cbs=GradientAccumulation(n_acc=4 * BS))
+    ref = on_cpu(finish(learn, init, None))
+    assert all(torch.equal(a0[n][1], a1[n][1]) for n in a0)
+    bad = worst(rel_errors(ref._replace(params=a0), ref), tolerance('fp16'))
+    assert not bad, f"accumulated on 2 FSDP2 ranks, off one FP32 process: {bad}"
