@@ -46,6 +46,28 @@ def test_stochastic_rounding_on_a_cpu_draws_once_per_piece_and_stays_unbiased_pe
     ys = torch.stack([round_bf16_stochastic_(x.clone(), g).float() for _ in range(400)])
     assert (ys.mean(0) - x).abs().max() < 8.5e-4  # 5 sigma of 400 roundings of a quarter spacing (2^-7 * 0.0217)
 
+def test_widening_sees_a_state_replaced_or_added_between_steps():
+    """The widening reuses what it found in the state dicts from step to step: a tensor replaced between steps (a
+    `load_state_dict`), an entry added (a new moving average) or removed are each seen at the next step, widened as they
+    are now; a step that replaces a widened view (not in place) is written back from what it put there."""
+    p, q = torch.zeros(8), torch.zeros(8)
+    st = StateStorage(BF16, False)
+    state = {p: {'exp_avg': torch.ones(8, dtype=BF16)}, q: {'exp_avg': torch.ones(8, dtype=BF16)}}
+    def step(check):
+        with st.lifted([p, q], state): check()
+    step(lambda: None)
+    state[p]['exp_avg'] = torch.full((8,), 3., dtype=BF16)  # replaced between steps
+    step(lambda: assert_equal(state[p]['exp_avg'], 3.))
+    state[q]['exp_avg_sq'] = torch.full((8,), 5., dtype=BF16)  # added between steps
+    step(lambda: assert_equal(state[q]['exp_avg_sq'], 5.))
+    del state[q]['exp_avg_sq']
+    step(lambda: state[p].__setitem__('exp_avg', torch.full((8,), 7.)))  # the step puts a new FP32 tensor there
+    assert state[p]['exp_avg'].dtype == BF16 and torch.equal(state[p]['exp_avg'].float(), torch.full((8,), 7.))
+    step(lambda: assert_equal(state[p]['exp_avg'], 7.))
+
+def assert_equal(t, v):
+    assert t.dtype == torch.float32 and torch.equal(t, torch.full_like(t, v)), t
+
 def test_stochastic_rounding_keeps_the_second_moment_decaying_where_nearest_stalls():
     """torch's AdamW (beta2 = 0.999): with no new gradient, v decays by 0.1% a step, under half a bf16 spacing: rounded
     to nearest it never moves; rounded stochastically it decays as in FP32, on average."""

@@ -16,6 +16,7 @@ master, whose moments are 16-bit. Between fits, in a checkpoint and in the store
 block scales (`state8.State8`), dequantized into the scratch by `widen` and quantized back by `narrow`: stochastically
 in a step (each value to one of the two codes around it, unbiased), to nearest at a fit's set-up (`narrow_all`)."""
 from __future__ import annotations
+import operator
 from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
@@ -102,8 +103,29 @@ def _key_major(entries:list) -> list:
     return sorted(entries, key=lambda e: order[e[1]])
 
 class _Widened:
-    "What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in."
-    def __init__(self, entries, scratch, views): self.entries, self.scratch, self.views = entries, scratch, views
+    """What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in,
+    and how many entries the params' state dicts held (a step that adds one is seen by `narrow`)."""
+    def __init__(self, entries, scratch, views, nkeys:int):
+        self.entries, self.scratch, self.views, self.nkeys = entries, scratch, views, nkeys
+
+class _Plan:
+    """What one `widen` of some params found in their state dicts: the stored entries, key-major, and whose they are.
+    Kept from step to step, and used again while the dicts hold exactly those tensors and no more entries (`holds`):
+    a plain identity check instead of asking each entry what it is."""
+    def __init__(self, ds:list, entries:list, owner:dict):
+        self.ds, self.entries, self.owner, self.nkeys = ds, entries, owner, _nkeys(ds)
+    def holds(self, ds:list) -> bool:
+        return (len(ds) == len(self.ds) and all(map(operator.is_, ds, self.ds)) and _nkeys(ds) == self.nkeys
+                and all(d.get(k) is t for d, k, t in self.entries))
+
+def _nkeys(ds:list) -> int: return sum(len(d) for d in ds if d)
+
+def _updated_in_place(widened:dict, params:list, state:dict) -> bool:
+    """Whether the step left every widened entry the FP32 view `widen` gave it (updated in place) and added no entry:
+    then what `narrow` writes back is exactly `widened`'s entries."""
+    ws = list(widened.values())
+    return (all(d.get(k) is v for w in ws for (d, k, _), v in zip(w.entries, w.views))
+            and _nkeys([state.get(p) for p in params]) == ws[0].nkeys)
 
 class StateStorage:
     """The optimizer's per-param state stored in `dtype` between steps (None: FP32, nothing done), widened to FP32 for
@@ -115,6 +137,7 @@ class StateStorage:
         generator=None, # a `torch.Generator` for the stochastic rounding (on the params' device)
     ):
         self.dtype, self.stochastic, self.generator = dtype, stochastic, generator
+        self._plans = {}  # (the params' ids) -> the `_Plan` of their last `widen`
 
     def lifted(self, params:list, state:dict):
         "Within: `params`' state in FP32 (`widen`); on exit, even on an error, written back to 16-bit (`narrow`)."
@@ -130,9 +153,8 @@ class StateStorage:
         """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused
         copy each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
-        owner = {id(d): p for p in params if (d := state.get(p))}  # (whose DTensor a sharded param's state is)
-        entries = _key_major([(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items()
-                              if _is(k, v, p, self.dtype)])
+        plan, ds = self._plan(params, state)
+        entries, owner = plan.entries, plan.owner
         res = {}
         for dev in dict.fromkeys(v.device for _, _, v in entries):
             mine = [e for e in entries if e[2].device == dev]
@@ -142,8 +164,19 @@ class StateStorage:
             if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
             else: torch._foreach_copy_(views, lows)
             for (d, k, _), v in zip(mine, views): d[k] = as_state_of(v, owner[id(d)])
-            res[dev] = _Widened(mine, scratch, views)
+            res[dev] = _Widened(mine, scratch, views, plan.nkeys)
         return res
+
+    def _plan(self, params:list, state:dict) -> tuple:
+        "`(_Plan, state dicts)` of `params`: the last one, while it holds; else made anew (each entry asked)."
+        key, ds = tuple(map(id, params)), [state.get(p) for p in params]
+        plan = self._plans.get(key)
+        if plan is None or not plan.holds(ds):
+            owner = {id(d): p for p, d in zip(params, ds) if d}  # (whose DTensor a sharded param's state is)
+            entries = _key_major([(d, k, v) for p, d in zip(params, ds) if d for k, v in d.items()
+                                  if _is(k, v, p, self.dtype)])
+            plan = self._plans[key] = _Plan(ds, entries, owner)
+        return plan, ds
 
     def stores(self, k, v, p, numel:int|None=None) -> bool:
         """Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit or 8-bit between steps (8-bit: when
@@ -165,14 +198,18 @@ class StateStorage:
         if self.dtype is None: return
         widened = widened or {}
         old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
+        stochastic = self.stochastic if stochastic is None else stochastic
+        if self.dtype != EIGHT_BIT and widened and _updated_in_place(widened, params, state):
+            for w in widened.values():  # (the usual step: no entry asked what it is)
+                self._round_back([(d, k, v) for (d, k, _), v in zip(w.entries, w.views)], old, w, stochastic)
+            return
         pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)
                  and ((id(d), k) in old or self._big(numel or p.numel()))]
         if self.dtype == EIGHT_BIT:  # (param by param: the order of the draws, and so of the codes, as ever)
-            return self._quantize_back(pairs, old, self.stochastic if stochastic is None else stochastic)
+            return self._quantize_back(pairs, old, stochastic)
         pairs = _key_major(pairs)  # as `widen` laid the scratch out: rounded in place there
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
-            self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev),
-                             self.stochastic if stochastic is None else stochastic)
+            self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev), stochastic)
 
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
         """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views
@@ -225,6 +262,7 @@ class StateStorage:
     def widen_all(self, state:dict):
         "The whole state in FP32, in tensors of its own (the end of a fit; the FP32 view: checkpoints, `opt_view`)."
         if self.dtype is None: return
+        self._plans.clear()  # (they hold the 16-bit tensors, which go one by one below)
         for p, d in state.items():
             for k in list(d):  # each 16-bit tensor let go as soon as its FP32 one is made (not a param's at once)
                 if not _is(k, d[k], p, self.dtype): continue
