@@ -16,7 +16,7 @@ master, whose moments are 16-bit. Between fits, in a checkpoint and in the store
 block scales (`state8.State8`), dequantized into the scratch by `widen` and quantized back by `narrow`: stochastically
 in a step (each value to one of the two codes around it, unbiased), to nearest at a fit's set-up (`narrow_all`)."""
 from __future__ import annotations
-import operator
+import operator, weakref
 from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
@@ -163,19 +163,23 @@ class StateStorage:
             views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
             if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
             else: torch._foreach_copy_(views, lows)
-            for (d, k, _), v in zip(mine, views): d[k] = as_state_of(v, owner[id(d)])
+            for (d, k, _), v in zip(mine, views): d[k] = as_state_of(v, owner.get(id(d)))
             res[dev] = _Widened(mine, scratch, views, plan.nkeys)
         return res
 
     def _plan(self, params:list, state:dict) -> tuple:
-        "`(_Plan, state dicts)` of `params`: the last one, while it holds; else made anew (each entry asked)."
+        """`(_Plan, state dicts)` of `params`: the last one, while it holds; else made anew (each entry asked). A plan
+        goes as soon as one of its params does (params lifted for one step: their plan would never be used again)."""
         key, ds = tuple(map(id, params)), [state.get(p) for p in params]
         plan = self._plans.get(key)
         if plan is None or not plan.holds(ds):
-            owner = {id(d): p for p, d in zip(params, ds) if d}  # (whose DTensor a sharded param's state is)
+            # (whose DTensor a sharded param's state is: the model's own params, kept alive by it)
+            owner = {id(d): p for p, d in zip(params, ds) if d and isinstance(p, DTensor)}
             entries = _key_major([(d, k, v) for p, d in zip(params, ds) if d for k, v in d.items()
                                   if _is(k, v, p, self.dtype)])
             plan = self._plans[key] = _Plan(ds, entries, owner)
+            drop = lambda _, me=weakref.ref(self), key=key: me() is not None and me()._plans.pop(key, None)
+            plan.refs = [weakref.ref(p, drop) for p in params]
         return plan, ds
 
     def stores(self, k, v, p, numel:int|None=None) -> bool:
