@@ -25,8 +25,8 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError: FSDPModule = DTensor = None  # a torch without FSDP2
 
-__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'is_sharded', 'syncs', 'all_max_', 'reduce_max_',
-           'step_reducer', 'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'is_sharded', 'local_shard', 'syncs', 'all_max_',
+           'reduce_max_', 'step_reducer', 'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
 
 def world_size() -> int:
     "The number of processes training together (1 when torch.distributed is not initialized)."
@@ -43,6 +43,10 @@ def is_fsdp(model) -> bool:
 def is_sharded(model) -> bool:
     "Whether FSDP2 shards `model` or some of it (the root a unit, or a param a DTensor)."
     return is_fsdp(model) or (DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters()))
+
+def local_shard(t):
+    "This rank's shard of `t` (a DTensor: the same memory, writing it writes `t`), or `t` itself."
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 def syncs(model) -> bool:
     """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP or an FSDP2 module

@@ -25,17 +25,13 @@ from fastcore.basics import noop
 
 from .distributed import is_fsdp, patch_fastai
 
-__all__ = ['is_fsdp', 'fsdp_units', 'local', 'ShardPolicy', 'ReduceSink', 'shard_model', 'full_state_dict',
+__all__ = ['is_fsdp', 'fsdp_units', 'ShardPolicy', 'ReduceSink', 'shard_model', 'full_state_dict',
            'load_full_state_dict', 'full_tensor', 'shard_like', 'DistributedData', 'gathered',
            'shard_state']
 
 def fsdp_units(model:nn.Module) -> list:
     "The FSDP2 units of `model` (the modules `fully_shard` was called on), in `model.modules()`' order."
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-def local(t):
-    "This rank's shard of `t` (a DTensor), or `t` itself: the same memory, so that writing it writes `t`."
-    return t.to_local() if isinstance(t, DTensor) else t
 
 def _groups(unit) -> list: return list(unit._get_fsdp_state()._fsdp_param_groups)
 

@@ -464,10 +464,7 @@ CLIP = .01  # binds on every step (the grads' global norm here: 0.06 to 0.4)
 def _clipped(rank:int, device) -> dict:
     "A sharded `to_fp16(clip=CLIP, clip_global=True)` fit of `DDP_EPOCHS`: its gathered params, initial and final."
     from fp16cb import DistributedData
-    learn, _ = build(None, DDP_OPT, 'ddp', n_train=DDP_N, bn=False)
-    train = learn.dls.train
-    learn.dls.loaders[0] = train.new(ddp_order(list(train.dataset)))
-    learn.dls.to(device); learn.model.to(device)
+    learn, _ = ddp_build(None, single=False, device=device)
     learn.to_fp16(clip=CLIP, clip_global=True)
     init_w = snapshot(learn)
     fsdp_shard(learn)

@@ -17,9 +17,9 @@ __all__ = ['nbytes', 'state_bytes', 'digits_learner', 'MODES', 'main']
 
 def nbytes(t) -> int:
     "The bytes this rank holds for `t`: a DTensor's shard; 8-bit state's codes and block scales."
-    from fp16cb.fsdp import local
+    from fp16cb.distributed import local_shard
     from fp16cb.weights.state8 import State8
-    t = local(t)
+    t = local_shard(t)
     return t.numel() + t.scale.numel() * 4 if isinstance(t, State8) else t.numel() * t.element_size()
 
 def state_bytes(learn) -> dict:

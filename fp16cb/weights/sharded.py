@@ -5,17 +5,12 @@ over the ranks; the optimizer steps the DTensors as FP32 fastai would."""
 from __future__ import annotations
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..scaling import _real
-from ..distributed import is_multiprocess
+from ..distributed import is_multiprocess, local_shard, all_max_
 from .params import ModelParams
 
-__all__ = ['ShardedParams', 'local_shard']
-
-def local_shard(t):
-    "This rank's shard of `t` (a DTensor: the same memory, writing it writes `t`), or `t` itself."
-    return t.to_local() if isinstance(t, DTensor) else t
+__all__ = ['ShardedParams']
 
 class ShardedParams(ModelParams):
     """`ModelParams` of a model sharded with FSDP2: the grads this rank holds are its shards, whole params are the
@@ -47,9 +42,7 @@ class ShardedParams(ModelParams):
         flag all-reduced with MAX: the param is named on every rank, whichever rank's shard overflowed)."""
         flags, names = super().skip()
         if flags is not None and is_multiprocess():
-            f = flags.to(torch.uint8)
-            dist.all_reduce(f, op=dist.ReduceOp.MAX)
-            flags = f.bool()
+            flags = all_max_(flags.to(torch.uint8)).bool()
         return flags, names
 
     def fp32_state_dict(self, opt, stream) -> dict:

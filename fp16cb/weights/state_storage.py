@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..compat import MOVING_AVERAGES
+from ..distributed import local_shard
 from ..dtypes import EIGHT_BIT
 from .layout import flat_views
 from . import state8
@@ -83,12 +84,10 @@ def _is(k, v, p, dtype) -> bool:
     dim and `p`'s element count."""
     kind = isinstance(v, State8) if dtype == EIGHT_BIT else isinstance(v, Tensor) and v.dtype == dtype
     return (k in MOVING_AVERAGES and isinstance(v, Tensor) and kind and v.dim() > 0 and isinstance(p, Tensor)
-            and v.numel() == (_local(p) if isinstance(v, State8) else p).numel())
+            and v.numel() == (local_shard(p) if isinstance(v, State8) else p).numel())
 
 # FSDP2's sharded params (DTensors): their state is stored as this rank's shard (bf16: a DTensor of it; 8-bit: the
 # codes of the shard), widened and rounded on the local tensors, and given to the optimizer as DTensors again
-def _local(t): return t.to_local() if isinstance(t, DTensor) else t
-
 def as_state_of(t:Tensor, p) -> Tensor:
     "The local FP32 tensor `t` as the state of `p`: a DTensor over it for a sharded `p` (no copy), else `t`."
     if not isinstance(p, DTensor) or isinstance(t, DTensor): return t
@@ -153,12 +152,12 @@ class StateStorage:
         """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused
         copy each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
-        plan, ds = self._plan(params, state)
+        plan = self._plan(params, state)
         entries, owner = plan.entries, plan.owner
         res = {}
         for dev in dict.fromkeys(v.device for _, _, v in entries):
             mine = [e for e in entries if e[2].device == dev]
-            lows = [_local(v) for _, _, v in mine]
+            lows = [local_shard(v) for _, _, v in mine]
             scratch = torch.empty(sum(t.numel() for t in lows), dtype=torch.float32, device=dev)
             views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
             if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
@@ -167,8 +166,8 @@ class StateStorage:
             res[dev] = _Widened(mine, scratch, views, plan.nkeys)
         return res
 
-    def _plan(self, params:list, state:dict) -> tuple:
-        """`(_Plan, state dicts)` of `params`: the last one, while it holds; else made anew (each entry asked). A plan
+    def _plan(self, params:list, state:dict) -> _Plan:
+        """The `_Plan` of `params`: the last one, while it holds; else made anew (each entry asked). A plan
         goes as soon as one of its params does (params lifted for one step: their plan would never be used again)."""
         key, ds = tuple(map(id, params)), [state.get(p) for p in params]
         plan = self._plans.get(key)
@@ -180,7 +179,7 @@ class StateStorage:
             plan = self._plans[key] = _Plan(ds, entries, owner)
             drop = lambda _, me=weakref.ref(self), key=key: me() is not None and me()._plans.pop(key, None)
             plan.refs = [weakref.ref(p, drop) for p in params]
-        return plan, ds
+        return plan
 
     def stores(self, k, v, p, numel:int|None=None) -> bool:
         """Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit or 8-bit between steps (8-bit: when
@@ -191,7 +190,7 @@ class StateStorage:
 
     def zeros_like(self, p, k:str) -> Tensor:
         "A stored state tensor for the moving average `k` of `p`, all zeros (16-bit, or 8-bit codes and scales)."
-        if self.dtype == EIGHT_BIT: return state8.empty8(_local(p.detach()), state8.signed_for(k), zero=True)
+        if self.dtype == EIGHT_BIT: return state8.empty8(local_shard(p.detach()), state8.signed_for(k), zero=True)
         return torch.zeros_like(p.detach(), dtype=self.dtype)
 
     def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None, numel:int|None=None):
@@ -218,7 +217,7 @@ class StateStorage:
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
         """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views
         in order: the usual case), then one fused copy back to 16-bit."""
-        srcs = [_local(v) for _, _, v in pairs]
+        srcs = [local_shard(v) for _, _, v in pairs]
         if (widened is not None and len(srcs) == len(widened.views)
                 and all(map(lambda a, b: a is b, srcs, widened.views))):
             flat = widened.scratch  # the step updated the views in place (the usual case): round the scratch itself
@@ -232,13 +231,13 @@ class StateStorage:
             dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
                         else torch.empty_like(v, dtype=self.dtype))
         if stochastic: _dither_(flat, self.generator)  # then the copies below to bf16 are exact (else: to nearest)
-        torch._foreach_copy_([_local(t) for t in dsts], srcs)  # (views of `flat`, rounded)
+        torch._foreach_copy_([local_shard(t) for t in dsts], srcs)  # (views of `flat`, rounded)
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
 
     def _quantize_back(self, pairs:list, old:dict, stochastic:bool):
         """Each of `pairs`' FP32 values quantized into the 8-bit tensor it was widened from (else into a new one),
         stochastically with `self.generator` (else to nearest)."""
-        dsts, pairs = [], [(d, k, _local(v)) for d, k, v in pairs]
+        dsts, pairs = [], [(d, k, local_shard(v)) for d, k, v in pairs]
         for d, k, v in pairs:
             t = old.get((id(d), k))
             dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
