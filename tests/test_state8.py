@@ -345,18 +345,22 @@ def test_a_chunks_8bit_state_is_coded_by_one_call_per_map(monkeypatch):
     assert per_step and max(per_step) <= 2, per_step  # one run of 12 weights: two maps
 
 def test_the_code_search_is_torchs_bucketize():
-    "The start table and one compare give `torch.bucketize(y, qmap)` for every value the quantizer sees, both maps."
+    """The start table and one compare give `torch.bucketize(y, qmap)` for every value the quantizer sees, both maps, and
+    the pair table the two map values around it."""
     for signed in (True, False):
         qmap = state8._qmap(signed, 'cpu')
-        lut, qext, steps = state8._lut(signed, 'cpu')
+        starts, pairs = state8._lut(signed, 'cpu')
         lo = -1. if signed else 0.
         every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
         y = torch.cat([torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * (1 - lo) + lo, qmap,
                        torch.nextafter(qmap, torch.tensor(2.)), torch.nextafter(qmap, torch.tensor(-2.)),
                        torch.tensor([0., -0., 1., -1., 1e-30, -1e-30, 1e-45]), every_bf16.nan_to_num(0.).clamp(lo, 1)])
-        up = lut[state8._key16(y)].long()
-        for _ in range(steps): up = up + (qext[up] < y).long()
-        assert steps == 1 and torch.equal(up, torch.bucketize(y, qmap))
+        up = state8._upper(y, starts)
+        assert torch.equal(up.long(), torch.bucketize(y, qmap))
+        i = up.clamp(1, 255).long()  # the two values around each one: `pairs`' halves
+        ab = pairs[i]
+        lo_, hi_ = (ab & 0xFFFFFFFF).int().view(torch.float32), (ab >> 32).int().view(torch.float32)
+        assert torch.equal(lo_, qmap[i - 1]) and torch.equal(hi_, qmap[i])
 
 def test_moments_of_whole_blocks_are_coded_where_they_lie():
     """Moving averages that are a whole number of blocks each and lie one after the other in one buffer (the widened
@@ -384,3 +388,37 @@ def test_moments_of_whole_blocks_are_coded_where_they_lie():
         outs = [o.view(s) for o, s in zip(torch.split(out, [torch.Size(s).numel() for s in shapes]), shapes)]
         state8.dequantize_many(outs, a); state8.dequantize_many(sep, a)
         assert all(torch.equal(x, y) for x, y in zip(outs, sep))
+
+def test_the_stochastic_draws_are_one_generator_draw_a_call():
+    """A stochastic `quantize_many` of 256K values advances its generator as one draw does (the key of the draws made
+    inside the compiled quantizer), and the same generator state gives the same codes. Before: `torch.rand` drew one
+    FP32 number per value outside the graph, a third of an 8-bit step's time on a CPU."""
+    xs = [torch.randn(512, 256, generator=torch.Generator().manual_seed(1)).abs(), torch.randn(1000)]
+    g, ref = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a = state8.quantize_many([empty8(x, signed=s) for x, s in zip(xs, (False, True))], xs, g)
+    torch.randint(-2**31, 2**31, (1,), generator=ref)
+    assert torch.equal(g.get_state(), ref.get_state())
+    b = state8.quantize_many([empty8(x, signed=s) for x, s in zip(xs, (False, True))], xs,
+                             torch.Generator().manual_seed(5))
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+def test_the_in_graph_draws_are_uniform():
+    """`_uniform`: over keys, each element's draw uniform on [0, 1) (the deciles of one element's draws over 20,000
+    keys), and so are one call's 2^20 draws."""
+    keys = torch.randint(-2**31, 2**31, (20_000,), generator=torch.Generator().manual_seed(0)).int()
+    one = torch.stack([state8._uniform((4, 256), k.view(1))[3, 77] for k in keys])
+    call = state8._uniform((4096, 256), keys[:1])
+    for u, tol in ((one, 0.012), (call, 0.002)):
+        assert 0 <= float(u.min()) and float(u.max()) < 1
+        deciles = torch.histc(u, bins=10, min=0, max=1) / u.numel()
+        assert float((deciles - 0.1).abs().max()) < tol, deciles
+
+def test_the_compiled_stochastic_quantizer_codes_as_the_eager_one():
+    """The compiled quantizer (int32 hash arithmetic, packed tables, no bounds checks) gives the eager code's codes and
+    scales bit for bit on both maps: a machine where compiling fails codes the same."""
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(2)) * torch.logspace(-9, 1, 300).view(-1, 1)
+    for signed, v in ((True, x), (False, x.abs() ** 2)):
+        args = (v, state8._qmap(signed, 'cpu'), torch.tensor([-123456789], dtype=torch.int32),
+                *state8._lut(signed, 'cpu'))
+        (c0, s0), (c1, s1) = state8._quantize_rows_stochastic(*args), state8._quantize_stochastic(*args)
+        assert torch.equal(c0, c1) and torch.equal(s0, s1)

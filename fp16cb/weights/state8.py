@@ -29,8 +29,9 @@ the same codes, so a resumed run goes on bit for bit.
 The quantizer and the dequantizer are `torch.compile`d at their first use, as torchao's optimizers compile their step
 (one fused pass instead of torchao's 8 gathers over int64 codes: on a CPU the quantizer 8x faster, an MLP's step 4x);
 eager where compiling fails, with a warning. A step codes a chunk's moving averages together (`quantize_many`,
-`dequantize_many`): one call per map over all their blocks, not one or two per tensor; and the stochastic code search
-is a table lookup and one compare (`_lut`), not a binary search over the map."""
+`dequantize_many`): one call per map over all their blocks, not one or two per tensor; the stochastic code search is
+three table lookups and one compare (`_lut`), not a binary search over the map; and the stochastic draws are made
+inside the compiled quantizer (`_uniform`), from one draw of the generator a step."""
 from __future__ import annotations
 import logging, warnings
 from contextlib import contextmanager
@@ -98,35 +99,57 @@ def _key16(y:Tensor) -> Tensor:
     return ((b ^ ((b >> 31) & 0x7FFFFFFF)) >> 16) + 32768
 
 def _lut(signed:bool, device) -> tuple:
-    """`(lut, qmap with +inf after it, steps)`: where the search for a value's code starts, by the top 16 bits of the
-    value (`_key16`): how many values of the map lie under the smallest float with those bits (64 KiB a map); from
-    there at most `steps` values of the map lie under it (1 for torchao's maps). A gather and a compare per value in
-    place of a binary search over 256 (`torch.bucketize`: about 30 ns a value on a CPU, most of a step)."""
+    """`(starts, pairs)`, the code search's two tables (int64, each entry two FP32 values' bits or an index and one):
+    `starts`, by the top 16 bits of a value (`_key16`, 512 KiB a map), the index of the first map value not under the
+    smallest float with those bits and that value, the one compare left (`_upper`); `pairs`, by an index `i` of the map,
+    its values `i - 1` and `i`, the two a value between them may be coded to. Three gathers a value in place of a binary
+    search over 256 (`torch.bucketize`: about 30 ns a value on a CPU, most of a step)."""
     key = ('lut', signed, torch.device(device))
     if key not in _LIB:
         qmap = _qmap(signed, device)
         k = ((torch.arange(65536, dtype=torch.int64, device=device) - 32768) << 16).to(torch.int32)
         edge = (k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32).nan_to_num(nan=float('inf'))
-        steps = int(torch.bincount(_key16(qmap.contiguous()), minlength=65536).max())
-        # (a value the quantizer sees is in [-1, 1]: its start is at most the index of the map's 1.0, 255: one byte)
-        _LIB[key] = (torch.bucketize(edge, qmap).clamp_(max=255).to(torch.uint8),
-                     torch.cat([qmap, qmap.new_tensor([float('inf')])]), steps)
+        # (a value the quantizer sees is in [-1, 1]: its start is at most the index of the map's 1.0, 255)
+        start = torch.bucketize(edge, qmap).clamp_(max=255)
+        assert int(torch.bincount(_key16(qmap.contiguous()), minlength=65536).max()) == 1  # one compare is enough
+        bits = qmap.view(torch.int32).long()
+        _LIB[key] = (start | (bits[start] << 32),
+                     (torch.cat([bits[:1], bits[:-1]]) & 0xFFFFFFFF) | (bits << 32))
     return _LIB[key]
 
-def _quantize_rows_stochastic(x:Tensor, qmap:Tensor, u:Tensor, lut:Tensor, qext:Tensor, steps:int) -> tuple:
+def _upper(y:Tensor, starts:Tensor) -> Tensor:
+    "The index of the first map value not under each of `y` (`torch.bucketize(y, qmap)`), from `_lut`'s `starts`."
+    e = starts[_key16(y)]
+    return (e & 0xFF).int() + ((e >> 32).int().view(torch.float32) < y).int()
+
+def _uniform(shape, key:Tensor) -> Tensor:
+    """Uniform draws in [0, 1) (24 bits each), one per element of `shape`: a bijective integer hash (Wellons'
+    `lowbias32`) of each element's index XOR `key` (int32, one element, drawn uniform over all 2^32 values). Each
+    element's draw is then exactly uniform over the 2^24 values (a bijection of a uniform key), and independent from
+    one key to the next: computed where they are used, inside the compiled graph, with no tensor of draws."""
+    h = torch.arange(shape[0] * shape[1], dtype=torch.int32, device=key.device).view(shape) ^ key
+    h = (h ^ ((h >> 16) & 0xFFFF)) * 0x7FEB352D  # (int32 products wrap: the hash's arithmetic modulo 2^32)
+    h = (h ^ ((h >> 15) & 0x1FFFF)) * -0x7B935975
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return ((h >> 8) & 0xFFFFFF).float() * 2.0 ** -24
+
+def _quantize_rows_stochastic(x:Tensor, qmap:Tensor, key:Tensor, starts:Tensor, pairs:Tensor) -> tuple:
     """`_quantize_rows`, each value coded to one of the two `qmap` values around it, the upper with probability its
-    distance from the lower over their spacing (`u`: uniform draws, one per value): unbiased, so that a moving average
-    whose increments are finer than the map's spacing still moves on average (to nearest, it would stall). The upper
-    value is found from `_lut`'s start, `steps` compares on: the index `torch.bucketize(y, qmap)` gives."""
+    distance from the lower over their spacing (`_uniform(x.shape, key)`): unbiased, so that a moving average whose
+    increments are finer than the map's spacing still moves on average (to nearest, it would stall)."""
     hi, lo = x.amax(-1), x.amin(-1)
     s = torch.where(hi >= -lo, hi.clamp(min=1e-12), lo.clamp(max=-1e-12))
     y = x / s.view(-1, 1)
-    up = lut[_key16(y)].long()
-    for _ in range(steps): up = up + (qext[up] < y).long()
-    up = up.clamp(1, qmap.numel() - 1)
-    a, b = qmap[up - 1], qmap[up]
-    codes = torch.where(u < ((y - a) / (b - a)).clamp(0, 1), up, up - 1).to(torch.uint8)
-    return torch.where((codes == 0) & (x > 0) & (qmap[0] == 0), 1, codes), s
+    up = _upper(y, starts).clamp(1, qmap.numel() - 1)
+    ab = pairs[up]
+    a, b = (ab & 0xFFFFFFFF).int().view(torch.float32), (ab >> 32).int().view(torch.float32)
+    codes = torch.where(_uniform(x.shape, key) < ((y - a) / (b - a)).clamp(0, 1), up, up - 1)
+    # (the guard on int32 codes, before the one conversion to uint8: in uint8, three times the kernel's time)
+    return torch.where((codes == 0) & (x > 0) & (qmap[0] == 0), 1, codes).to(torch.uint8), s
+
+def _seed(generator, device) -> Tensor:
+    "One draw of `generator`: an int32 key uniform over all 2^32 values, on `device` (no host sync on a GPU)."
+    return torch.randint(-2**31, 2**31, (1,), generator=generator, device=device).int()
 
 def _dequantize_rows(codes:Tensor, qmap:Tensor, scale:Tensor) -> Tensor:
     "FP32 values of `codes` (uint8, one block a row) with their rows' `scale`: torchao's `dequant_with_qmap`."
@@ -138,7 +161,8 @@ def _fn(name:str, eager):
         global COMPILE
         if not COMPILE: return eager(*args)
         f = _LIB.get(name)
-        if f is None: f = _LIB[name] = torch.compile(eager, dynamic=True)
+        if f is None:  # (every index in range by construction: no bounds check per gather, 7% of the quantizer)
+            f = _LIB[name] = torch.compile(eager, dynamic=True, options={'assert_indirect_indexing': False})
         if f is eager: return eager(*args)
         try:
             with _quiet(): return f(*args)
@@ -220,25 +244,20 @@ def copy8_(dst:State8, src:State8) -> State8:
     dst.scale.copy_(src.scale)
     return dst
 
-def quantize_(dst:State8, src:Tensor, generator=None) -> State8:
-    """FP32 `src` (dense, `dst`'s layout) quantized into `dst`'s codes and scales, block by block in memory order: to
-    nearest, or stochastically with draws from `generator` (a `torch.Generator`)."""
+def quantize_(dst:State8, src:Tensor) -> State8:
+    "FP32 `src` (dense, `dst`'s layout) quantized to nearest into `dst`'s codes and scales, block by block in memory order."
     c, x, scale = memory_order(dst), memory_order(src), dst.scale
     qmap, n, step = _qmap(dst.signed, src.device), src.numel(), _piece(src.device)
-    def q(rows):
-        if generator is None: return _quantize(rows, qmap)
-        return _quantize_stochastic(rows, qmap, torch.rand(rows.shape, generator=generator, device=rows.device),
-                                    *_lut(dst.signed, src.device))
     full = n - n % BLOCK
     for o in range(0, full, step):
         e = min(o + step, full)
-        codes, s = q(x[o:e].view(-1, BLOCK))
+        codes, s = _quantize(x[o:e].view(-1, BLOCK), qmap)
         c[o:e].copy_(codes.view(-1))
         scale[o // BLOCK:e // BLOCK].copy_(s)
     if full < n:  # a last, shorter block: padded with zeros, which change no scale
         pad = x.new_zeros(1, BLOCK)
         pad[0, :n - full] = x[full:]
-        codes, s = q(pad)
+        codes, s = _quantize(pad, qmap)
         c[full:].copy_(codes.view(-1)[:n - full])
         scale[-1:].copy_(s)
     return dst
@@ -312,27 +331,23 @@ def dequantize_many(dsts:list, srcs:list) -> list:
 def quantize_many(dsts:list, srcs:list, generator=None) -> list:
     """`quantize_` of each pair of `dsts` (`State8`s of one device) and `srcs` (dense FP32): the values gathered into
     rows of blocks (the last block of each zero-padded), quantized by one call per map and piece, codes and scales
-    scattered back. Stochastically, the draws are made for all rows at once in `dsts`' order: the draws, and so the
-    codes, of quantizing each tensor in turn."""
-    rows = sum(_rows_each(srcs))
-    if not rows: return dsts
-    u = None if generator is None else torch.rand(rows, BLOCK, generator=generator, device=srcs[0].device)
+    scattered back. Stochastically: one draw of `generator` for the call, the key of every value's own draw
+    (`_uniform`, inside the compiled quantizer), so the codes are the same whenever the generator is."""
+    if not sum(_rows_each(srcs)): return dsts
+    seed = None if generator is None else _seed(generator, srcs[0].device)
     for signed in (True, False):
         idx = [i for i, t in enumerate(dsts) if t.signed == signed]
         if not idx: continue
         vs = [srcs[i] for i in idx]
         rs = _aligned_span(vs)  # read where they lie; else gathered, each last block zero-padded
         rs, my_offs = (rs, _rows(vs)[0]) if rs is not None else _gather(vs, torch.float32, zero_pads=True)
-        dev, mine = rs.device, None
-        if u is not None:  # the rows of `u` each tensor of this map would have drawn, in order
-            mine = u if len(idx) == len(dsts) else u[torch.repeat_interleave(
-                torch.tensor([t.signed == signed for t in dsts]), torch.tensor(_rows_each(srcs))).to(dev)]
+        dev = rs.device
         codes = torch.empty(rs.shape, dtype=torch.uint8, device=dev)
         scale = torch.empty(len(rs), dtype=torch.float32, device=dev)
         qmap = _qmap(signed, dev)
-        for a, b in _pieces(len(rs), dev):
-            codes[a:b], scale[a:b] = (_quantize(rs[a:b], qmap) if mine is None
-                                      else _quantize_stochastic(rs[a:b], qmap, mine[a:b], *_lut(signed, dev)))
+        for a, b in _pieces(len(rs), dev):  # (each map and piece its own key: the seed XOR a constant of them)
+            codes[a:b], scale[a:b] = (_quantize(rs[a:b], qmap) if seed is None else _quantize_stochastic(
+                rs[a:b], qmap, seed ^ (a * 0x9E3779B1 + signed) % 2**31, *_lut(signed, dev)))
         ts = [dsts[i] for i in idx]
         _scatter(ts, codes, my_offs)
         torch._foreach_copy_([t.scale for t in ts], list(scale.split([t.scale.numel() for t in ts])))
