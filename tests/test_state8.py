@@ -422,3 +422,21 @@ def test_the_compiled_stochastic_quantizer_codes_as_the_eager_one():
                 *state8._lut(signed, 'cpu'))
         (c0, s0), (c1, s1) = state8._quantize_rows_stochastic(*args), state8._quantize_stochastic(*args)
         assert torch.equal(c0, c1) and torch.equal(s0, s1)
+
+def test_an_8bit_step_asks_no_entry_what_it_is(monkeypatch):
+    """A usual 8-bit step (the state updated in place, no entry added) is written back from the widened scratch as it
+    lies, as bf16 state's is: no state entry asked what it is, in the widening (its plan kept) or the narrowing.
+    Before: the narrowing asked every entry of every param, each step."""
+    from fp16cb.weights import StateStorage, state_storage
+    ps = [torch.zeros(64, 64), torch.zeros(4096)]
+    state = {p: {'grad_avg': torch.randn_like(p), 'sqr_avg': torch.rand_like(p), 'step': 0} for p in ps}
+    st = StateStorage('8bit', generator=torch.Generator().manual_seed(0))
+    st.narrow_all(state)
+    asked, real = [], state_storage._is
+    monkeypatch.setattr(state_storage, '_is', lambda *a: asked.append(a[0]) or real(*a))
+    for step in range(3):
+        asked.clear()
+        with st.lifted(ps, state):
+            for p in ps: state[p]['grad_avg'].mul_(0.9); state[p]['sqr_avg'].mul_(0.99)
+        assert step == 0 or asked == [], asked
+    assert all(isinstance(state[p][k], State8) for p in ps for k in ('grad_avg', 'sqr_avg'))

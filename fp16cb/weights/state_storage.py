@@ -101,18 +101,29 @@ def _key_major(entries:list) -> list:
     for _, k, _ in entries: order.setdefault(k, len(order))
     return sorted(entries, key=lambda e: order[e[1]])
 
+class _Group:
+    """A plan's entries on one device: `(state dict, key, stored tensor)` each, key-major; their local tensors (`lows`,
+    this rank's shards), how many elements they hold, and the DTensor param each belongs to (None: no sharded one)."""
+    def __init__(self, entries:list, owners:list):
+        self.entries, self.lows = entries, [local_shard(v) for _, _, v in entries]
+        self.device, self.numel = self.lows[0].device, sum(t.numel() for t in self.lows)
+        self.owners = owners if any(o is not None for o in owners) else None
+
 class _Widened:
-    """What `widen` did on one device: `(state dict, key, 16-bit tensor)` per entry, the scratch its FP32 views live in,
-    and how many entries the params' state dicts held (a step that adds one is seen by `narrow`)."""
-    def __init__(self, entries, scratch, views, nkeys:int):
-        self.entries, self.scratch, self.views, self.nkeys = entries, scratch, views, nkeys
+    """What `widen` did for a `_Group`: the scratch its entries' FP32 views live in, and how many entries the params'
+    state dicts held (a step that adds one is seen by `narrow`)."""
+    def __init__(self, group:_Group, scratch, views, nkeys:int):
+        self.group, self.entries, self.scratch, self.views, self.nkeys = group, group.entries, scratch, views, nkeys
 
 class _Plan:
-    """What one `widen` of some params found in their state dicts: the stored entries, key-major, and whose they are.
-    Kept from step to step, and used again while the dicts hold exactly those tensors and no more entries (`holds`):
-    a plain identity check instead of asking each entry what it is."""
+    """What one `widen` of some params found in their state dicts: the stored entries in groups by device, and whose
+    they are. Kept from step to step, and used again while the dicts hold exactly those tensors and no more entries
+    (`holds`): a plain identity check instead of asking each entry what it is, and each group's tensors known."""
     def __init__(self, ds:list, entries:list, owner:dict):
-        self.ds, self.entries, self.owner, self.nkeys = ds, entries, owner, _nkeys(ds)
+        self.ds, self.entries, self.nkeys = ds, entries, _nkeys(ds)
+        self.groups = [_Group([e for e in entries if e[2].device == dev],
+                              [owner.get(id(e[0])) for e in entries if e[2].device == dev])
+                       for dev in dict.fromkeys(v.device for _, _, v in entries)]
     def holds(self, ds:list) -> bool:
         return (len(ds) == len(self.ds) and all(map(operator.is_, ds, self.ds)) and _nkeys(ds) == self.nkeys
                 and all(d.get(k) is t for d, k, t in self.entries))
@@ -152,18 +163,17 @@ class StateStorage:
         """The 16-bit entries of `params`' states replaced by FP32 views of one scratch buffer per device (one fused
         copy each): returns `{device: _Widened}`, what `narrow` writes back into."""
         if self.dtype is None: return None
-        plan = self._plan(params, state)
-        entries, owner = plan.entries, plan.owner
-        res = {}
-        for dev in dict.fromkeys(v.device for _, _, v in entries):
-            mine = [e for e in entries if e[2].device == dev]
-            lows = [local_shard(v) for _, _, v in mine]
-            scratch = torch.empty(sum(t.numel() for t in lows), dtype=torch.float32, device=dev)
-            views = flat_views(scratch, lows)  # each laid out as its tensor (channels_last stays)
-            if self.dtype == EIGHT_BIT: state8.dequantize_many(views, lows)
-            else: torch._foreach_copy_(views, lows)
-            for (d, k, _), v in zip(mine, views): d[k] = as_state_of(v, owner.get(id(d)))
-            res[dev] = _Widened(mine, scratch, views, plan.nkeys)
+        plan, res = self._plan(params, state), {}
+        for g in plan.groups:
+            scratch = torch.empty(g.numel, dtype=torch.float32, device=g.device)
+            views = flat_views(scratch, g.lows)  # each laid out as its tensor (channels_last stays)
+            if self.dtype == EIGHT_BIT: state8.dequantize_many(views, g.lows)
+            else: torch._foreach_copy_(views, g.lows)
+            if g.owners is None:
+                for (d, k, _), v in zip(g.entries, views): d[k] = v
+            else:
+                for (d, k, _), v, p in zip(g.entries, views, g.owners): d[k] = as_state_of(v, p)
+            res[g.device] = _Widened(g, scratch, views, plan.nkeys)
         return res
 
     def _plan(self, params:list, state:dict) -> _Plan:
@@ -200,12 +210,11 @@ class StateStorage:
         its param (of `numel` elements, when `params` are slices of it) has at least `state8.MIN_NUMEL`."""
         if self.dtype is None: return
         widened = widened or {}
-        old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
         stochastic = self.stochastic if stochastic is None else stochastic
-        if self.dtype != EIGHT_BIT and widened and _updated_in_place(widened, params, state):
-            for w in widened.values():  # (the usual step: no entry asked what it is)
-                self._round_back([(d, k, v) for (d, k, _), v in zip(w.entries, w.views)], old, w, stochastic)
+        if widened and _updated_in_place(widened, params, state):
+            for w in widened.values(): self._back_in_place(w, stochastic)  # (the usual step: no entry asked anything)
             return
+        old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
         pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)
                  and ((id(d), k) in old or self._big(numel or p.numel()))]
         if self.dtype == EIGHT_BIT:  # (param by param: the order of the draws, and so of the codes, as ever)
@@ -213,6 +222,16 @@ class StateStorage:
         pairs = _key_major(pairs)  # as `widen` laid the scratch out: rounded in place there
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
             self._round_back([it for it in pairs if it[2].device == dev], old, widened.get(dev), stochastic)
+
+    def _back_in_place(self, w:_Widened, stochastic:bool):
+        """`w`'s scratch, which the step updated in place, written back into the tensors it was widened from (rounded
+        in one pass over the scratch and one fused copy; or quantized), and those put back in the state dicts."""
+        gen = self.generator if stochastic else None
+        if self.dtype == EIGHT_BIT: state8.quantize_many(w.group.lows, w.views, gen)
+        else:
+            if stochastic: _dither_(w.scratch, gen)  # then the copies to bf16 are exact (else: to nearest)
+            torch._foreach_copy_(w.group.lows, w.views)
+        for d, k, t in w.entries: d[k] = t
 
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
         """All `pairs`' values rounded in one pass over a flat FP32 buffer (the scratch itself, when they are its views
