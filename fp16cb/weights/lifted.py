@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .stored import state_chunk, chunks
+from .drivers import FusedRun, flag_ranks
 from .optstate import fastai_update, opt_states, rekey, elementwise, steps_param_by_param, sliced_update
 from .layout import memory_order, flat_views, laid_out_as
 from .state_storage import StateStorage, round_bf16_stochastic_, random16
@@ -77,6 +78,24 @@ class _Batch:
         return p.device == q.device and p.dtype == q.dtype and f == self.f and self.numel + p.numel() <= n
     def add(self, p, f, hyper:dict):
         self.ps.append(p); self.hypers.append(hyper); self.f = f; self.numel += p.numel()
+    def order(self, state:dict) -> list:
+        """The params' indices in the order they are lifted: by param group (their hypers), then by optimizer flags
+        (fastai's `do_wd`, `drivers.flag_ranks`), so that what fastai's callbacks can step as one lies together."""
+        groups, ranks = {}, flag_ranks(self.ps, state)
+        for h in self.hypers: groups.setdefault(id(h), len(groups))
+        return sorted(range(len(self.ps)), key=lambda i: (groups[id(self.hypers[i])], ranks[i]))
+    def runs(self, ps:list, hypers:list, w:Tensor, g:Tensor) -> list:
+        """`(FusedRun, index of its first param)` of each stretch of `ps` (lifted in that order) of one group (the same
+        `hypers`), their FP32 weights and grads consecutive in the scratch (`w`, `g`): fastai's callbacks step each
+        stretch of equal state as one flat tensor (`drivers.FusedRun`), as the default path steps the model's FP32
+        params."""
+        res, i, off = [], 0, [0]
+        for p in ps: off.append(off[-1] + p.numel())
+        for j in range(1, len(ps) + 1):
+            if j < len(ps) and hypers[j] is hypers[i]: continue
+            if j - i > 1: res.append((FusedRun([(p, None) for p in ps[i:j]], w[off[i]:off[j]], g[off[i]:off[j]]), i))
+            i = j
+        return res
 
 class LiftedSteps:
     """How the optimizer steps 16-bit params: each lifted to FP32 (its weights, and its grad multiplied by `factor(gi)`
@@ -177,8 +196,9 @@ class LiftedSteps:
 
     def _step_batch(self, core, b:_Batch):
         """Small 16-bit params of one device, dtype and factor, together under a slice: their weights and grads lifted
-        into the scratch by one copy each (each view laid out as its param), the grads multiplied by one multiply, each
-        param stepped there by fastai's callbacks (its state keyed by the param), all rounded back by one copy."""
+        into the scratch by one copy each (each view laid out as its param; the params grouped by `_Batch.order`), the
+        grads multiplied by one multiply, stepped there by fastai's callbacks (each stretch of equal state as one flat
+        tensor, the others param by param; the state keyed by the param), all rounded back by one copy."""
         if not b.ps: return
         k = b.numel
         buf = self.scratch(b.ps[0].device, 2 * k)
@@ -186,23 +206,31 @@ class LiftedSteps:
         key = (tuple(map(id, b.ps)), buf.data_ptr())  # the same params each step, mostly: their views made once
         if key not in self._views:
             if len(self._views) > 64: self._views.clear()
-            self._views[key] = flat_views(w, b.ps), flat_views(g, b.ps)
-        qs, gs = self._views[key]
-        torch._foreach_copy_(qs, [p.detach() for p in b.ps]); torch._foreach_copy_(gs, [p.grad for p in b.ps])
+            order = b.order(core.state)
+            ps, hypers = [b.ps[i] for i in order], [b.hypers[i] for i in order]
+            self._views[key] = order, flat_views(w, ps), flat_views(g, ps), b.runs(ps, hypers, w, g)
+        order, qs, gs, runs = self._views[key]
+        ps, hypers = [b.ps[i] for i in order], [b.hypers[i] for i in order]
+        torch._foreach_copy_(qs, [p.detach() for p in ps]); torch._foreach_copy_(gs, [p.grad for p in ps])
         if b.f is not None: g.mul_(b.f)
         try:
-            with self.storage.lifted(b.ps, core.state):
-                for p, view, gq, hyper in zip(b.ps, qs, gs, b.hypers):
+            with self.storage.lifted(ps, core.state):
+                fused = set()
+                for run, i in runs: fused.update(map(id, run.step(core, hypers[i])))
+                for p, view, gq, hyper in zip(ps, qs, gs, hypers):
+                    if id(p) in fused: continue
                     q = view.detach(); q.grad = gq
                     fastai_update(core, q, hyper, key=p)
                     # a step that replaced the tensor instead of updating it
                     if q.data_ptr() != view.data_ptr(): view.copy_(q)
+            if self.storage.dtype is not None:  # (their FP32 state buffers go: it is stored narrow between steps)
+                for run, _ in runs: run.parts.clear()
         finally:
             # even when interrupted: the params stepped so far keep their step (the others round back to themselves)
-            if self.tally is not None: self._count(torch.cat([memory_order(p) for p in b.ps]), w)
-            r = round_to(w, b.ps[0].dtype, self.stochastic, self.generator, inplace=True)
+            if self.tally is not None: self._count(torch.cat([memory_order(p) for p in ps]), w)
+            r = round_to(w, ps[0].dtype, self.stochastic, self.generator, inplace=True)
             with torch.no_grad():
-                torch._foreach_copy_([memory_order(p) for p in b.ps], r.split([p.numel() for p in b.ps]))
+                torch._foreach_copy_([memory_order(p) for p in ps], r.split([p.numel() for p in ps]))
         self.stepped(b.ps)
 
     def _lift_slice(self, w16:Tensor, g16:Tensor, f, s:slice) -> Tensor:
