@@ -46,6 +46,22 @@ def _storage_learner(opt_func, **kw):
     learn = make_learner(opt_func=opt_func, lr=1e-2)
     return learn.to_fp16(half_storage=True, dynamic=False, loss_scale=128., **kw)  # static: no skipped first steps
 
+def test_fp16_stochastic_rounding_on_a_cpu_draws_once_per_piece():
+    """On a CPU fp16's dither reads its 13-bit draws from the same fixed permutation as bf16's, at offsets drawn from
+    the generator, one per 65536 elements (the generator drawing a number per 4 elements was a third of the rounding):
+    the generator moves by exactly those draws, and each element, rounded again and again, averages its own value, in
+    the normal range and under fp16's smallest normal."""
+    from fp16cb.weights.lifted import round_fp16_stochastic_
+    PIECE = 65536
+    g, ref = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    round_fp16_stochastic_(torch.full((3 * PIECE + 5,), 1. + 2.**-12), g)
+    torch.randint(0, PIECE, (4,), generator=ref)
+    assert torch.equal(g.get_state(), ref.get_state())
+    for v, spacing in ((1. + 2.**-12, 2.**-10), (3e-6 + 1e-8, 2.**-24)):
+        x = torch.full((1000,), v)
+        ys = torch.stack([round_fp16_stochastic_(x.clone(), g).float() for _ in range(400)])
+        assert (ys.mean(0) - x).abs().max() < 5 * spacing * 0.5 / 20, v  # 5 sigma of 400 roundings at most
+
 @pytest.mark.parametrize('opt_func', [partial(SGD, mom=0.9), Adam], ids=['sgd_mom', 'adam'])
 def test_half_storage_trains_with_one_16bit_copy_and_fp32_state(opt_func):
     learn = _storage_learner(opt_func)

@@ -29,7 +29,7 @@ from .layout import flat_views
 from . import state8
 from .state8 import State8
 
-__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16', 'as_state_of']
+__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16', 'noise16', 'as_state_of']
 
 _NULL = nullcontext()
 
@@ -59,13 +59,23 @@ def _noise_table(device) -> Tensor:
         t = _TABLES[device] = perm.repeat(2).to(device)
     return t
 
-def _add_table_noise_(bits:Tensor, generator=None):
-    "The 1-d int32 `bits` plus noise uniform over [0, 2^16), from `_noise_table` at offsets drawn from `generator`."
+def _add_table_noise_(bits:Tensor, generator=None, op=Tensor.add_):
+    """The 1-d int32 `bits` plus noise uniform over [0, 2^16), from `_noise_table` at offsets drawn from `generator`
+    (`op=Tensor.copy_`: the noise itself)."""
     n, table = bits.numel(), _noise_table(bits.device)
     offs = torch.randint(0, PIECE, (-(-n // PIECE),), generator=generator).tolist()  # (a CPU's: no device sync)
     for i, off in enumerate(offs):
         piece = bits[i * PIECE:(i + 1) * PIECE]
-        piece.add_(table[off:off + piece.numel()])
+        op(piece, table[off:off + piece.numel()])
+    return bits
+
+def noise16(like:Tensor, generator=None) -> Tensor:
+    """Random integers uniform over [0, 2^16), int32, one per element of `like`: from `_noise_table` on a CPU, else
+    torch's generator (`random16`)."""
+    if like.device.type == 'cpu':
+        out = torch.empty(like.shape, dtype=torch.int32)
+        return _add_table_noise_(out.view(-1), generator, Tensor.copy_).view(like.shape)
+    return random16(like.numel(), generator, like.device).view(like.shape).to(torch.int32).bitwise_and_(0xFFFF)
 
 def random16(n:int, generator=None, device=None) -> Tensor:
     """`n` uniform random 16-bit integers (int16, every bit random), drawn four to one 64-bit number over int64's whole
