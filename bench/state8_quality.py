@@ -49,12 +49,13 @@ MODES = {'fp32': lambda l: l,
          'bf16-state16': lambda l: l.to_bf16(state_dtype=torch.bfloat16),
          'bf16-state8': lambda l: l.to_bf16(state_dtype='8bit'),
          'fp16-state8': lambda l: l.to_fp16(state_dtype='8bit'),
+         'bf16-half': lambda l: l.to_bf16(half_storage=True),
          'bf16-half-state8': lambda l: l.to_bf16(half_storage=True, state_dtype='8bit'),
          'bf16-half-sib-state8': lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')}
 CALLS = {'fp32': 'FP32 (no mixed precision)', 'bf16': 'to_bf16() (FP32 state)',
          'bf16-state16': 'to_bf16(state_dtype=torch.bfloat16)', 'bf16-state8': "to_bf16(state_dtype='8bit')",
          'fp16-state8': "to_fp16(state_dtype='8bit')",
-         'bf16-half-state8': "to_bf16(half_storage=True, state_dtype='8bit')",
+         'bf16-half': "to_bf16(half_storage=True)", 'bf16-half-state8': "to_bf16(half_storage=True, state_dtype='8bit')",
          'bf16-half-sib-state8': "to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')"}
 STATE8 = ('bf16-state8', 'fp16-state8', 'bf16-half-state8', 'bf16-half-sib-state8')
 
@@ -97,7 +98,7 @@ def available_peers() -> tuple:
         except ImportError as e: missing[name] = f"not installed ({e})"
     return ok, missing
 QUALITY_MODES = ('fp32', 'bf16', 'bf16-state16') + STATE8
-SPEED_MODES = ('fp32', 'bf16', 'bf16-state16', 'bf16-state8')
+SPEED_MODES = ('fp32', 'bf16', 'bf16-state16', 'bf16-state8', 'bf16-half')
 LOSS_TOL, ACC_TOL = 0.05, 0.3  # the targets: held-out loss within 5% of FP32's; the fine-tune's accuracy, 0.3 points
 
 # ------------------------------------------------------------------------------------------------------ the data
@@ -355,6 +356,9 @@ SPEED_WORKLOADS = {
                                                    "LN + Linear(128, 512) + GELU + Linear(512, 128), batch 64"),
     'book': (_bench_speed('book'), CPU_SCALE['book'], "the benchmark's bookkeeping-bound `book` at its CPU scale: "
                                                       "150 Linear(116, 116), batch 8"),
+    'mlp10m': (_bench_speed('mlp'), 0.5625, "the benchmark's `mlp` at 10.6M params: 4 blocks LN + Linear(576, 2304) + "
+                                            "GELU + Linear(2304, 576), batch 288 (each weight a multiple of 256 "
+                                            "elements: torchao quantizes it)"),
     'gpt2': (_gpt2_speed, 1., "the GPT-2 of the quality runs (transformers), batch 16 x 64 tokens")}
 
 def run_speed(workloads=None, modes=SPEED_MODES, steps:int=5, rounds:int=5, warmup_fits:int=2,
