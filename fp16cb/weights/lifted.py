@@ -100,7 +100,8 @@ class _Batch:
         for p in ps: off.append(off[-1] + p.numel())
         for j in range(1, len(ps) + 1):
             if j < len(ps) and hypers[j] is hypers[i]: continue
-            if j - i > 1: res.append((FusedRun([(p, None) for p in ps[i:j]], w[off[i]:off[j]], g[off[i]:off[j]]), i))
+            if j - i > 1:
+                res.append((FusedRun([(p, None) for p in ps[i:j]], w[off[i]:off[j]], g[off[i]:off[j]]), i))
             i = j
         return res
 

@@ -245,7 +245,8 @@ def copy8_(dst:State8, src:State8) -> State8:
     return dst
 
 def quantize_(dst:State8, src:Tensor) -> State8:
-    "FP32 `src` (dense, `dst`'s layout) quantized to nearest into `dst`'s codes and scales, block by block in memory order."
+    """FP32 `src` (dense, `dst`'s layout) quantized to nearest into `dst`'s codes and scales, block by block in memory
+    order."""
     c, x, scale = memory_order(dst), memory_order(src), dst.scale
     qmap, n, step = _qmap(dst.signed, src.device), src.numel(), _piece(src.device)
     full = n - n % BLOCK
