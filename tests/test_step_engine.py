@@ -138,15 +138,16 @@ def test_interrupt_in_a_half_storage_batch_keeps_state_and_weights_together(tmp_
     """FP32 fastai's Adam updates each param's state and its weight together, one param after the other: after a
     `KeyboardInterrupt` in the middle of a step, a param whose step count advanced has moved, and one whose count did not
     has not. Under `to_bf16(half_storage=True)` the 4 small bf16 params are stepped together in the scratch
-    (`LiftedSteps._step_batch`); Adam's first callback raises at its 3rd call of the 3rd training step (0.weight and
-    0.bias done, 2.weight next). Then, for every param, its step count advanced (2 -> 3) exactly when its weight changed
-    since that step's `before_step`; the state is FP32 and keyed by the params; save, load and a further fit work, and
-    every param's count goes on by the 4 steps of that fit."""
+    (`LiftedSteps._step_batch`), one flat tensor per stretch of equal state: the two weights, then the two biases
+    (fastai's `wd_bn_bias=False` flags them apart); Adam's first callback raises at its 2nd call of the 3rd training
+    step (the weights done, the biases next). Then, for every param, its step count advanced (2 -> 3) exactly when its
+    weight changed since that step's `before_step`; the state is FP32 and keyed by the params; save, load and a further
+    fit work, and every param's count goes on by the 4 steps of that fit."""
     learn = make_learner(model=_mlp(), opt_func=Adam, splitter=trainable_params)
     learn.path = tmp_path
     learn.to_bf16(half_storage=True)
     learn.create_opt()
-    r = learn.opt.cbs[0] = _RaisingCb(learn.opt.cbs[0], step=3, call=3)
+    r = learn.opt.cbs[0] = _RaisingCb(learn.opt.cbs[0], step=3, call=2)
     rec = Record(before_step=lambda l: _f32(l.model.parameters()))
     with pytest.raises(KeyboardInterrupt): quiet_fit(learn, 1, lr=1e-2, cbs=[_CountSteps(r), rec])
     learn.opt.cbs[0] = r.cb
@@ -155,7 +156,7 @@ def test_interrupt_in_a_half_storage_batch_keeps_state_and_weights_together(tmp_
     state = learn.opt.state
     assert all(p in state for p in params) and len(state) == len(params)
     counts = [state[p]['step'] for p in params]
-    assert set(counts) <= {2, 3}, counts
+    assert counts == [3, 2, 3, 2], counts  # (0.weight, 0.bias, 2.weight, 2.bias)
     moved = [not torch.equal(p.detach().float(), w) for p, w in zip(params, before)]
     assert [c == 3 for c in counts] == moved, f"step counts {counts}, weights moved {moved}"
     assert all(v.dtype == torch.float32 for p in params for v in state[p].values() if torch.is_tensor(v) and v.dim())
