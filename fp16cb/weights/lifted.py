@@ -41,16 +41,17 @@ def round_fp16_stochastic_(x:Tensor, generator=None) -> Tensor:
     (`round_stochastic`); inf and NaN kept."""
     noise = noise16(x, generator).bitwise_and_(0x1FFF)
     tiny = x.abs() < _FP16_TINY
-    sub = lambda x, u: torch.floor(x * 2.**24 + u * 2.**-13) * 2.**-24  # exact: powers of two, an integer under 2^11
-    if x.device.type == 'cpu':  # (the few tiny elements alone; on a GPU that would be a device sync)
-        at = tiny.nonzero(as_tuple=True)
-        low = sub(x[at], noise[at])
-    else: low = sub(x, noise)
+    at = tiny.nonzero(as_tuple=True) if x.device.type == 'cpu' else None  # (on a GPU a device sync: all of them)
+    low = _below_normal(x, noise) if at is None else _below_normal(x[at], noise[at])
     bits = x.view(torch.int32)  # sign and magnitude: adding to the low bits moves |x| up, clearing them moves it down
     bits.add_(noise).bitwise_and_(-8192)
-    if x.device.type != 'cpu': return torch.where(tiny, low, x).to(torch.float16)
+    if at is None: return torch.where(tiny, low, x).to(torch.float16)
     x[at] = low
     return x.to(torch.float16)  # exact: the dropped bits are 0, or a multiple of 2^-24
+
+def _below_normal(x:Tensor, u:Tensor) -> Tensor:
+    "fp16's stochastic rounding of `x` under its smallest normal, with the 13-bit draws `u`: on the grid of 2^-24."
+    return torch.floor(x * 2.**24 + u * 2.**-13) * 2.**-24  # exact: powers of two, an integer under 2^11
 
 def round_to(x:Tensor, dtype:torch.dtype, stochastic:bool=False, generator=None, inplace:bool=False) -> Tensor:
     """`x` in `dtype`: to nearest (even), or stochastically (from FP32: the dither of the dropped bits, bf16's or

@@ -227,7 +227,7 @@ class StateStorage:
         old = {(id(d), k): t for w in widened.values() for d, k, t in w.entries}
         pairs = [(d, k, v) for p in params if (d := state.get(p)) for k, v in d.items() if _is(k, v, p, torch.float32)
                  and ((id(d), k) in old or self._big(numel or p.numel()))]
-        if self.dtype == EIGHT_BIT:  # (param by param: the order of the draws, and so of the codes, as ever)
+        if self.dtype == EIGHT_BIT:  # (each map's rows in the params' order: the usual step's draws, and codes)
             return self._quantize_back(pairs, old, stochastic)
         pairs = _key_major(pairs)  # as `widen` laid the scratch out: rounded in place there
         for dev in dict.fromkeys(v.device for _, _, v in pairs):
