@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import fp16cb  # noqa: F401 (patches Learner.to_fp16 & co.)
 from fastai.basics import Learner, DataLoaders, Adam, CrossEntropyLossFlat, Callback, accuracy, set_seed, params
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (patches Learner.fit_one_cycle, fine_tune)
-from bench.measure import cpu_flags, set_clock, clock
+from bench.measure import cpu_flags, set_clock, clock, sync
 from bench.workloads import make_data, WORKLOADS, CPU_SCALE
 
 __all__ = ['MODES', 'QUALITY_MODES', 'SPEED_MODES', 'TASKS', 'SPEED_WORKLOADS', 'run_quality', 'run_speed', 'main']
@@ -315,19 +315,22 @@ def _summary(runs:dict) -> dict:
 
 # -------------------------------------------------------------------------------------------------------- speed
 class _Clock(Callback):
-    "The step's clock: `first` starts the batch and the optimizer step, the last callback ends them."
-    def __init__(self, rec:dict, first:bool):
-        self.rec, self.first = rec, first
+    "The step's clock: `first` starts the batch and the optimizer step, the last callback ends them (on a GPU, synced)."
+    def __init__(self, rec:dict, first:bool, device='cpu'):
+        self.rec, self.first, self.device = rec, first, device
         self.order = -10**6 if first else 10**6
+    def _now(self) -> float:
+        sync(self.device)
+        return clock()
     def before_batch(self):
-        if self.first and self.training: self.rec['t0'] = clock()
+        if self.first and self.training: self.rec['t0'] = self._now()
     def before_step(self):
-        if self.first and self.training: self.rec['ts'] = clock()
+        if self.first and self.training: self.rec['ts'] = self._now()
     def after_step(self):
-        if not self.first and self.training: self.rec['step_now'] = clock() - self.rec['ts']
+        if not self.first and self.training: self.rec['step_now'] = self._now() - self.rec['ts']
     def after_batch(self):
         if self.first or not self.training: return
-        self.rec['batch'].append(clock() - self.rec['t0'])
+        self.rec['batch'].append(self._now() - self.rec['t0'])
         self.rec['step'].append(self.rec.pop('step_now', None))
         self.rec['first'].append(self.iter == 0)
 
@@ -362,10 +365,12 @@ SPEED_WORKLOADS = {
     'gpt2': (_gpt2_speed, 1., "the GPT-2 of the quality runs (transformers), batch 16 x 64 tokens")}
 
 def run_speed(workloads=None, modes=SPEED_MODES, steps:int=5, rounds:int=5, warmup_fits:int=2,
-              verbose:bool=True) -> dict:
-    "`{workload: {mode: figures}}`: the modes interleaved over `rounds` fits of `steps` batches after `warmup_fits`."
+              verbose:bool=True, device='cpu') -> dict:
+    """`{workload: {mode: figures}}`: the modes interleaved over `rounds` fits of `steps` batches after `warmup_fits`,
+    on `device` (a CPU: this process's CPU time; a GPU: wall time, the device synced at each reading)."""
     import copy
-    set_clock('cpu')
+    device = torch.device(device)
+    set_clock('cpu' if device.type == 'cpu' else 'wall')
     res = {}
     for wl in workloads or SPEED_WORKLOADS:
         make, s, desc = SPEED_WORKLOADS[wl]
@@ -373,16 +378,17 @@ def run_speed(workloads=None, modes=SPEED_MODES, steps:int=5, rounds:int=5, warm
             res[wl] = {'skipped': "transformers is not installed: the GPT-2 workload is skipped"}
             continue
         init, batches, valid = make(s, steps)
+        batches, valid = [tuple(t.to(device) for t in b) for b in batches], tuple(t.to(device) for t in valid)
         n = sum(p.numel() for p in init.parameters())
         learners = {}
         for mode in modes:
             dls = DataLoaders(_Batches(batches), _Batches([valid]))
-            dls.device = torch.device('cpu')
+            dls.device = device
             learn = (MODES[mode] if mode in MODES else _peer(mode))(Learner(dls, copy.deepcopy(init), loss_func=CrossEntropyLossFlat(), opt_func=Adam,
                                         lr=1e-3))
             learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
             rec = {'batch': [], 'step': [], 'first': []}
-            learn.add_cbs([_Clock(rec, True), _Clock(rec, False)])
+            learn.add_cbs([_Clock(rec, True, device), _Clock(rec, False, device)])
             for _ in range(warmup_fits): _fit_quietly(learn, lambda: learn.fit(1))
             for k in ('batch', 'step', 'first'): rec[k].clear()
             learners[mode] = learn, rec
@@ -487,6 +493,10 @@ def _cpu() -> str:
                 platform.processor()) if platform.system() == 'Linux' else platform.processor()
     return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
 
+def _device_name(device) -> str:
+    d = torch.device(device)
+    return torch.cuda.get_device_name(d) if d.type == 'cuda' else 'cpu'
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--json', default=str(Path(__file__).parent/'results_state8_quality.json'),
@@ -502,6 +512,7 @@ def main(argv=None):
     p.add_argument('--peers', action='store_true', help="speed: also torchao's and bitsandbytes' AdamW8bit, where "
                                                        "installed, in the same loop")
     p.add_argument('--threads', type=int, default=1, help="torch's threads")
+    p.add_argument('--device', default='cpu', help="speed: where the models train (cpu, cuda)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.parts.split(',')
@@ -525,8 +536,10 @@ def main(argv=None):
             peers, res['peers_missing'] = available_peers()
             modes += tuple(peers)
             for name, why in res['peers_missing'].items(): print(f"peer {name}: {why}")
-        sp = res['speed'] = run_speed(args.workloads.split(','), modes, rounds=args.rounds)
-        print("\nThe step's cost, process CPU time, one process, modes interleaved:\n" + format_speed(sp))
+        sp = res['speed'] = run_speed(args.workloads.split(','), modes, rounds=args.rounds, device=args.device)
+        res['device'] = _device_name(args.device)
+        clock_kind = 'process CPU time' if args.device == 'cpu' else f"wall time on {res['device']}, synced"
+        print(f"\nThe step's cost, {clock_kind}, one process, modes interleaved:\n" + format_speed(sp))
     res['wall_s'] = time.perf_counter() - t0
     print(f"{res['wall_s']:.0f} s in all")
     if args.json:

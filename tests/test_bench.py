@@ -499,3 +499,15 @@ def test_fastai_amp_carries_its_loss_scale_across_the_benchmarks_fits():
         with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert starts[0] == 2.**16 and ends[0] < 2.**16  # the first fit backs off from fastai's start
     assert starts[1:] == ends[:-1]
+
+def test_the_state_step_benchmark_runs_on_the_test_device():
+    """`python -m bench.state8_quality --parts speed --device ...`: the stored-state modes timed side by side on the
+    test device (a GPU's run is the table the GPU check brings back), each mode's step and batch measured."""
+    from bench.state8_quality import run_speed
+    res = run_speed(['mlp'], ('fp32', 'bf16', 'bf16-state8'), steps=2, rounds=1, warmup_fits=1, verbose=False,
+                    device=DEVICE)
+    out = res['mlp']
+    assert out['_workload']['n_params'] > 0
+    for mode in ('fp32', 'bf16', 'bf16-state8'):
+        assert 0 < out[mode]['ms_step'] <= out[mode]['ms_batch'], out[mode]  # (the batch holds its step)
+    assert out['bf16']['step_vs_bf16'] == 1.

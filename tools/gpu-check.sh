@@ -6,11 +6,13 @@
 #    other wheel only when the machine lacks that package (the preinstalled torch, numpy... stay as they are);
 # 2. runs `pytest --device cuda -x -q`, the main job `python -m fp16cb --device cuda`, the benchmark's GPU workloads
 #    `python -m bench --device cuda --json bench/results_cuda.json`, then on the LM the memory modes (`--modes memory`:
-#    half_storage, step_in_backward) and the compiled comparison (`--compile`), each to the end even if one failed.
+#    half_storage, step_in_backward), the compiled comparison (`--compile`) and the optimizer step with stored state
+#    beside torchao's 8-bit AdamW (`python -m bench.state8_quality --parts speed --peers`), each to the end even if one
+#    failed.
 # Logs and a copy of the results go to $OUT (default ./gpu-check-out); the exit status is 0 only if every step passed.
 # GPU_CHECK_DEVICE=cpu runs the same on a CPU (a rehearsal of the script; its benchmark JSON stays in $OUT);
 # PYTEST_ARGS, DEMO_ARGS and BENCH_ARGS add arguments (e.g. BENCH_ARGS="--workloads lm --rounds 5"); GPU_CHECK_STEPS
-# names the checks to run (default: all, "pytest demo bench bench-memory bench-compile"; "profile" on request), to split the check over two
+# names the checks to run (default: all, "pytest demo bench bench-memory bench-compile state8"; "profile" on request), to split the check over two
 # commands where one command's time is limited. On an H100 (2026-11-25) the steps took: pytest 160-230 s with
 # PYTEST_ARGS="-n 10 --maxfail=300" (pytest-xdist), demo 17 s, bench about 450 s, bench-memory 58 s, bench-compile 133 s;
 # on an H200 (2026-11-26): pytest 140 s with -n 12, demo 10 s, bench's two ResNet-50 workloads about 60 s each.
@@ -73,7 +75,7 @@ run() {  # name, command...: its output to $OUT/name.log, its status remembered
   log "$name: exit $rc after $((SECONDS - t0)) s; tail of $OUT/$name.log:"; tail -n 15 "$OUT/$name.log" | tee -a "$OUT/gpu-check.log"
   return $rc
 }
-STEPS=" ${GPU_CHECK_STEPS:-pytest demo bench bench-memory bench-compile} "
+STEPS=" ${GPU_CHECK_STEPS:-pytest demo bench bench-memory bench-compile state8} "
 failed=()
 step() { [[ "$STEPS" == *" $1 "* ]] || return 0; run "$@" || failed+=("$1"); }  # name, command...: if asked for
 step pytest "$PY" -m pytest --device "$DEV" -x -v -p no:cacheprovider ${PYTEST_ARGS:-}  # -v: each result as it ends
@@ -82,6 +84,8 @@ step bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-}
 # the modes that trade speed for memory (16-bit storage, the step in the backward) and torch.compile, on the LM
 step bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-}
 step bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-}
+# the optimizer step with bf16 and 8-bit state and with half_storage, beside torchao's (and bitsandbytes') AdamW8bit
+step state8 "$PY" -m bench.state8_quality --parts speed --peers --device "$DEV" --json "$OUT/state8_speed_$DEV.json"
 # opt-in (GPU_CHECK_STEPS=profile): where a step's time goes, mode by mode, at two chunk sizes of the lift (PROFILE_ARGS
 # replaces the arguments, e.g. PROFILE_ARGS="--workload lm --modes bf16 --lift-chunks 22,25")
 step profile "$PY" -m bench.profile_gpu --device "$DEV" ${PROFILE_ARGS:---workload resnet50 --lift-chunks 22,25 --opts adam,fused}
