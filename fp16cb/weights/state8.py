@@ -245,23 +245,8 @@ def copy8_(dst:State8, src:State8) -> State8:
     return dst
 
 def quantize_(dst:State8, src:Tensor) -> State8:
-    """FP32 `src` (dense, `dst`'s layout) quantized to nearest into `dst`'s codes and scales, block by block in memory
-    order."""
-    c, x, scale = memory_order(dst), memory_order(src), dst.scale
-    qmap, n, step = _qmap(dst.signed, src.device), src.numel(), _piece(src.device)
-    full = n - n % BLOCK
-    for o in range(0, full, step):
-        e = min(o + step, full)
-        codes, s = _quantize(x[o:e].view(-1, BLOCK), qmap)
-        c[o:e].copy_(codes.view(-1))
-        scale[o // BLOCK:e // BLOCK].copy_(s)
-    if full < n:  # a last, shorter block: padded with zeros, which change no scale
-        pad = x.new_zeros(1, BLOCK)
-        pad[0, :n - full] = x[full:]
-        codes, s = _quantize(pad, qmap)
-        c[full:].copy_(codes.view(-1)[:n - full])
-        scale[-1:].copy_(s)
-    return dst
+    "FP32 `src` (dense, `dst`'s layout) quantized to nearest into `dst`'s codes and scales (`quantize_many` of one)."
+    return quantize_many([dst], [src])[0]
 
 def dequantize_into(dst:Tensor, src:State8) -> Tensor:
     "`src`'s FP32 values written into `dst` (dense FP32, `src`'s layout), block by block in memory order."
