@@ -139,8 +139,8 @@ def fastai_state_dict(self) -> dict:
     """fastai's `Optimizer.state_dict`: `{'state': [per-param state], 'hypers': ...}`; while a fit stores the state
     narrow, its FP32 values (copies), as an FP32 learner's."""
     storage = None if _RAW else STORED.get(self)
-    state = [self.state[p] for p, *_ in self.all_params()]
-    if storage is not None: state = [wide_copy(self.state[p], storage.dtype, p) for p, *_ in self.all_params()]
+    state = [self.state[p] if storage is None else wide_copy(self.state[p], storage.dtype, p)
+             for p, *_ in self.all_params()]
     return {'state': state, 'hypers': self.hypers}
 
 class TorchHooks:
