@@ -37,7 +37,7 @@ def run_one(mode, seed:int) -> tuple:
     return float(learn.recorder.values[-1][1]), round(run.accuracy * len(learn.dls.valid_ds))
 
 def measure(seeds:int, modes=tuple(MODES)) -> dict:
-    from fp16cb.weights import state8
+    from fp16cb.storage import state8
     state8.MIN_NUMEL = 1  # as tests/test_state8.py: every moving average of the CNN 8-bit
     res = {}
     for seed in range(seeds):

@@ -126,9 +126,9 @@ def run_one(model:str, mode:str, epochs:int=1, n_batches:int=3, seed:int=0, devi
     g = torch.Generator().manual_seed(seed)
     items, loss = data(g, n_batches)
     if 'state8' in mode:  # the 8-bit maps and their search tables: made once per process, not per param (counted out)
-        from fp16cb.weights import state8
+        from fp16cb.storage import state8
         for signed in (True, False): state8._lut(signed, device)
-    from fp16cb.weights.state_storage import _noise_table
+    from fp16cb.storage.state_storage import _noise_table
     _noise_table(device)  # the stochastic rounding's noise table (512 KiB on a CPU): once per process, counted out too
     with tempfile.TemporaryDirectory() as tmp:
         dls = DataLoaders.from_dsets(items, items[:len(items) // n_batches], bs=len(items) // n_batches, shuffle=False,

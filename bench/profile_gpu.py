@@ -7,7 +7,7 @@ import argparse, statistics
 import torch
 from torch.profiler import profile, ProfilerActivity
 from bench import run as R, workloads as W, measure as BM
-from fp16cb.weights import stored
+from fp16cb.weights import loop
 
 # what waits for the device (a tensor read on the host; the runtime's waits) or copies across, counted per step
 SYNCS = ('aten::_local_scalar_dense', 'aten::item', 'cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaMemcpyAsync',
@@ -54,11 +54,11 @@ def main():
     torch.manual_seed(0)
     init = W.WORKLOADS[a.workload].model(s)
     batches, valid = W.make_data(a.workload, s, device, 3)
-    default = dict(stored.STATE_CHUNK)
+    default = dict(loop.STATE_CHUNK)
     for c in [int(c) for c in a.lift_chunks.split(',') if c] or [None]:
-        stored.STATE_CHUNK = {'cpu': 2**c, 'cuda': 2**c} if c else default
+        loop.STATE_CHUNK = {'cpu': 2**c, 'cuda': 2**c} if c else default
         for o in a.opts.split(','):
             for m in a.modes.split(','): profile_mode(a.workload, m, o, device, batches, valid, init, a.top, c)
-    stored.STATE_CHUNK = default
+    loop.STATE_CHUNK = default
 
 if __name__ == '__main__': main()

@@ -102,9 +102,9 @@ def state_learner(mode:str, opt:str, width:int=2048, bs:int=8, n_batches:int=2, 
     x, y = torch.randn(bs * n_batches, width // 4, generator=g), torch.randn(bs * n_batches, 10, generator=g)
     dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x[:bs], y[:bs])), bs=bs, shuffle=False, device='cpu')
     if 'state8' in mode:  # the 8-bit maps and their search tables: made once per process, not per param (counted out)
-        from fp16cb.weights import state8
+        from fp16cb.storage import state8
         for signed in (True, False): state8._lut(signed, 'cpu')
-    from fp16cb.weights.state_storage import _noise_table
+    from fp16cb.storage.state_storage import _noise_table
     _noise_table('cpu')  # the stochastic rounding's noise table (512 KiB on a CPU): once per process, counted out too
     gc.collect()
     baseline = live_storages()

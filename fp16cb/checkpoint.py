@@ -21,7 +21,8 @@ import torch
 
 from .callbacks import ModelToHalf, MixedPrecision
 from .session import session_of, is_ours, _KEY
-from .weights import shared, dense_strides, Stream, own_storages
+from .weights import shared, dense_strides, own_storages
+from .storage import Stream
 from .monitor import PrecisionValue
 from .weights.optstate import opt_state
 from .distributed import is_fsdp

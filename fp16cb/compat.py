@@ -331,7 +331,7 @@ def verdict(mode:str, opt:str, ctx:str) -> str|None:
 # noise; other state does not: a weight copy (timm MADGRAD's `x0` anchor, Lookahead's slow weights, torch ASGD's `ax`),
 # a running sum (Adagrad's `sum`, MADGRAD's `s` and `grad_sum_sq`), a previous grad (Adan's `neg_pre_grad`, Rprop's
 # `prev`) or a per-element step size would keep it, or grow it, for the rest of the fit. Only the names below are
-# rounded; any other state stays FP32. A new optimizer's moving averages are added here (`weights.state_storage` reads
+# rounded; any other state stays FP32. A new optimizer's moving averages are added here (`storage.state_storage` reads
 # it).
 MOVING_AVERAGES = frozenset({
     'grad_avg', 'sqr_avg',  # fastai: `average_grad` (and momentum), `average_sqr_grad`

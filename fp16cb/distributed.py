@@ -25,8 +25,8 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError: FSDPModule = DTensor = None  # a torch without FSDP2
 
-__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'is_sharded', 'local_shard', 'syncs', 'all_max_',
-           'reduce_max_', 'step_reducer', 'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
+__all__ = ['world_size', 'is_multiprocess', 'is_ddp', 'is_fsdp', 'is_sharded', 'local_shard', 'as_state_of', 'syncs',
+           'all_max_', 'reduce_max_', 'step_reducer', 'broadcast_', 'rewrap', 'patch_fastai', 'recording_init']
 
 def world_size() -> int:
     "The number of processes training together (1 when torch.distributed is not initialized)."
@@ -47,6 +47,12 @@ def is_sharded(model) -> bool:
 def local_shard(t):
     "This rank's shard of `t` (a DTensor: the same memory, writing it writes `t`), or `t` itself."
     return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+def as_state_of(t:Tensor, p) -> Tensor:
+    """The local tensor `t` as the optimizer state of `p`: a DTensor over it for an FSDP2-sharded `p` (no copy), else
+    `t` (`local_shard`'s inverse)."""
+    if DTensor is None or not isinstance(p, DTensor) or isinstance(t, DTensor): return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 def syncs(model) -> bool:
     """Whether the ranks must agree about `model`'s steps: several processes, and `model` is a DDP or an FSDP2 module

@@ -10,7 +10,7 @@ from fastai.optimizer import Optimizer, OptimWrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torch import nn
-from . import learner, session, distributed, checkpoint, dtypes, weights
+from . import learner, session, distributed, checkpoint, dtypes, weights, storage
 from .diagnostics import precision_check
 
 __all__ = ['Change', 'CHANGES', 'install']
@@ -52,7 +52,7 @@ CHANGES = (
     Change(OptimWrapper, 'step', weights.wrapper_step,
            "new (fastai delegates it to the torch optimizer): the same call; while a fit stores the state in 16 or 8 "
            "bits, the torch optimizer steps a chunk of params at a time, their state widened around it"),
-    Change(Optimizer, 'state_dict', weights.fastai_state_dict,
+    Change(Optimizer, 'state_dict', storage.fastai_state_dict,
            "fastai's; while a fit stores the state in 16 or 8 bits, FP32 copies of it, as an FP32 learner's"),
     # checkpoints (`checkpoint`): the FP32 file of plain fastai, written atomically; mid-fit as between fits
     Change(Learner, 'save', checkpoint.save,

@@ -251,6 +251,6 @@ def per_param_steps(monkeypatch):
 
 def set_chunk(monkeypatch, n):
     """The step's chunks of `n` elements (None: the device's own): the 16-bit params lifted to FP32 (`half_storage`)
-    and the optimizer's state widened, a chunk at a time (`fp16cb.weights.stored.STATE_CHUNK`)."""
-    from fp16cb.weights import stored
-    if n: monkeypatch.setattr(stored, 'STATE_CHUNK', {'cpu': n, 'cuda': n})
+    and the optimizer's state widened, a chunk at a time (`fp16cb.weights.loop.STATE_CHUNK`)."""
+    from fp16cb.weights import loop
+    if n: monkeypatch.setattr(loop, 'STATE_CHUNK', {'cpu': n, 'cuda': n})

@@ -30,7 +30,7 @@ from fastai.layers import BatchNorm
 
 import fp16cb  # noqa: F401  (patches Learner.to_fp16 & co.)
 from fp16cb.weights.optstate import opt_state
-from fp16cb.weights import state8
+from fp16cb.storage import state8
 from fp16cb.fsdp import full_tensor
 from conftest import make_learner, quiet_fit, seed_all
 
@@ -411,8 +411,8 @@ def _fsdp_rank(out:Path):
     rank, res = init(timeout=60), {}
     device = torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
     res['_where'] = dict(backend=dist.get_backend(), device=str(device))
-    from fp16cb.weights import stored
-    stored.STATE_CHUNK = {'cpu': 16, 'cuda': 16}  # the state widened a few params at a time (a large param: sliced)
+    from fp16cb.weights import loop
+    loop.STATE_CHUNK = {'cpu': 16, 'cuda': 16}  # the state widened a few params at a time (a large param: sliced)
     for mode, opt in FSDP_CELLS:
         with every_state_8bit(mode):
             learn, error = ddp_build(mode, single=False, device=device, opt=opt)

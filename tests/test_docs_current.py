@@ -397,7 +397,7 @@ def test_memory_caption_gives_the_lifts_scratch():
     """The scratch one chunk of FP32 grads is lifted into (kept between steps, not in the table): the run's own figure,
     at most one chunk (the CPU's chunk limit, `STATE_CHUNK`) in every mode (Adam is elementwise: a param bigger than a
     chunk is stepped a slice at a time)."""
-    from fp16cb.weights.stored import state_chunk as chunk_limit
+    from fp16cb.weights.loop import state_chunk as chunk_limit
     res = json.loads(MEMORY_JSON.read_text())
     flat = ' '.join(section(README, 'Which mode').split())
     most = max(b for r in res['scratch_bytes'].values() for b in r.values())

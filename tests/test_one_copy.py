@@ -108,7 +108,7 @@ class OptStateAt(Callback):
 def test_the_optimizers_state_dict_mid_fit_is_fp32_per_param(mode, monkeypatch):
     """FP32: per-param FP32 state, which an FP32 learner loads and steps with. Today: the store's internal form (one
     tensor per flat group, which does not load; 8-bit codes; bf16 moments an FP32 learner then keeps for good)."""
-    from fp16cb.weights import state8
+    from fp16cb.storage import state8
     monkeypatch.setattr(state8, 'MIN_NUMEL', 1)  # the tiny model's moving averages 8-bit too
     learn, cb = learner(mode), OptStateAt()
     quiet_fit(learn, 2, cbs=cb)

@@ -13,7 +13,7 @@ from fastai.optimizer import Optimizer, OptimWrapper
 from fastai.torch_core import trainable_params
 
 from fp16cb.compat import MOVING_AVERAGES
-from fp16cb.weights import StateStorage
+from fp16cb.storage import StateStorage
 from fp16cb.weights.optstate import opt_state, opt_states
 from conftest import make_learner, quiet_fit, weights
 

@@ -260,7 +260,8 @@ def test_inference_between_fits_makes_no_weight_store(monkeypatch, call):
     """`get_preds`/`validate`/`predict` between fits run the 16-bit model: no FP32 masters, flat buffers or optimizer
     moves (a bf16 `get_preds` on an 8.4M-param MLP took 6.7x FP32's time, 2.2x now: `bench/RESULTS.md`). The predictions are the 16-bit model's
     as before, and a fit afterwards makes its store and trains."""
-    from fp16cb.weights import HalfStorage, ModelParams
+    from fp16cb.weights import ModelParams
+    from fp16cb.storage import HalfStorage
     made = []
     for cls in (HalfStorage, ModelParams):
         init = cls.__init__

@@ -9,9 +9,9 @@ from fastai.basics import Adam, SGD, OptimWrapper, Callback
 
 from fp16cb import compat
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import StateStorage
+from fp16cb.storage import StateStorage
 from fp16cb.dtypes import resolve_state_dtype
-from fp16cb.weights.state_storage import round_bf16_stochastic_
+from fp16cb.storage.state_storage import round_bf16_stochastic_
 from fp16cb.weights.optstate import opt_state
 from fp16cb.demos.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, Record
@@ -211,7 +211,7 @@ def test_a_fused_run_steps_its_widened_state_where_it_lies(monkeypatch):
     (on the benchmark's 300 small tensors, the step with bf16 state took 2.9x the FP32-state step; now about 1.3x)."""
     from torch import nn
     from fp16cb.weights import drivers
-    from fp16cb.weights.state_storage import StateStorage as SS
+    from fp16cb.storage.state_storage import StateStorage as SS
     scratches, flats = [], []
     widen, flat = SS.widen, drivers._Stretch._flat
     def spy_widen(self, params, state):

@@ -1,5 +1,5 @@
 """8-bit optimizer state (`state_dtype='8bit'`): the moving averages of at least 4096 elements stored between steps as
-torchao's block-wise codes and scales (`fp16cb.weights.state8`) with every weight store and optimizer kind, smaller
+torchao's block-wise codes and scales (`fp16cb.storage.state8`) with every weight store and optimizer kind, smaller
 ones FP32; the codes' round trip (quantizing the dequantized state gives the same codes), on which a checkpoint's FP32
 state resumes bit for bit; slices of a big param's state in whole blocks; FP32 after the fit, in a checkpoint and after
 `to_fp32()`; the bytes it takes; a small model's loss against FP32 state and bf16 state. (The combination matrix trains
@@ -13,9 +13,9 @@ from fastai.basics import Adam, SGD, OptimWrapper, Callback
 
 from fp16cb import compat
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import state8, stored
+from fp16cb.storage import state8
 from fp16cb.dtypes import resolve_state_dtype
-from fp16cb.weights.state8 import State8, empty8, quantize_, dequantize_into, BLOCK
+from fp16cb.storage.state8 import State8, empty8, quantize_, dequantize_into, BLOCK
 from fp16cb.weights.optstate import opt_state
 from fp16cb.demos.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, Record, weights, seed_all, set_chunk
@@ -307,7 +307,7 @@ def test_an_8bit_moving_average_moves_on_average():
     """Increments finer than the map's spacing: to nearest (torchao's), the codes never move and the moment stalls (a
     GPT-2's second moments read 0.89-0.98 of Adam's, two seeds of six ended 7.7% and 14.6% above FP32's loss); coded
     stochastically in the step, the moment follows the exact one on average."""
-    from fp16cb.weights import StateStorage
+    from fp16cb.storage import StateStorage
     p = torch.zeros(4096)
     x = torch.full((4096,), 0.5)
     x[::256] = 1.  # each block's largest element, its scale: exact
@@ -427,7 +427,7 @@ def test_an_8bit_step_asks_no_entry_what_it_is(monkeypatch):
     """A usual 8-bit step (the state updated in place, no entry added) is written back from the widened scratch as it
     lies, as bf16 state's is: no state entry asked what it is, in the widening (its plan kept) or the narrowing.
     Before: the narrowing asked every entry of every param, each step."""
-    from fp16cb.weights import StateStorage, state_storage
+    from fp16cb.storage import StateStorage, state_storage
     ps = [torch.zeros(64, 64), torch.zeros(4096)]
     state = {p: {'grad_avg': torch.randn_like(p), 'sqr_avg': torch.rand_like(p), 'step': 0} for p in ps}
     st = StateStorage('8bit', generator=torch.Generator().manual_seed(0))

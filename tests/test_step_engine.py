@@ -11,7 +11,6 @@ from fastai.basics import Callback, SGD, Adam
 from fastai.optimizer import OptimWrapper
 from fastai.torch_core import trainable_params
 
-from fp16cb.weights import stored
 from conftest import make_learner, quiet_fit, weights, Record, set_chunk
 
 def _f32(ts): return [t.detach().float().clone() for t in ts]

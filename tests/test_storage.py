@@ -6,7 +6,7 @@ from torch import nn
 from fastai.optimizer import SGD, Adam, Optimizer, weight_decay, l2_reg
 
 from fp16cb.callbacks import ModelToHalf, MixedPrecision
-from fp16cb.weights import round_stochastic, HalfStorage
+from fp16cb.storage import round_stochastic, HalfStorage
 from fp16cb.diagnostics import state_bytes
 from fp16cb.demos.experiments import make_learner as digits_learner, train
 from conftest import make_learner, quiet_fit, Record, weights
@@ -24,7 +24,7 @@ def test_fp16_stochastic_rounding_by_dither_is_unbiased_in_every_range():
     smallest normal): each result one of the two fp16 neighbours of x, representable values kept, inf and NaN kept, and
     the mean of many draws x (under 1% of a spacing off, in each range); the general rule's law, at a quarter of its
     cost."""
-    from fp16cb.weights.lifted import round_fp16_stochastic_
+    from fp16cb.storage.lifted import round_fp16_stochastic_
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-7, 1e-5, 6e-5, 1e-3, 1., 3e4)])
     y = round_fp16_stochastic_(x.clone(), g).float()
@@ -51,7 +51,7 @@ def test_fp16_stochastic_rounding_on_a_cpu_draws_once_per_piece():
     the generator, one per 65536 elements (the generator drawing a number per 4 elements was a third of the rounding):
     the generator moves by exactly those draws, and each element, rounded again and again, averages its own value, in
     the normal range and under fp16's smallest normal."""
-    from fp16cb.weights.lifted import round_fp16_stochastic_
+    from fp16cb.storage.lifted import round_fp16_stochastic_
     PIECE = 65536
     g, ref = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     round_fp16_stochastic_(torch.full((3 * PIECE + 5,), 1. + 2.**-12), g)
@@ -162,7 +162,8 @@ def test_half_storage_steps_a_groups_small_params_as_one(monkeypatch):
     callbacks one flat tensor per stretch of equal state (the weights, then the biases, which fastai's `wd_bn_bias=False`
     flags apart), as the default path steps its FP32 params; the weights after three epochs are those of stepping each
     param on its own. Before: each param stepped on its own (on 150 small layers, 1.9x `to_bf16()`'s step)."""
-    from fp16cb.weights import lifted, drivers
+    from fp16cb.weights import drivers
+    from fp16cb.storage import lifted
     def run(fuse:bool):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 16), *[m for _ in range(6) for m in (nn.ReLU(), nn.Linear(16, 16))],

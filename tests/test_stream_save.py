@@ -15,7 +15,8 @@ from fastai.optimizer import OptimWrapper
 from functools import partial
 
 from fp16cb.checkpoint import fp32_view
-from fp16cb.weights import Stream, shared
+from fp16cb.weights import shared
+from fp16cb.storage import Stream
 from bench.peak_memory import Tracker
 from conftest import DEVICE, seed_all, set_chunk
 
@@ -260,7 +261,7 @@ def test_mid_fit_save_true_peak(mode, tmp_path):
     writes: at most one param's FP32 tensor above the memory between steps (8-bit state: dequantized straight into the
     tensor the file is written from, through one piece of the dequantizer's output; before, into a tensor of its own
     first, and copied: one param's FP32 more)."""
-    from fp16cb.weights import state8
+    from fp16cb.storage import state8
     piece = 4 * min(WIDTH * WIDTH, state8._piece('cpu')) if MODES[mode]['state_dtype'] == '8bit' else 0
     dls = _data()
     tracker = Tracker('cpu')

@@ -1,6 +1,7 @@
 """The package's shape: no import cycle among fp16cb's modules (late imports inside functions count too), no core
 module over ~450 lines (the demos are not core), and no line of any module over 120 characters."""
 import ast
+import pytest
 from pathlib import Path
 
 PKG = Path(__file__).parent.parent / 'fp16cb'
@@ -93,14 +94,23 @@ def test_only_patches_changes_other_modules_classes():
                 found += [f"{name}:{n.lineno}" for d in n.decorator_list if getattr(d, 'id', '') == 'patch']
     assert not found, found
 
-def test_the_weights_docstring_lists_its_modules_in_import_order():
-    "`fp16cb/weights/__init__.py` lists every module of the package, each importing only modules listed below it."
+@pytest.mark.parametrize('pkg', ['weights', 'storage'])
+def test_the_package_docstring_lists_its_modules_in_import_order(pkg):
+    "`fp16cb/<pkg>/__init__.py` lists every module of the package, each importing only modules listed below it."
     import re
     mods = _modules()
-    listed = re.findall(r"^- `(\w+)`", (PKG/'weights'/'__init__.py').read_text(), re.M)
-    here = sorted(n.rsplit('.', 1)[1] for n in mods if n.startswith('fp16cb.weights.'))
+    listed = re.findall(r"^- `(\w+)`", (PKG/pkg/'__init__.py').read_text(), re.M)
+    here = sorted(n.rsplit('.', 1)[1] for n in mods if n.startswith(f'fp16cb.{pkg}.'))
     assert sorted(listed) == here, (sorted(listed), here)
     for i, m in enumerate(listed):
-        up = {n.rsplit('.', 1)[1] for n in _imports(f'fp16cb.weights.{m}', mods[f'fp16cb.weights.{m}'], set(mods))
-              if n.startswith('fp16cb.weights.')} & set(listed[:i])
+        up = {n.rsplit('.', 1)[1] for n in _imports(f'fp16cb.{pkg}.{m}', mods[f'fp16cb.{pkg}.{m}'], set(mods))
+              if n.startswith(f'fp16cb.{pkg}.')} & set(listed[:i])
         assert not up, f"{m} imports {up}, listed above it"
+
+def test_the_default_path_never_imports_storage_precision():
+    """`fp16cb.weights` (the default path: the model's FP32 params, stepped by the user's optimizer) imports nothing of
+    `fp16cb.storage` (what the optimizer keeps in fewer bits), even late: storage joins the step through registries."""
+    mods = _modules()
+    found = {n: sorted(m for m in _imports(n, p, set(mods)) if m.startswith('fp16cb.storage'))
+             for n, p in mods.items() if n.startswith('fp16cb.weights')}
+    assert not any(found.values()), found

@@ -9,7 +9,6 @@ from torch import nn
 from fastai.basics import Adam
 from fastai.optimizer import OptimWrapper
 
-from fp16cb.weights import stored
 from conftest import make_learner, quiet_fit, weights, seed_all, set_chunk
 
 CHUNK = 32  # a chunk of this many elements: the model's 8x16 and 16x8 weights are stepped a slice at a time

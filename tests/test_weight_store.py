@@ -12,7 +12,8 @@ from fastai.torch_core import trainable_params
 from fastai.optimizer import sgd_step as fastai_sgd_step
 
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.weights import Stage, HalfStorage, ModelParams, stored
+from fp16cb.weights import Stage, ModelParams, loop
+from fp16cb.storage import HalfStorage, stored
 from conftest import make_learner, quiet_fit, tiny_model, Record, DEVICE, weights, set_chunk
 
 MODES = [dict(), dict(flat_master=True), dict(half_storage=True)]
@@ -162,10 +163,12 @@ def _rooms_entered(run, during=None) -> set:
     finally: sys.setprofile(None)
     return entered
 
-@pytest.mark.parametrize('call,kw', [('to_fp16', {}), ('to_bf16', {}), ('to_bf16', dict(half_storage=True))])
+@pytest.mark.parametrize('call,kw', [('to_fp16', {}), ('to_bf16', {}), ('to_bf16', dict(half_storage=True)),
+                                     ('to_fp16', dict(state_dtype='8bit'))])
 def test_one_batch_enters_three_rooms(call, kw):
     """From `before_batch` to `after_batch` of an ordinary batch (not a fit's first, which also checks the model as the
-    learner calls it): the events, the weight-store package, loss scaling."""
+    learner calls it): the events, the weight-store package, loss scaling. Storage precision (`half_storage`,
+    `state_dtype`) lives inside the optimizer's step, in a room of its own that only its modes enter."""
     on, n = [False], [0]
     class Trace(Callback):
         order = -100
@@ -175,7 +178,9 @@ def test_one_batch_enters_three_rooms(call, kw):
     learn = getattr(make_learner(), call)(**kw)
     quiet_fit(learn, 1)  # the first fit calibrates the scale; the second is the ordinary case
     entered = _rooms_entered(lambda: quiet_fit(learn, 1, cbs=[Trace()]), on)
-    assert entered <= {'fp16cb.callbacks', 'fp16cb.weights', 'fp16cb.scaling'} and 'fp16cb.weights' in entered, entered
+    step = entered - {'fp16cb.storage'}  # (the optimizer's step, with storage precision)
+    assert step <= {'fp16cb.callbacks', 'fp16cb.weights', 'fp16cb.scaling'} and 'fp16cb.weights' in step, entered
+    assert ('fp16cb.storage' in entered) == bool(kw), entered
 
 def test_a_fit_enters_at_most_eleven_rooms():
     "From `learn.to_fp16()` through a fit to `learn.to_fp32()`: at most 11 rooms of the package."
@@ -358,15 +363,15 @@ def test_a_master_over_a_chunk_steps_a_slice_at_a_time(monkeypatch, opt, kw):
     Adam, RMSProp, QHAdam, RAdam) steps it a chunk-sized slice at a time, its state made whole at the first step: the
     weights and the state are those of the whole-param step, and the scratch stays one chunk. LAMB takes whole-param
     norms: it is stepped whole (and refused with flat masters)."""
-    import fp16cb.weights.optstate as optstate, fp16cb.weights.lifted as half_mod
+    import fp16cb.weights.optstate as optstate, fp16cb.storage.lifted as half_mod
     calls = []  # the slice size of each param stepped in more than one slice
     def spy(f, i):  # the param is argument i, the slice size i + 1 (sliced_update: core, p, hyper, n; torch: opt, p, n)
         def g(*a, **k):
             if a[1].numel() > a[i]: calls.append(a[i])
             return f(*a, **k)
         return g
-    for mod in (half_mod, stored): monkeypatch.setattr(mod, 'sliced_update', spy(optstate.sliced_update, 3))
-    monkeypatch.setattr(stored, 'sliced_torch_step', spy(optstate.sliced_torch_step, 2))
+    for mod in (half_mod, loop): monkeypatch.setattr(mod, 'sliced_update', spy(optstate.sliced_update, 3))
+    monkeypatch.setattr(stored, 'sliced_torch_step', spy(stored.sliced_torch_step, 2))
     res = []
     for chunk in (2**22, 12):
         set_chunk(monkeypatch, chunk)
@@ -421,7 +426,7 @@ def test_half_storage_in_slices_steps_like_the_lifted_param(monkeypatch, sr, chu
     the default: all together): rounded to nearest, exactly the weights and state of lifting each param whole to FP32
     (the path LAMB and torch optimizers take), a channels-last weight too; rounded stochastically (the draws fall
     differently), a few 16-bit spacings from it."""
-    import fp16cb.weights.lifted as half_mod
+    import fp16cb.storage.lifted as half_mod
     res = []
     for whole in (True, False):
         if whole: monkeypatch.setattr(half_mod, 'elementwise', lambda core: False)

@@ -7,7 +7,8 @@ import torch
 from fastai.callback.core import CancelStepException
 
 from ..dtypes import resolve_dtype, model_device
-from ..weights import HalfStorage, Stage, ModelParams, ShardedParams, StateStorage
+from ..weights import Stage, ModelParams, ShardedParams
+from ..storage import HalfStorage, StateStorage
 from ..options import ScalingOptions, StoreOptions, ClipOptions, refuses_amp_args, check_int
 from ..compat import Facts, check, learner_facts, OPTIONS, FIT, BATCH, STEP
 from ..scaling import (StaticScaler, make_scaler, read_stats, underflow_flag, StepRecord, lr_find_stops_on,
@@ -160,8 +161,8 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         """The model's own FP32 params as what the optimizer steps (`ModelParams`): its forward computes with `copies`,
         whose grads arrive on them (none: an FP32 forward, its grads unscaled on their way in all the same)."""
         unit = isinstance(self.scaler, StaticScaler) and self.scaler.scale == 1.  # bf16's: nothing to divide
-        state = StateStorage(self.state_dtype, self.stochastic_rounding,
-                             self.rng(model) if self.state_dtype is not None else None)
+        state = (StateStorage(self.state_dtype, self.stochastic_rounding, self.rng(model))
+                 if self.state_dtype is not None else None)  # (FP32 state: nothing of storage precision)
         sink, computed = (copies.sink, {self.dtype: copies.computed_in(self.dtype)}) if copies else (GradSink(), {})
         kind = ShardedParams if is_fsdp(model) else ModelParams  # FSDP2: its policy computes, the grads come sharded
         if kind is ShardedParams: sink = ReduceSink(model)

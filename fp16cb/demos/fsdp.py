@@ -18,7 +18,7 @@ __all__ = ['nbytes', 'state_bytes', 'digits_learner', 'MODES', 'main']
 def nbytes(t) -> int:
     "The bytes this rank holds for `t`: a DTensor's shard; 8-bit state's codes and block scales."
     from fp16cb.distributed import local_shard
-    from fp16cb.weights.state8 import State8
+    from fp16cb.storage.state8 import State8
     t = local_shard(t)
     return t.numel() + t.scale.numel() * 4 if isinstance(t, State8) else t.numel() * t.element_size()
 
@@ -61,7 +61,7 @@ MODES = {'fp32': lambda l: l, 'to_bf16()': lambda l: l.to_bf16(), 'to_fp16()': l
 def _worker(epochs:int):
     import warnings; warnings.filterwarnings('ignore')
     from fp16cb import shard_model, DistributedData, full_state_dict
-    from fp16cb.weights import state8
+    from fp16cb.storage import state8
     state8.MIN_NUMEL = 4096  # this small model's hidden layers (262k elements) 8-bit, as a large model's would be
     rank, world = init(), int(os.environ['WORLD_SIZE'])
     device = torch.device('cuda', torch.cuda.current_device()) if ranks_on_cuda() else torch.device('cpu')

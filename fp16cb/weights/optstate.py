@@ -9,11 +9,10 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 
 from ..compat import known_elementwise
 from .layout import memory_order, with_layout_of
-from . import state8
-from .state8 import State8
 
 __all__ = ['copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'rekey', 'fastai_update',
-           'steps_param_by_param', 'elementwise', 'sliced_update', 'sliced_torch_step']
+           'steps_param_by_param', 'elementwise', 'PlainState', 'sliced_update', 'sliced', 'slice_state',
+           'narrow_slice', 'narrow_new', 'keep_slice']
 
 def innermost(opt):
     "The optimizer that holds the param lists and state: inside fastai's `Lookahead` (and the like), the wrapped one."
@@ -80,85 +79,46 @@ def elementwise(core) -> bool:
     torch's elementwise optimizers. Such an optimizer steps a param cut in parts exactly as it steps it whole."""
     return (isinstance(core, OptimWrapper) or steps_param_by_param(core)) and known_elementwise(core)
 
-def _sliced(p, state:dict) -> dict:
+class PlainState:
+    """How a param's state is cut in slices and put back, for state tensors as they are (`storage.StateStorage` does the
+    same for the 8-bit codes it keeps): the whole of it, laid out as the param and in memory order, its slices, and a
+    slice's new value written into one."""
+    def relaid(self, v:Tensor, p) -> Tensor: return with_layout_of(v, p)
+    def flat(self, v:Tensor) -> Tensor: return memory_order(v)
+    def part(self, v:Tensor, s:slice) -> Tensor: return v[s]
+    def put_(self, dst:Tensor, src:Tensor): dst.copy_(src)
+    def aligned(self, n:int) -> int: return n  # the slice size for `n` elements (8-bit state: whole blocks)
+
+PLAIN = PlainState()
+
+def sliced(p, state:dict, storage=None) -> dict:
     """`{key: 1-d view in memory order}` of `p`'s state tensors of its shape (what a slice of `p` takes a slice of),
-    each laid out as `p` first if it was not (elementwise: the layout changes nothing of the step; 8-bit state, whose
-    blocks run in memory order, is quantized again in `p`'s layout)."""
+    each laid out as `p` first if it was not (elementwise: the layout changes nothing of the step)."""
+    how = storage or PLAIN
     for k, v in state.items():
-        if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride():
-            state[k] = (state8.quantize_(state8.empty8(p.detach(), v.signed), with_layout_of(v.dequantize(), p))
-                        if isinstance(v, State8) else with_layout_of(v, p))
-    return {k: state8.flat8(v) if isinstance(v, State8) else memory_order(v) for k, v in state.items()
-            if isinstance(v, Tensor) and v.shape == p.shape}
+        if isinstance(v, Tensor) and v.shape == p.shape and v.stride() != p.stride(): state[k] = how.relaid(v, p)
+    return {k: how.flat(v) for k, v in state.items() if isinstance(v, Tensor) and v.shape == p.shape}
 
-def _part(v:Tensor, s:slice) -> Tensor:
-    "Slice `s` of the 1-d state tensor `v` (8-bit: its codes with their blocks' scales; `s` starts at a block)."
-    return state8.part8(v, s) if isinstance(v, State8) else v[s]
-
-def _put(dst:Tensor, src:Tensor):
-    "`src` into `dst`; into 8-bit state: codes and scales, or an FP32 `src` quantized (a torch optimizer's first step)."
-    if not isinstance(dst, State8): dst.copy_(src)
-    elif isinstance(src, State8): state8.copy8_(dst, src)
-    else: state8.quantize_(dst, src)
-
-def _block_aligned(n:int, storage) -> int:
-    "The slice size: `n` elements, or for 8-bit state whole blocks (each slice then starts at a block's start)."
-    return state8.aligned(n) if storage is not None and storage.dtype == '8bit' else n
-
-def _keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int) -> dict:
+def keep_slice(p, state:dict, full:dict, st:dict, s:slice, n:int, storage=None) -> dict:
     """After a slice's step: its state `st` written into `p`'s whole `state` (`full`: its views) where the step replaced
     a tensor instead of updating it in place, or made one (the first step); returns the rest (the step count & co.)."""
-    rest = {}
+    rest, how = {}, storage or PLAIN
     for k, v in st.items():
         if k not in full:
             if k in state or not (isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n): rest[k] = v; continue
             # made by this (first) step
             state[k] = torch.zeros_like(p.detach(), dtype=v.dtype); full[k] = memory_order(state[k])
-        if v.data_ptr() != full[k][s].data_ptr(): _put(_part(full[k], s), v)  # replaced, not updated in place
+        if v.data_ptr() != full[k][s].data_ptr(): how.put_(how.part(full[k], s), v)  # replaced, not in place
     return rest
 
-def sliced_torch_step(opt, p, n:int, lift, land, step, storage=None):
-    """torch optimizer `opt` (elementwise) steps `p` `n` elements at a time, as `sliced_update` does fastai's: each
-    slice (`lift`) stands in for `p` in its param group with the slices of `p`'s state (a copy of its step count: every
-    slice counts the same step), `step()` steps it, `land` takes it. Returns the last `step()`'s value."""
-    group = next(g for g in opt.param_groups if any(q is p for q in g['params']))
-    i = next(i for i, q in enumerate(group['params']) if q is p)
-    state, n = opt.state[p], _block_aligned(n, storage)
-    full, out, rest, fresh = _sliced(p, state), None, {}, not state  # fresh: each slice makes its own (the first step)
-    scalars = {k: v for k, v in state.items() if k not in full}
-    q, done = None, False
-    try:
-        for o in range(0, p.numel(), n):
-            s = slice(o, min(o + n, p.numel()))
-            q = group['params'][i] = lift(s)
-            sl, w = ({}, None) if fresh else _slice_state(full, s, q, storage)
-            opt.state[q] = ({} if fresh else
-                            {**{k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}, **sl})
-            out = step()
-            _narrow_slice(sl, opt.state[q], q, storage, w)
-            _narrow_new(p, state, full, opt.state[q], q, storage)
-            rest = _keep_slice(p, state, full, opt.state.pop(q), s, q.numel())
-            land(s, q)
-            q.grad = None
-        done = True
-    finally:  # also when interrupted: no slice's state left behind, and `p`'s state that of the completed steps
-        group['params'][i] = p
-        if q is not None:
-            opt.state.pop(q, None)
-            q.grad = None
-        if done: state.update(rest)  # the step count & co. (the same for every slice)
-        elif fresh: state.clear()  # an interrupted first step: no state, as before it (torch makes it afresh)
-    if storage is not None and done: storage.narrow([p], opt.state)  # made in FP32 by the first step
-    return out
-
-def _slice_state(full:dict, s:slice, q, storage) -> tuple:
+def slice_state(full:dict, s:slice, q, storage) -> tuple:
     """`{key: slice s}` of `p`'s state (`full`: its 1-d views), as the step of slice `q` takes it, and what `storage`
     widened of it: 16-bit state in FP32 for this slice only (a scratch of the slice's size, not the param's)."""
-    sl = {k: _part(v, s) for k, v in full.items()}
+    sl = {k: (storage or PLAIN).part(v, s) for k, v in full.items()}
     w = storage.widen([q], {q: sl}) if storage is not None else None
     return sl, w
 
-def _narrow_slice(sl:dict, st:dict, q, storage, w):
+def narrow_slice(sl:dict, st:dict, q, storage, w):
     """After a slice's step: its widened state rounded back into the 16-bit slices (what the step replaced instead of
     updating in place taken first), `st` pointing at them again."""
     if not w: return
@@ -168,7 +128,7 @@ def _narrow_slice(sl:dict, st:dict, q, storage, w):
     storage.narrow([q], tmp, w)
     st.update(tmp[q])
 
-def _narrow_new(p, state:dict, full:dict, st:dict, q, storage):
+def narrow_new(p, state:dict, full:dict, st:dict, q, storage):
     """The first step: the moving averages it made for slice `q` in FP32 rounded to 16-bit at once, into whole 16-bit
     tensors made for `p` (its whole FP32 state never exists; 8-bit: whatever the slice's size, `p`'s decides)."""
     new = {k: v for k, v in st.items() if k not in full and storage is not None and storage.stores(k, v, q, p.numel())}
@@ -177,7 +137,7 @@ def _narrow_new(p, state:dict, full:dict, st:dict, q, storage):
     storage.narrow([q], tmp, numel=p.numel())
     for k in new:
         state[k] = storage.zeros_like(p, k)
-        full[k], st[k] = _sliced(p, {k: state[k]})[k], tmp[q][k]
+        full[k], st[k] = sliced(p, {k: state[k]}, storage)[k], tmp[q][k]
 
 def sliced_update(core, p, hyper:dict, n:int, lift, land, storage=None):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
@@ -186,17 +146,17 @@ def sliced_update(core, p, hyper:dict, n:int, lift, land, storage=None):
     values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
     slice's step count is the param's (each slice counts the same step). `storage`: 16-bit state widened a slice at a
     time (one slice's FP32 copy at the step's peak, not the param's); what the first step makes is narrowed after."""
-    state, n = core.state[p], _block_aligned(n, storage)
-    full, rest = _sliced(p, state), {}
+    state, n = core.state[p], (storage or PLAIN).aligned(n)
+    full, rest = sliced(p, state, storage), {}
     for o in range(0, p.numel(), n):
         s = slice(o, min(o + n, p.numel()))
         q = lift(s)
-        sl, w = _slice_state(full, s, q, storage)
+        sl, w = slice_state(full, s, q, storage)
         st = {**state, **sl}
         for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
-        _narrow_slice(sl, st, q, storage, w)
-        _narrow_new(p, state, full, st, q, storage)
-        rest = _keep_slice(p, state, full, st, s, q.numel())
+        narrow_slice(sl, st, q, storage, w)
+        narrow_new(p, state, full, st, q, storage)
+        rest = keep_slice(p, state, full, st, s, q.numel(), storage)
         land(s, q)
         q.grad = None
     state.update(rest)  # the step count & co. (the same for every slice)

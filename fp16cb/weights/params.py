@@ -5,7 +5,6 @@ params held inf/NaN is noted), or clip the grads in place, on the device. The ch
 step, so that an inf written there by other code after the backward skips the step too."""
 from __future__ import annotations
 import weakref
-from functools import partial
 from contextlib import contextmanager
 from enum import Enum
 import torch
@@ -16,10 +15,8 @@ from ..distributed import broadcast_
 from .functional import check_unique_params
 from .optstate import innermost, steps_param_by_param, elementwise, opt_state
 from .drivers import FUSED, FusedLoop, lay_out
-from .stored import STORED, TorchHooks, as_stored, step_one
+from .loop import step_one
 from .backward import BackwardSteps
-from .lazy import Stream, lazy_state
-from .state_storage import StateStorage
 from .layout import shared, own_storages
 
 __all__ = ['ModelParams', 'Stage', 'counted_step', 'AROUND']
@@ -59,7 +56,7 @@ class ModelParams:
         computed_in:dict=None, # `{dtype: [params]}`: which trainable params compute in which 16-bit dtype
         scaled:bool=True, # the fit is loss-scaled (fp16): each param's summed grad is unscaled on its way in
         flat:bool=False, # `flat_master`: each group's params laid out in one buffer, whatever the optimizer
-        state:StateStorage=None, # the optimizer's state between steps (`state_dtype`: 16 or 8 bits; None: FP32)
+        state=None, # the optimizer's state between steps (`storage.StateStorage`, `state_dtype`; None: FP32)
         in_backward:bool=False, # `step_in_backward`: each trainable param stepped by a hook as its grad completes
     ):
         self.learn, self.sink, self.names, self.computed = learn, sink, names or {}, computed_in or {}
@@ -94,14 +91,9 @@ class ModelParams:
         if fused: FUSED[core] = self._loop = FusedLoop()
 
     def _store_state(self, core):
-        """The optimizer's state stored narrow from now to the fit's end (`stored`): fastai's loop widens it a run at a
-        time, a torch optimizer's step hooks all of it, `counted_step` all of it around any other optimizer's step."""
-        self._hooks = None
-        if self.state is None: return
-        self.state.narrow_all(opt_state(core))
-        if steps_param_by_param(core): STORED[core] = self.state
-        elif isinstance(getattr(core, 'opt', None), torch.optim.Optimizer): self._hooks = TorchHooks(core, self.state)
-        else: AROUND[self.learn] = partial(_widened_step, self.state, opt_state(core))
+        """The optimizer's state stored narrow from now to the fit's end, widened around its steps (`state.attach`:
+        fastai's loop a run at a time, a torch optimizer's step all of it, `counted_step` any other optimizer's)."""
+        self._detach = self.state.attach(self.learn, core) if self.state is not None else None
 
     @property
     def model_pgs(self) -> list:
@@ -208,10 +200,8 @@ class ModelParams:
         if self._core is not None: FUSED.pop(self._core, None)
         if self._backward is not None: self._backward.remove()
         if self.state is None: return
-        core = innermost(self.learn.opt)
-        STORED.pop(core, None); AROUND.pop(self.learn, None)
-        if self._hooks is not None: self._hooks.remove()
-        self.state.widen_all(opt_state(core))  # FP32 between fits
+        self._detach()
+        self.state.widen_all(opt_state(innermost(self.learn.opt)))  # FP32 between fits
 
     def own_storage(self):
         """The fit's end: each param, grad and optimizer state tensor laid out for the fused loop gets memory of its own
@@ -248,9 +238,4 @@ class ModelParams:
     def fp32_state_dict(self, opt, stream) -> dict:
         "`opt.state_dict()` as an FP32 learner's: each tensor alone, 16- or 8-bit state widened by `stream` as written."
         if self.state is None: return own_storages(opt.state_dict())
-        with as_stored(): sd = opt.state_dict()
-        return lazy_state(sd, opt_state(opt), self.state, stream or Stream(eager=True))
-
-def _widened_step(storage, state:dict, step):
-    "`step()` with all of `state` widened to FP32 around it (an optimizer with a `step` of its own)."
-    with storage.lifted(list(state), state): return step()
+        return self.state.fp32_state_dict(opt, stream)

@@ -1,19 +1,19 @@
 """16-bit params stepped in FP32 by the optimizer's own code (`half_storage`, as NVIDIA's NVCaffe, optimi and torchao
 step a 16-bit model): each param lifted to FP32 with its grad (unscaled there, in FP32), stepped, and rounded back, to
 nearest or stochastically (updates under half a 16-bit spacing then still move the weights on average), a bounded
-chunk at a time (`stored.state_chunk`) in a scratch kept for the fit. The optimizer's state stays keyed by the model's
-params. Reached through fastai's `Optimizer.step` and `OptimWrapper.step` rows (`stored.HALF`), and fastai's
-`Learner._step` for an optimizer with a `step` of its own (`params.AROUND`)."""
+chunk at a time (`weights.loop.state_chunk`) in a scratch kept for the fit. The optimizer's state stays keyed by the
+model's params. Reached through fastai's `Optimizer.step` and `OptimWrapper.step` rows (`weights.loop.HALF`), and
+fastai's `Learner._step` for an optimizer with a `step` of its own (`weights.params.AROUND`)."""
 from __future__ import annotations
 from contextlib import contextmanager
 from functools import partial
 import torch
 from torch import Tensor
 
-from .stored import state_chunk, chunks
-from .drivers import FusedRun, flag_ranks
-from .optstate import fastai_update, opt_states, rekey, elementwise, steps_param_by_param, sliced_update
-from .layout import memory_order, flat_views, laid_out_as
+from ..weights.loop import state_chunk, chunks
+from ..weights.drivers import FusedRun, flag_ranks
+from ..weights.optstate import fastai_update, opt_states, rekey, elementwise, steps_param_by_param, sliced_update
+from ..weights.layout import memory_order, flat_views, laid_out_as
 from .state_storage import StateStorage, round_bf16_stochastic_, noise16
 
 __all__ = ['LiftedSteps', 'Scratch', 'round_stochastic', 'round_fp16_stochastic_', 'round_to', 'HALF_DTYPES']
@@ -88,15 +88,16 @@ class _Batch:
         self.ps.append(p); self.hypers.append(hyper); self.f = f; self.numel += p.numel()
     def order(self, state:dict) -> list:
         """The params' indices in the order they are lifted: by param group (their hypers), then by optimizer flags
-        (fastai's `do_wd`, `drivers.flag_ranks`), so that what fastai's callbacks can step as one lies together."""
+        (fastai's `do_wd`, `weights.drivers.flag_ranks`), so that what fastai's callbacks can step as one lies
+        together."""
         groups, ranks = {}, flag_ranks(self.ps, state)
         for h in self.hypers: groups.setdefault(id(h), len(groups))
         return sorted(range(len(self.ps)), key=lambda i: (groups[id(self.hypers[i])], ranks[i]))
     def runs(self, ps:list, hypers:list, w:Tensor, g:Tensor) -> list:
         """`(FusedRun, index of its first param)` of each stretch of `ps` (lifted in that order) of one group (the same
         `hypers`), their FP32 weights and grads consecutive in the scratch (`w`, `g`): fastai's callbacks step each
-        stretch of equal state as one flat tensor (`drivers.FusedRun`), as the default path steps the model's FP32
-        params."""
+        stretch of equal state as one flat tensor (`weights.drivers.FusedRun`), as the default path steps the model's
+        FP32 params."""
         res, i, off = [], 0, [0]
         for p in ps: off.append(off[-1] + p.numel())
         for j in range(1, len(ps) + 1):

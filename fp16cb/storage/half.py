@@ -2,7 +2,7 @@
 other code sees (NVIDIA's "Training with mixed precision", NVCaffe, 2017; the pure-bf16 training of optimi and
 torchao). The optimizer is the user's, on the model's params: its step lifts each 16-bit param to FP32, steps it with
 its own code and FP32 state, and rounds it back (`lifted.LiftedSteps`), reached through fastai's `Optimizer.step` and
-`OptimWrapper.step` rows (`stored.HALF`) or fastai's `Learner._step` (`params.AROUND`).
+`OptimWrapper.step` rows (`weights.loop.HALF`) or fastai's `Learner._step` (`weights.params.AROUND`).
 fp16's grads stay loss-scaled in 16 bits until the step and are unscaled in FP32 as each is lifted (unscaled in 16 bits
 those under fp16's smallest subnormal would flush to zero); for a callback after ours that reads them in `before_step`
 they are unscaled in place first, as FP32 fastai shows them (`unscale_grads`)."""
@@ -11,10 +11,10 @@ import torch
 from fastcore.foundation import L
 
 from ..scaling.check import _by_device
-from .params import ModelParams, AROUND
+from ..weights.params import ModelParams, AROUND
 from .lifted import LiftedSteps, HALF_DTYPES
-from .stored import HALF
-from .optstate import innermost, opt_states, steps_param_by_param
+from ..weights.loop import HALF
+from ..weights.optstate import innermost, opt_states, steps_param_by_param
 from .state_storage import StateStorage
 
 __all__ = ['HalfStorage']

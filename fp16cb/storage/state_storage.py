@@ -18,18 +18,24 @@ in a step (each value to one of the two codes around it, unbiased), to nearest a
 from __future__ import annotations
 import operator, weakref
 from contextlib import contextmanager, nullcontext
+from functools import partial
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..compat import MOVING_AVERAGES
-from ..distributed import local_shard
+from ..distributed import local_shard, as_state_of
 from ..dtypes import EIGHT_BIT
-from .layout import flat_views
+from ..weights.layout import flat_views, with_layout_of, own_storages
+from ..weights.optstate import PlainState, opt_state, steps_param_by_param
+from ..weights.loop import STORED
+from ..weights.params import AROUND
 from . import state8
 from .state8 import State8
+from .stored import TorchHooks, as_stored
+from .lazy import Stream, lazy_state
 
-__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16', 'noise16', 'as_state_of']
+__all__ = ['StateStorage', 'round_bf16_stochastic_', 'random16', 'noise16']
 
 _NULL = nullcontext()
 
@@ -96,21 +102,16 @@ def _is(k, v, p, dtype) -> bool:
     return (k in MOVING_AVERAGES and isinstance(v, Tensor) and kind and v.dim() > 0 and isinstance(p, Tensor)
             and v.numel() == (local_shard(p) if isinstance(v, State8) else p).numel())
 
-# FSDP2's sharded params (DTensors): their state is stored as this rank's shard (bf16: a DTensor of it; 8-bit: the
-# codes of the shard), widened and rounded on the local tensors, and given to the optimizer as DTensors again
-def as_state_of(t:Tensor, p) -> Tensor:
-    "The local FP32 tensor `t` as the state of `p`: a DTensor over it for a sharded `p` (no copy), else `t`."
-    if not isinstance(p, DTensor) or isinstance(t, DTensor): return t
-    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-
 def _key_major(entries:list) -> list:
     """`entries` (`(state dict, key, tensor)`, param by param) ordered key by key, the params in their order within a
     key: a run of consecutive params then finds each key's widened state consecutive too, and steps it as one flat
-    tensor where it lies (`drivers._Stretch`), no copy."""
+    tensor where it lies (`weights.drivers._Stretch`), no copy."""
     order = {}
     for _, k, _ in entries: order.setdefault(k, len(order))
     return sorted(entries, key=lambda e: order[e[1]])
 
+# FSDP2's sharded params (DTensors): their state is stored as this rank's shard (bf16: a DTensor of it; 8-bit: the
+# codes of the shard), widened and rounded on the local tensors, and given to the optimizer as DTensors again
 class _Group:
     """A plan's entries on one device: `(state dict, key, stored tensor)` each, key-major; their local tensors (`lows`,
     this rank's shards), how many elements they hold, and the DTensor param each belongs to (None: no sharded one)."""
@@ -147,7 +148,7 @@ def _updated_in_place(widened:dict, params:list, state:dict) -> bool:
     return (all(d.get(k) is v for w in ws for (d, k, _), v in zip(w.entries, w.views))
             and _nkeys([state.get(p) for p in params]) == ws[0].nkeys)
 
-class StateStorage:
+class StateStorage(PlainState):
     """The optimizer's per-param state stored in `dtype` between steps (None: FP32, nothing done), widened to FP32 for
     the step and rounded back (`stochastic`, with `generator`; else to nearest). The state dicts are the optimizer's
     own (`{param: {key: value}}`); entries are replaced in place, so whoever holds a dict sees the current entries."""
@@ -212,6 +213,20 @@ class StateStorage:
         "A stored state tensor for the moving average `k` of `p`, all zeros (16-bit, or 8-bit codes and scales)."
         if self.dtype == EIGHT_BIT: return state8.empty8(local_shard(p.detach()), state8.signed_for(k), zero=True)
         return torch.zeros_like(p.detach(), dtype=self.dtype)
+
+    # a param's state cut in slices (`weights.optstate.sliced_update`): 8-bit codes sliced with their blocks' scales
+    def relaid(self, v:Tensor, p) -> Tensor:
+        "`v` laid out as `p` (8-bit codes: quantized again in `p`'s layout, their blocks running in memory order)."
+        if not isinstance(v, State8): return with_layout_of(v, p)
+        return state8.quantize_(state8.empty8(p.detach(), v.signed), with_layout_of(v.dequantize(), p))
+    def flat(self, v:Tensor) -> Tensor: return state8.flat8(v) if isinstance(v, State8) else super().flat(v)
+    def part(self, v:Tensor, s:slice) -> Tensor: return state8.part8(v, s) if isinstance(v, State8) else v[s]
+    def put_(self, dst:Tensor, src:Tensor):
+        "`src` into `dst` (8-bit: its codes and scales, or an FP32 `src` quantized: a torch optimizer's first step)."
+        if not isinstance(dst, State8): dst.copy_(src)
+        elif isinstance(src, State8): state8.copy8_(dst, src)
+        else: state8.quantize_(dst, src)
+    def aligned(self, n:int) -> int: return state8.aligned(n) if self.dtype == EIGHT_BIT else n
 
     def narrow(self, params:list, state:dict, widened:dict|None=None, stochastic:bool|None=None, numel:int|None=None):
         """Every FP32 entry of `params`' states written back in 16-bit (into the tensor `widened` took it from, when
@@ -299,3 +314,25 @@ class StateStorage:
             for k in list(d):  # each 16-bit tensor let go as soon as its FP32 one is made (not a param's at once)
                 if not _is(k, d[k], p, self.dtype): continue
                 d[k] = as_state_of(d[k].dequantize(), p) if isinstance(d[k], State8) else d[k].float()
+
+    def attach(self, learn, core):
+        """The state of fastai optimizer `core` (of `learn`) stored narrow from now until the returned function is
+        called: fastai's loop widens it a run at a time (`STORED`), a torch optimizer's step hooks all of it
+        (`TorchHooks`), and fastai's `Learner._step` all of it around any other optimizer's step (`AROUND`)."""
+        self.narrow_all(opt_state(core))
+        if steps_param_by_param(core):
+            STORED[core] = self
+            return lambda: STORED.pop(core, None)
+        if isinstance(getattr(core, 'opt', None), torch.optim.Optimizer): return TorchHooks(core, self).remove
+        AROUND[learn] = partial(_widened_step, self, opt_state(core))
+        return lambda: AROUND.pop(learn, None)
+
+    def fp32_state_dict(self, opt, stream:Stream=None) -> dict:
+        "`opt.state_dict()` as an FP32 learner's: each tensor alone, the stored state widened by `stream` as written."
+        if self.dtype is None: return own_storages(opt.state_dict())
+        with as_stored(): sd = opt.state_dict()
+        return lazy_state(sd, opt_state(opt), self, stream or Stream(eager=True))
+
+def _widened_step(storage, state:dict, step):
+    "`step()` with all of `state` widened to FP32 around it (an optimizer with a `step` of its own)."
+    with storage.lifted(list(state), state): return step()

@@ -10,7 +10,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from .layout import dense_strides, owns_storage, shared
+from ..weights.layout import dense_strides, owns_storage, shared
 
 __all__ = ['Stream', 'lazy_state']
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..compat import NONNEGATIVE
-from .layout import memory_order, dense_strides, span_of
+from ..weights.layout import memory_order, dense_strides, span_of
 
 __all__ = ['State8', 'BLOCK', 'MIN_NUMEL', 'COMPILE', 'quantize_', 'dequantize_into', 'quantize_many',
            'dequantize_many', 'empty8', 'flat8', 'part8', 'copy8_', 'signed_for', 'aligned']
@@ -169,7 +169,7 @@ def _fn(name:str, eager):
         except Exception as e:  # no C++ compiler, no triton: torchao's code eagerly (the same values, slower)
             COMPILE = False
             warnings.warn(f"8-bit optimizer state: torch.compile of torchao's quantizer failed ({type(e).__name__}: "
-                          f"{str(e)[:200]}); quantizing eagerly (slower). `fp16cb.weights.state8.COMPILE = False` "
+                          f"{str(e)[:200]}); quantizing eagerly (slower). `fp16cb.storage.state8.COMPILE = False` "
                           "skips the attempt.")
             return eager(*args)
     return run
