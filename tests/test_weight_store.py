@@ -183,10 +183,11 @@ def test_one_batch_enters_three_rooms(call, kw):
     assert ('fp16cb.storage' in entered) == bool(kw), entered
 
 def test_a_fit_enters_at_most_eleven_rooms():
-    "From `learn.to_fp16()` through a fit to `learn.to_fp32()`: at most 11 rooms of the package."
+    """From `learn.to_fp16()` through a fit to `learn.to_fp32()`: at most 11 rooms of the package, and none of them
+    storage precision's (the default keeps FP32 weights and state)."""
     learn = make_learner()
     entered = _rooms_entered(lambda: (learn.to_fp16(), quiet_fit(learn, 1), learn.to_fp32()))
-    assert len(entered) <= 11, sorted(entered)
+    assert len(entered) <= 11 and 'fp16cb.storage' not in entered, sorted(entered)
 
 def test_the_store_owns_the_step_and_its_stage():
     "`Stage` moves READY -> CHECKED -> STEPPED in a step; a store of each kind implements the one interface."
