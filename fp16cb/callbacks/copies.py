@@ -51,19 +51,19 @@ class GradSink:
             return None
         return g * self.inv_scale
 
-    def arrive(self, grads:list, dtypes:list, order:list, sources:tuple) -> list:
-        """The grads of the copies (None: unused) as the grads of their `sources`: in `dtypes`, unscaled (or, with the
-        hooks, still scaled: `_unscale` divides them), one after the other in memory in `order` (the sources' own order
-        in memory: a fused step takes runs of both). Unscaled already (bf16), into sources that all hold a grad
+    def arrive(self, grads:list, sources:tuple) -> list:
+        """The grads of the copies (None: unused) as the grads of their `sources`: in their dtypes, unscaled (or, with
+        the hooks, still scaled: `_unscale` divides them), one after the other in memory in the sources' own order in
+        memory (a fused step takes runs of both). Unscaled already (bf16), into sources that all hold a grad
         (fastai's `zero_grad` zeroes them in place): as they are, autograd casting each to its source's dtype as it
         adds it where that grad lies (no buffer of ours)."""
         if not self.scaled and self.inv_scale == 1. and all(
                 g is None or (not g.is_sparse and p.grad is not None) for g, p in zip(grads, sources)): return grads
         res = [None] * len(grads)
-        idx = [i for i in order if grads[i] is not None]
+        idx = sorted((i for i, g in enumerate(grads) if g is not None), key=lambda i: sources[i].data_ptr())
         if not idx: return res
         srcs = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
-        outs, flats = _consecutive(srcs, [dtypes[i] for i in idx])
+        outs, flats = _consecutive(srcs, [sources[i].dtype for i in idx])
         torch._foreach_copy_(outs, srcs)
         if self.scaled: self._mine.update((id(f), weakref.ref(f)) for f in flats)
         elif self.inv_scale != 1.:
@@ -88,8 +88,7 @@ class _Cast(torch.autograd.Function):
     back through the `GradSink` (one fused pass per device and dtype), each onto its param (None where unused)."""
     @staticmethod
     def forward(ctx, sink:GradSink, dtypes:tuple, *ps):
-        ctx.sink, ctx.src_dtypes, ctx.sources = sink, [p.dtype for p in ps], ps
-        ctx.order = sorted(range(len(ps)), key=lambda i: ps[i].data_ptr())
+        ctx.sink, ctx.sources = sink, ps
         ctx.set_materialize_grads(False)
         out = [torch.empty_like(p, dtype=d) for p, d in zip(ps, dtypes)]
         torch._foreach_copy_(out, list(ps))
@@ -97,7 +96,7 @@ class _Cast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, None, *ctx.sink.arrive(list(gs), ctx.src_dtypes, ctx.order, ctx.sources))
+        return (None, None, *ctx.sink.arrive(list(gs), ctx.sources))
 
 def dtype_for(t:torch.Tensor, half:bool, dtype:torch.dtype):
     """The dtype of `t`'s copy in a forward (`half`: its module computes in 16-bit), None for no copy: FP32 floats

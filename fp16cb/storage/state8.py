@@ -84,12 +84,16 @@ def _qmap(signed:bool, device) -> Tensor:
         _LIB[key] = torch.tensor(_qu().create_dynamic_map(signed=signed), dtype=torch.float32, device=device)
     return _LIB[key]
 
+def _scales(x:Tensor) -> Tensor:
+    "Each row's scale: its largest-magnitude element, with that element's sign, at least 1e-12 in magnitude."
+    hi, lo = x.amax(-1), x.amin(-1)
+    return torch.where(hi >= -lo, hi.clamp(min=1e-12), lo.clamp(max=-1e-12))
+
 def _quantize_rows(x:Tensor, qmap:Tensor) -> tuple:
     """`(codes, scales)` of `x` (FP32, one block a row): each row divided by its scale (its largest-magnitude element,
     with that element's sign, at least 1e-12 in magnitude as torchao's), then coded to the nearest value of `qmap`;
     on the unsigned map (`qmap[0] == 0`) a positive value is never coded 0, but at least as its least positive one."""
-    hi, lo = x.amax(-1), x.amin(-1)
-    s = torch.where(hi >= -lo, hi.clamp(min=1e-12), lo.clamp(max=-1e-12))
+    s = _scales(x)
     codes = _qu().quantize_8bit_with_qmap(x / s.view(-1, 1), qmap)
     return torch.where((codes == 0) & (x > 0) & (qmap[0] == 0), 1, codes), s
 
@@ -137,8 +141,7 @@ def _quantize_rows_stochastic(x:Tensor, qmap:Tensor, key:Tensor, starts:Tensor, 
     """`_quantize_rows`, each value coded to one of the two `qmap` values around it, the upper with probability its
     distance from the lower over their spacing (`_uniform(x.shape, key)`): unbiased, so that a moving average whose
     increments are finer than the map's spacing still moves on average (to nearest, it would stall)."""
-    hi, lo = x.amax(-1), x.amin(-1)
-    s = torch.where(hi >= -lo, hi.clamp(min=1e-12), lo.clamp(max=-1e-12))
+    s = _scales(x)
     y = x / s.view(-1, 1)
     up = _upper(y, starts).clamp(1, qmap.numel() - 1)
     ab = pairs[up]
