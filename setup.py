@@ -44,7 +44,7 @@ setuptools.setup(
     package_dir={'': '.'},
     include_package_data=True,
     install_requires=_reqs('requirements'),
-    extras_require={'dev': _reqs('dev_requirements')},
+    extras_require={'dev': _reqs('dev_requirements'), 'bench': _reqs('bench_requirements')},
     python_requires=f'>={min_python}',
     entry_points={'console_scripts': _reqs('console_scripts')},
     zip_safe=False,

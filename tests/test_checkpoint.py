@@ -83,6 +83,29 @@ def test_save_mid_fit_writes_fp32_masters_and_loads_into_plain_fp32(store, opt_f
         # (torch's `step` is a CPU tensor; fastai's `load` maps the file onto the model's device, as it does in FP32)
         assert s.keys() == t.keys() and all(torch.equal(s[k].cpu(), t[k].cpu()) if torch.is_tensor(s[k]) else s[k] == t[k] for k in s)
 
+class TiedNet(nn.Module):
+    "Two Linear(6, 6) holding one weight Parameter (as a language model's head tied to its embedding), then a head."
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6, bias=False), nn.Linear(6, 6), nn.Linear(6, 1)
+        self.b.weight = self.a.weight
+    def forward(self, x): return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+@pytest.mark.parametrize('meth,kw', [('to_bf16', {}), ('to_bf16', {'half_storage': True}),
+                                     ('to_fp16', {'half_storage': True, 'max_loss_scale': 2.**10})])
+def test_a_tied_param_is_saved_fp32_under_each_of_its_names(meth, kw):
+    "Before: with `half_storage`, `learn.save` mid-fit wrote the tied weight's second name (`b.weight`) in 16 bits."
+    learn = make_learner()
+    set_seed(0)
+    learn.model = TiedNet().to(DEVICE)
+    getattr(learn, meth)(**kw)
+    fit(learn, 1, cbs=SaveAt(0))
+    sd = torch.load(learn.path/'models/mid.pth', weights_only=False)['model']
+    assert {k: v.dtype for k, v in sd.items() if v.dtype != torch.float32} == {}
+    assert torch.equal(sd['a.weight'], sd['b.weight'])
+    for k, v in learn.model.state_dict().items(): assert torch.equal(sd[k], v), k  # = the FP32 model after the fit
+    assert learn.model.a.weight is learn.model.b.weight
+
 def test_load_into_fp16_learner_restores_scaler_state():
     learn = make_learner().to_fp16(scaler='lognormal')
     fit(learn, 2)

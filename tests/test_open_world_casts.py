@@ -21,7 +21,8 @@ from fp16cb.callbacks import ModelToHalf
 from fp16cb.callbacks.casts import EntryCasts
 from conftest import DEVICE, HALF_MODES, make_learner, quiet_fit, seed_all, to_mode, Record
 
-# ---- a faithful stand-in of transformers.utils.ModelOutput (transformers is not installed here)
+# ---- a faithful stand-in of transformers.utils.ModelOutput: the container rules, each field case alone (a real GPT-2
+# trains in every mode in tests/test_hugging_face.py)
 class ModelOutput(OrderedDict):
     "As transformers' own: an OrderedDict whose (dataclass) fields that are not None are also its keys, kept in sync."
     def __init__(self, *args, **kwargs):
