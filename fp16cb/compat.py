@@ -107,6 +107,8 @@ CONTEXTS = {  # name: what it is
     'skipbatch': "other code: a batch dropped after its backward (`learn.opt.zero_grad()`, `CancelBatchException`)",
     'cancelaccum': "other code: accumulation by cancelled steps (`CancelStepException`, the optimizer's `zero_grad` "
                    "held back)",
+    'checkpoint': "other code: activation checkpointing, a layer's forward run again in the backward "
+                  "(`torch.utils.checkpoint`, as Hugging Face's `gradient_checkpointing_enable` and timm's)",
 }
 
 # ---- the facts a verdict reads

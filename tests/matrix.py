@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from fastai.basics import Callback, SGD, Adam, OptimWrapper
 from fastai.optimizer import Lookahead
 import copy
@@ -58,12 +59,19 @@ def scale_targets(dls):
     "conftest's synthetic regression with its targets times `TARGET_SCALE`."
     for i, dl in enumerate(dls.loaders): dls.loaders[i] = dl.new([(x, y*TARGET_SCALE) for x, y in dl.dataset])
 
+class Recomputed(nn.Module):
+    """`inner` run under activation checkpointing (torch's non-reentrant): its forward runs again in the backward, called
+    there alone (not from the model's forward, nor as one of the model's children)."""
+    def __init__(self, inner:nn.Module): super().__init__(); self.inner = inner
+    def forward(self, x): return checkpoint(self.inner, x, use_reentrant=False)
+
 class MatrixNet(nn.Module):
     """Linear -> BatchNorm -> tanh -> Linear (+ a frozen shift) -> tanh [-> + branch] -> head. `branch` (`use_branch`)
     joins every other training forward (the 1st, 3rd, ...: a counter, so FP32 and mixed runs agree) and every eval
     forward; `unused` is never called; `shift` is frozen. tanh, not ReLU: a unit whose pre-activation is near 0 flips
-    ReLU's mask on 16-bit rounding alone, which sends the trajectory elsewhere (5 to 25 times the differences here)."""
-    def __init__(self, n_in:int=4, n_hidden:int=8, bn:bool=True, use_branch:bool=False):
+    ReLU's mask on 16-bit rounding alone, which sends the trajectory elsewhere (5 to 25 times the differences here).
+    `checkpoint` (context 'checkpoint'): `lin2` is a `Recomputed` Linear, run again in the backward."""
+    def __init__(self, n_in:int=4, n_hidden:int=8, bn:bool=True, use_branch:bool=False, checkpoint:bool=False):
         super().__init__()
         self.lin1 = nn.Linear(n_in, n_hidden, bias=False)  # BatchNorm follows: a bias would get rounding noise as grad
         self.bn = BatchNorm(n_hidden, ndim=1) if bn else nn.Identity()
@@ -74,6 +82,7 @@ class MatrixNet(nn.Module):
         self.shift = nn.Parameter(0.1*torch.randn(n_hidden), requires_grad=False)
         with torch.no_grad(): self.head.weight.mul_(TARGET_SCALE)  # predictions on the targets' scale
         self.use_branch, self.n_train_fwd = use_branch, 0
+        if checkpoint: self.lin2 = Recomputed(self.lin2)
 
     def forward(self, x):
         h = torch.tanh(self.bn(self.lin1(x)))
@@ -200,7 +209,8 @@ GRADCLIP = 1.  # as compat declares the cell; it binds on loss-scaled grads only
 CONTEXT_CBS = {'plain': lambda: [], 'accumulate': lambda: [GradientAccumulation(n_acc=2*BS)], 'branch': lambda: [],
                'cancel': lambda: [CancelEveryOther()], 'gradclip': lambda: [GradientClip(max_norm=GRADCLIP)],
                'compile': lambda: [], 'ddp': lambda: [], 'fsdp2': lambda: [],
-               **{k: (lambda c=c: [c()]) for k, c in OUTSIDE_CBS.items()}}
+               **{k: (lambda c=c: [c()]) for k, c in OUTSIDE_CBS.items()},
+               'checkpoint': lambda: []}  # (the model's own doing: `MatrixNet(checkpoint=True)`)
 
 def first_linear(model:nn.Module) -> str:
     "The qualified name of `model`'s first Linear, as the learner's model names it ('_orig_mod.lin1' once compiled)."
@@ -242,7 +252,7 @@ def build(mode:str|None, opt:str, ctx:str, n_train:int=N_TRAIN, bn:bool=True, se
     """A learner in `mode` (the error its set-up raised, if any) for `opt` and `ctx`, the model initialised from `seed`;
     `twin_of` (with `mode=None`): the FP32 learner with what it needs to train as that mode means to (`fp32_twin`)."""
     seed_all(seed)
-    model = MatrixNet(bn=bn, use_branch=ctx == 'branch')
+    model = MatrixNet(bn=bn, use_branch=ctx == 'branch', checkpoint=ctx == 'checkpoint')
     learn = make_learner(model=model, opt_func=OPT_FUNCS[opt], lr=LR[opt], n_train=n_train, bs=BS, seed=seed,
                          splitter=all_groups, cbs=[*CONTEXT_CBS[ctx](), *fp32_twin(twin_of), CountSteps()])
     scale_targets(learn.dls)

@@ -44,8 +44,14 @@ class Tie(Callback):
         m = self.learn.model
         self.seen.add((m.lm_head.weight is m.transformer.wte.weight, m.lm_head.weight.dtype))
 
-def fit(mode=None, epochs:int=3):
+def checkpointing(m):
+    "Hugging Face's activation checkpointing on `m` (its blocks recomputed in the backward; torch's non-reentrant)."
+    on = getattr(m, 'activation_checkpointing_enable', None) or m.gradient_checkpointing_enable  # (before v5: the latter)
+    on()
+
+def fit(mode=None, epochs:int=3, recompute:bool=False):
     learn = learner()
+    if recompute: checkpointing(learn.model)
     if mode is not None: getattr(learn, mode[0])(**mode[1])
     tie = Tie()
     with warnings.catch_warnings():
@@ -103,3 +109,12 @@ def test_gpt2_saved_mid_fit_loads_into_an_fp32_model(mode, tmp_path):
     m.load_state_dict(sd)
     assert m.lm_head.weight is m.transformer.wte.weight
     for k, v in m.state_dict().items(): assert torch.equal(v, save.at[k].float().cpu()), k
+
+@pytest.mark.parametrize('mode', [None] + list(MODES))
+def test_gpt2_with_activation_checkpointing_trains_as_without(mode):
+    """Its blocks recomputed in the backward: the same weights bit for bit, as in FP32. Before: `mat1 and mat2 must have
+    the same dtype` (a block ran again with the FP32 params and 16-bit activations)."""
+    plain, _ = fit(MODES.get(mode))
+    got, _ = fit(MODES.get(mode), recompute=True)
+    a, b = plain.model.state_dict(), got.model.state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []

@@ -10,6 +10,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, CrossEntropyLossFlat
 from fastai.callback.rnn import ModelResetter, RNNCallback, RNNRegularizer
@@ -294,3 +295,50 @@ def test_wgan_clipping_through_data_reaches_the_fp32_weights(mode):
         return max(float(p.detach().abs().max()) for p in learn.model.critic.parameters())
     ref, got = critic_max('fp32'), critic_max(mode)
     assert ref < .05 and got == pytest.approx(ref, rel=.2, abs=2e-3)
+
+# ---- activation checkpointing: blocks recomputed in the backward (`torch.utils.checkpoint`, Hugging Face's
+# `gradient_checkpointing_enable`, timm's `set_grad_checkpointing`)
+class Block(nn.Module):
+    def __init__(self, d:int=8): super().__init__(); self.lin, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+    def forward(self, x): return x + torch.tanh(self.norm(self.lin(x)))
+
+class Checkpointed(nn.Module):
+    "Linear(4, 8), three residual blocks (each recomputed in the backward when `reentrant` is not None), a head."
+    def __init__(self, reentrant=None):
+        super().__init__()
+        self.inp, self.blocks, self.head = nn.Linear(4, 8), nn.ModuleList(Block() for _ in range(3)), nn.Linear(8, 1)
+        self.reentrant = reentrant
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h) if self.reentrant is None else torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+def _checkpointed_fit(meth, kw, reentrant):
+    seed_all(0)
+    learn = make_learner(model=Checkpointed(reentrant), opt_func=Adam, lr=1e-2, splitter=lambda m: [list(m.parameters())])
+    if meth is not None: getattr(learn, meth)(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # (the validation under no_grad: "None of the inputs have requires_grad=True")
+        quiet_fit(learn, 2)
+    if meth is not None: learn.to_native_fp32() if meth.startswith('to_native') else learn.to_fp32()
+    return [p.detach().clone() for p in learn.model.parameters()], [float(o) for o in learn.recorder.losses]
+
+@pytest.mark.parametrize('reentrant', [False, True])
+@pytest.mark.parametrize('meth,kw', [('to_bf16', {}), ('to_fp16', {'max_loss_scale': 2.**8}),
+                                     ('to_bf16', {'flat_master': True}), ('to_bf16', {'half_storage': True}),
+                                     ('to_bf16', {'state_dtype': torch.bfloat16}), ('to_native_bf16', {})])
+def test_checkpointed_blocks_train_as_without_checkpointing(meth, kw, reentrant):
+    """Recomputing a block in the backward changes nothing, as in FP32: the same weights bit for bit. Before (one copy of
+    the truth): `mat1 and mat2 must have the same dtype` (the block ran again with its FP32 params and 16-bit input)."""
+    ref, ref_losses = _checkpointed_fit(None, {}, reentrant)
+    assert [torch.equal(a, b) for a, b in zip(ref, _checkpointed_fit(None, {}, None)[0])] == [True] * len(ref)  # FP32
+    plain, _ = _checkpointed_fit(meth, kw, None)
+    got, losses = _checkpointed_fit(meth, kw, reentrant)
+    assert all(math.isfinite(o) for o in losses) and losses == pytest.approx(ref_losses, rel=.05)
+    if reentrant and 'state_dtype' in kw:
+        # a reentrant checkpoint's params get their grads in a backward of their own, in buffers of their own: the
+        # state is stepped in other groups, so its stochastic rounding draws other noise. Off by far less than a
+        # step's update (lr 1e-2), which a lost or doubled grad would be off by
+        assert max(float((a - b).abs().max()) for a, b in zip(got, plain)) < 2e-3
+    else: assert [torch.equal(a, b) for a, b in zip(got, plain)] == [True] * len(got)

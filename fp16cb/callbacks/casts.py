@@ -10,7 +10,11 @@ from torch import nn
 from ..dtypes import convert_network_keeping, ours
 from ..policy import PrecisionPolicy, uncompiled, named_modules
 
-__all__ = ['cast_floats', 'IslandHooks', 'EntryCasts', 'RangeWatch', 'to_half']
+__all__ = ['cast_floats', 'IslandHooks', 'EntryCasts', 'RangeWatch', 'to_half', 'in_backward']
+
+def in_backward() -> bool:
+    "Whether autograd's engine is running a backward in this thread (a tensor hook, a forward recomputed there)."
+    return torch._C._current_graph_task_id() != -1
 
 def _values(b):
     "The items of the container `b` (a dict's values, a dataclass's fields), in order; None for a leaf."
@@ -191,7 +195,8 @@ class EntryCasts:
 
     def _child_in(self, module, args, kwargs):
         "The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are not)."
-        if torch.compiler.is_compiling() or self.depth: return None  # compiled: within the model's graph
+        # compiled: within the model's graph; in a backward: a recomputed forward, copies in place (`recompute`)
+        if torch.compiler.is_compiling() or self.depth or in_backward(): return None
         self.depth, self._outer = 1, module
         if self.copies is not None: self.copies.enter(module)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import warnings, weakref
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
 
 from ..policy import uncompiled, is_compiled
 from ..dtypes import ours
 from ..scaling.check import _by_device
 from ..weights.layout import flat_views
+from .casts import in_backward
 
 __all__ = ['GradSink', 'ComputeCopies', 'hook_target']
 
@@ -144,8 +146,9 @@ class ComputeCopies:
     def __init__(self, model:nn.Module, kept, dtype:torch.dtype, sink:GradSink=None):
         target = hook_target(model)
         self.dtype, self.sink, self.kept = dtype, sink or GradSink(), kept
-        self.depth, self._live, self._cache, self._subsets = 0, None, None, {}
+        self.depth, self._live, self._cache, self._subsets, self._again = 0, None, None, {}, []
         self.slots = self._slots(uncompiled(target))
+        self._mods = {id(m) for m in uncompiled(target).modules()}
         # dynamo reads `.grad` of the tensors a compiled forward takes, which warns for copies (not leaves): quiet there
         self._quiet, self._quieted = is_compiled(target), None
         self.handles = [ours(target.register_forward_pre_hook(self._enter_root, prepend=True)),
@@ -227,6 +230,23 @@ class ComputeCopies:
         "`{copy: its source}` of the copies in place now (mid-forward), for code that wants the FP32 truth of a module."
         return {c: t for _, _, _, t, c, _ in self._live or ()}
 
+    def recompute(self, on:bool=True):
+        """From a backward's start to its end (`on`): a module of the model that runs inside the backward (activation
+        checkpointing recomputes its forward there) computes with copies of its params, made anew as in the forward:
+        the same values, and in a reentrant checkpoint the grads' way back to the params. Hooks on every module of the
+        process, so on only for the backward (the forward pays nothing)."""
+        if not on:
+            for h in self._again: h.remove()
+            self._again = []
+        elif not self._again:
+            self._again = [register_module_forward_pre_hook(self._again_in),
+                           register_module_forward_hook(self._again_out, always_call=True)]
+
+    def _again_in(self, module, args):
+        if id(module) in self._mods and in_backward(): self.enter(module)
+    def _again_out(self, module, args, out):
+        if id(module) in self._mods and in_backward(): self.leave()
+
     def _enter_root(self, module, args): self.enter()
     def _leave_root(self, module, args, out): self.leave()
 
@@ -241,5 +261,6 @@ class ComputeCopies:
 
     def remove(self):
         self.reset()
+        self.recompute(False)
         for h in self.handles: h.remove()
         self.handles, self._cache, self._subsets = [], None, {}

@@ -111,6 +111,11 @@ class ModelToHalf(SessionCallback):
         if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
         if self.copies is not None: self.copies.reset()
 
+    def before_backward(self):
+        if self.copies is not None: self.copies.recompute(True)  # (activation checkpointing runs forwards again)
+    def after_backward(self):
+        if self.copies is not None: self.copies.recompute(False)
+
     def after_validate(self):
         """The copies kept for the validation go. Eval inputs that became inf in fp16 (finite in FP32): the loss and
         predictions show nan where FP32's do not, said once."""
