@@ -250,3 +250,43 @@ def test_a_penalty_on_the_params_outside_the_forward_trains_as_in_fp32(kind):
     learn = make_learner(opt_func=SGD).to_fp16(loss_scale=2.**8, dynamic=False)
     quiet_fit(learn, 1, cbs=WeightPenalty(kind)); learn.to_fp32()
     assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
+
+# grads that other code computes outside fastai's backward: with `torch.autograd.grad`, or a backward of its own
+class GradOfLoss(Callback):
+    "In `after_loss`: `torch.autograd.grad(learn.loss, params)` beside the grads an FP32 copy of the model gives."
+    order = 60
+    def __init__(self): self.pairs = []
+    def after_loss(self):
+        if not self.training: return
+        ps = [p for p in self.learn.model.parameters() if p.requires_grad]
+        got = torch.autograd.grad(self.learn.loss, ps, retain_graph=True)
+        m32 = copy.deepcopy(self.learn.model).float()  # the FP32 weights, computed in FP32
+        ref = torch.autograd.grad(self.learn.loss_func(m32(*self.learn.xb), *self.learn.yb),
+                                  [p for p in m32.parameters() if p.requires_grad])
+        self.pairs.append(([g.float() for g in got], list(ref)))
+
+@pytest.mark.parametrize('mode', ['fp16', 'fp16-flat', 'bf16', 'fp16-half', 'bf16-sib'])
+def test_autograd_grad_of_the_loss_in_a_callback_is_fp32s(mode):
+    """`torch.autograd.grad(learn.loss, params)`: the loss's grads, unscaled. Before: with `to_fp16()`, from the third
+    batch on, divided by the loss scale of the previous backward (2^8 here)."""
+    cb = GradOfLoss()
+    quiet_fit(learner(mode), 1, cbs=cb)
+    norm = lambda ts: sum(float((t ** 2).sum()) for t in ts) ** .5
+    # all the grads as one vector, against FP32's: 16-bit compute is off by ~1% here (a bias ahead of the BatchNorm
+    # has a grad of 0 in FP32 and of rounding noise in 16 bits: no per-tensor ratio)
+    errs = [norm([g - r for g, r in zip(got, ref)]) / norm(ref) for got, ref in cb.pairs]
+    assert len(errs) == 4 and max(errs) < 5e-2, errs
+
+class PenaltyBackward(Callback):
+    "In `after_backward`: a weight penalty's own backward, `(0.1 * sum |w|^2).backward()`, adding to the grads."
+    order = 5  # before the precision callbacks' `after_backward`
+    def after_backward(self):
+        if self.training: (1e-1 * sum((p ** 2).sum() for p in self.learn.model.parameters())).backward()
+
+@pytest.mark.parametrize('mode', ['fp16', 'fp16-flat'])
+def test_a_backward_of_other_code_after_fastais_adds_unscaled_grads(mode):
+    "The penalty's grad 0.2 * w, as in FP32. Before: divided by the loss scale of fastai's backward (2^8 here)."
+    ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=PenaltyBackward())
+    learn = learner(mode, SGD)
+    quiet_fit(learn, 1, cbs=PenaltyBackward()); learn.to_fp32()
+    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])

@@ -30,9 +30,17 @@ class GradSink:
 
     def __init__(self): self.hooks, self._mine = {}, {}
 
-    def begin(self, scale:float):
-        "A backward at loss scale `scale` is coming: its grads arrive divided by it."
+    def begin(self, scale:float, loss:torch.Tensor|None=None):
+        """The backward of `loss`, scaled by `scale`, is coming: its grads arrive divided by the scale, until it ends
+        (autograd's engine calls `end` then: a later backward or `torch.autograd.grad` of other code is not scaled)."""
         self.inv_scale, self._mine = 1. / scale, {}
+        if scale != 1. and loss is not None and loss.grad_fn is not None:
+            loss.grad_fn.register_prehook(self._started)  # (the scale's own product: the backward's first node)
+
+    def _started(self, grad_outputs):
+        torch.autograd.Variable._execution_engine.queue_callback(self.end)  # (the callback: as the backward ends)
+
+    def end(self): self.inv_scale = 1.
 
     def hook(self, params):
         "Divide the scale out of each of `params`' grads as it reaches the param (once per param), from now on."

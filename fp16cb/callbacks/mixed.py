@@ -250,10 +250,10 @@ class MixedPrecision(ScaleColumns, SessionCallback):
         if self.health is not None and self.health.armed: self.health.compare()  # the check step's forward is done
 
     def before_backward(self):
-        if self.store is not None: self.store.backward(self.loss_scale)
+        if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
+        if self.store is not None: self.store.backward(self.loss_scale, self.learn.loss_grad)
         # what the grads carry until the step (a fit ending before it divides them); none when they arrive unscaled
         if isinstance(self.store, HalfStorage): self.record.scaled(self.loss_scale)
-        if self.loss_scale != 1.: self.learn.loss_grad = self.learn.loss_grad * self.loss_scale
 
     def before_step(self):
         self._step_cancelled = False

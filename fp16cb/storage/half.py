@@ -68,7 +68,7 @@ class HalfStorage(ModelParams):
         if c is None: return None if self.grad_factor == 1. else self.grad_factor
         return c if self.grad_factor == 1. else c * self.grad_factor
 
-    def backward(self, scale:float=1.): pass  # the grads arrive loss-scaled, as the backward makes them
+    def backward(self, scale:float=1., loss=None): pass  # the grads arrive loss-scaled, as the backward makes them
 
     def prepare_grads(self, scale:float, with_max:bool=False):
         "`[found, (max |unscaled grad|)]` of the loss-scaled grads (`ModelParams.prepare_grads`); the step unscales."

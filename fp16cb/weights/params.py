@@ -109,9 +109,10 @@ class ModelParams:
         ps = [p for p in self.params if p.grad is not None]
         return ps, [p.grad for p in ps]
 
-    def backward(self, scale:float=1.):
-        "A backward at loss scale `scale` is coming: its grads arrive divided by it."
-        if self.sink is not None: self.sink.begin(scale)
+    def backward(self, scale:float=1., loss=None):
+        """The backward of the loss-scaled `loss` (scaled by `scale`) is coming: its grads arrive divided by the scale,
+        and only its own (others' grads, `torch.autograd.grad` or a backward of other code, are not loss-scaled)."""
+        if self.sink is not None: self.sink.begin(scale, loss)
 
     def prepare_grads(self, scale:float, with_max:bool=False):
         """`[found, (max |grad|)]` on the device (no sync): the grads as they are now (unscaled, whatever wrote into
