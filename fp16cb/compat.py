@@ -109,6 +109,8 @@ CONTEXTS = {  # name: what it is
                    "held back)",
     'checkpoint': "other code: activation checkpointing, a layer's forward run again in the backward "
                   "(`torch.utils.checkpoint`, as Hugging Face's `gradient_checkpointing_enable` and timm's)",
+    'surgery': "other code: a module put in the model mid-fit (a callback gives it a new head, a copy of the old one "
+               "that the optimizer does not hold)",
 }
 
 # ---- the facts a verdict reads

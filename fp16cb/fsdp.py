@@ -124,8 +124,8 @@ class ReduceSink:
 
     def hook(self, params): self.scaled = True
 
-    def begin(self, scale:float):
-        "A backward at loss scale `scale` is coming: FSDP2 divides its grads by it as it reduces them."
+    def begin(self, scale:float, loss=None):
+        "A backward (of `loss`) at loss scale `scale` is coming: FSDP2 divides its grads by it as it reduces them."
         for g, factor, force in self._saved:
             g.gradient_divide_factor = None if scale == 1. else g.mesh_info.mesh.size() * scale
             g.force_sum_reduction_for_comms = force or (self._gloo and scale != 1.)

@@ -201,8 +201,19 @@ class AccumulateByCancel(Callback):
             raise CancelStepException()
     def after_batch(self): self.learn.opt.__dict__.pop('zero_grad', None)
 
+class NewHead(Callback):
+    """After the 5th training batch: a new `head` module, a copy of the head as it is (new Parameters, which the
+    optimizer does not hold: it stays as it is, and the rest trains on with it). A new optimizer would restart Adam's
+    moments, whose first step is the sign of each grad: chaotic for rounding-sized grads, in FP32 too."""
+    order = 30
+    def before_fit(self): self.n = 0
+    def after_batch(self):
+        if not self.training: return
+        self.n += 1
+        if self.n == 5: self.learn.model.head = copy.deepcopy(self.learn.model.head)
+
 OUTSIDE_CBS = {'ema': EMAWeights, 'constraint': Constrain, 'unfreeze': UnfreezeHead, 'userclip': UserClip,
-               'skipbatch': SkipBatch, 'cancelaccum': AccumulateByCancel}
+               'skipbatch': SkipBatch, 'cancelaccum': AccumulateByCancel, 'surgery': NewHead}
 
 BS = 16
 GRADCLIP = 1.  # as compat declares the cell; it binds on loss-scaled grads only (the global norm here: 0.06 to 0.4)

@@ -13,7 +13,7 @@ from torch import nn
 from fastai.basics import Callback, CancelStepException, CancelBatchException, SGD, Adam
 from fastai.optimizer import OptimWrapper
 
-from conftest import make_learner, quiet_fit, weights
+from conftest import make_learner, quiet_fit, weights, seed_all
 
 MODES = {'fp32': None, 'fp16': ('to_fp16', {'max_loss_scale': 2.**8}), 'bf16': ('to_bf16', {}),
          'bf16-half': ('to_bf16', {'half_storage': True}), 'fp16-half': ('to_fp16', {'half_storage': True, 'max_loss_scale': 2.**8}),
@@ -290,3 +290,39 @@ def test_a_backward_of_other_code_after_fastais_adds_unscaled_grads(mode):
     learn = learner(mode, SGD)
     quiet_fit(learn, 1, cbs=PenaltyBackward()); learn.to_fp32()
     assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
+
+# a module put in the model mid-fit: a callback replaces the head (or grows a layer), as FP32 fastai lets it
+class BodyHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+    def forward(self, x): return self.head(self.body(x))
+
+class Surgery(Callback):
+    "After epoch 0: a new head (`grow=False`), or a new Linear + Tanh at the body's end (not in the optimizer: FP32's)."
+    order = 60
+    def __init__(self, grow:bool=False): self.grow = grow
+    def after_epoch(self):
+        if self.epoch != 0: return
+        torch.manual_seed(5)
+        if self.grow: self.learn.model.body.append(nn.Linear(8, 8)); self.learn.model.body.append(nn.Tanh())
+        else: self.learn.model.head = nn.Linear(8, 1)
+
+@pytest.mark.parametrize('grow', [False, True])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16', 'bf16-half', 'fp16-flat', 'bf16-state'])
+def test_a_module_put_in_the_model_mid_fit_trains_as_in_fp32(mode, grow):
+    """The fit goes on with the new module (16-bit like the rest) and ends as FP32's. Before: `mat1 and mat2 must have
+    the same dtype` (the new module's FP32 params met 16-bit activations)."""
+    def fit(m):
+        seed_all(0)
+        learn = make_learner(model=BodyHead(), opt_func=Adam, splitter=lambda mm: [list(mm.parameters())])
+        if MODES[m] is not None: getattr(learn, MODES[m][0])(**MODES[m][1])
+        quiet_fit(learn, 2, cbs=Surgery(grow))
+        if MODES[m] is not None: learn.to_fp32()
+        return learn
+    ref, learn = fit('fp32'), fit(mode)
+    assert len(weights(learn)) == len(weights(ref)) == (8 if grow else 6)
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    assert close(weights(learn), weights(ref))
+    assert learn.recorder.losses[-1] == pytest.approx(ref.recorder.losses[-1], rel=.05)

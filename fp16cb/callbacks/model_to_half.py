@@ -5,6 +5,7 @@ import warnings
 from functools import partial
 import torch
 from torch import nn
+from torch.nn.modules import module as mod
 
 from ..dtypes import resolve_dtype, convert_network_keeping, warn_slow_half, model_device, range_remedy, ours
 from ..weights import shared
@@ -31,6 +32,25 @@ def _float64_input(module, args, kwargs, name:str, dtype):
     if any(t.dtype in (torch.float16, torch.bfloat16) for t in _floats((args, kwargs))):
         check(Facts(dtype=dtype, float64_input=name), STEP)
 
+class TreeWatch:
+    """Whether the model's tree changed since the set-up: a module put in one of its modules (a head replaced, a layer
+    grown by a callback), or a param or buffer under a new name. Registration hooks of the whole process, while a fit
+    is set up (a tensor put under a name the module has already is followed as it is)."""
+    def __init__(self, model:nn.Module):
+        self.ids, self.changed = {id(m) for m in model.modules()}, False
+        self.handles = [mod.register_module_module_registration_hook(self._module),
+                        mod.register_module_parameter_registration_hook(partial(self._tensor, kind='_parameters')),
+                        mod.register_module_buffer_registration_hook(partial(self._tensor, kind='_buffers'))]
+
+    def _module(self, module, name, value):
+        if id(module) in self.ids: self.changed = True
+    def _tensor(self, module, name, value, kind:str):
+        if id(module) in self.ids and name not in getattr(module, kind): self.changed = True
+
+    def remove(self):
+        for h in self.handles: h.remove()
+        self.handles = []
+
 class ModelToHalf(SessionCallback):
     """Run the model in 16-bit during a fit (BatchNorm stays FP32); predictions come out FP32. Floating inputs are cast
     to 16-bit as they enter the model (a forward pre-hook): `learn.xb` stays as the data gave it, so callbacks that
@@ -43,6 +63,7 @@ class ModelToHalf(SessionCallback):
         self.dtype, self.policy = resolve_dtype(dtype), PrecisionPolicy.make(keep_fp32)
         self.originals, self.masters, self._hook, self.islands, self._trained = None, {}, None, None, False
         self.copies = None  # the 16-bit copies the forward computes with, the model keeping its FP32 params
+        self.watch = None  # whether the model's tree changed mid-fit (`TreeWatch`)
         self.sharded = None  # FSDP2: the units' `MixedPrecisionPolicy` set for the fit (`fsdp.ShardPolicy`)
 
     def check_model(self, model:nn.Module):
@@ -97,6 +118,7 @@ class ModelToHalf(SessionCallback):
                                                                      with_kwargs=True, prepend=True))
         # calls from outside its forward, kept weights
         self.entries = EntryCasts(self.learn.model, res, self.dtype, self.copies)
+        self.watch = TreeWatch(model)  # (last: what the set-up itself registered is not a change)
 
     def _shard_policy(self, model, res):
         """A model sharded with FSDP2: its units' policies compute in 16 bits (the kept ones in FP32), all-gathering
@@ -107,6 +129,9 @@ class ModelToHalf(SessionCallback):
         self._hook = self._float64 = self._range = self.entries = None
 
     def before_batch(self):
+        if self.watch is not None and self.watch.changed:  # a module put in the model since: set up again, with it
+            if self.converted: self._widen_new()
+            with self.session.suspended(): pass
         if self.training: self._trained = True  # from now on a param's value may differ from its original
         if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
         if self.copies is not None: self.copies.reset()
@@ -115,6 +140,17 @@ class ModelToHalf(SessionCallback):
         if self.copies is not None: self.copies.recompute(True)  # (activation checkpointing runs forwards again)
     def after_backward(self):
         if self.copies is not None: self.copies.recompute(False)
+
+    def _widen_new(self):
+        """The 16-bit tensors put in the converted model since its set-up (a copy of one of its modules: 16-bit, as the
+        model is) made FP32, as the teardown makes the others: the set-up again converts and records them alike."""
+        for m in self.learn.model.modules():
+            for kind in ('_parameters', '_buffers'):
+                for n, t in getattr(m, kind).items():
+                    if t is None or t.dtype != self.dtype or id(t) in self.originals: continue
+                    if kind == '_buffers': m._buffers[n] = t.float(); continue
+                    t.grad = None  # (a grad of the 16-bit copy: not this FP32 param's)
+                    t.data = t.data.float()
 
     def after_validate(self):
         """The copies kept for the validation go. Eval inputs that became inf in fp16 (finite in FP32): the loss and
@@ -140,7 +176,8 @@ class ModelToHalf(SessionCallback):
         if self.islands is not None: self.islands.remove()
         if getattr(self, 'entries', None) is not None: self.entries.remove()
         if self.copies is not None: self.copies.remove()
-        self._hook = self.islands = self.entries = self.copies = None
+        if self.watch is not None: self.watch.remove()
+        self._hook = self.islands = self.entries = self.copies = self.watch = None
         was_converted = self.converted
         self._restore_model()
         if was_converted and getattr(self, 'rewrapped', False) and is_ddp(self.learn.model):
