@@ -37,7 +37,9 @@ SEMANTICS = (
     "16-bit weights, which are the weights in that mode); a weight changed in place "
     "(under `torch.no_grad()`) is what the next step starts from; a callback's `before_step` reads the grads unscaled "
     "and may change them; a cancelled step's grads stay until the optimizer's `zero_grad`; a param made trainable "
-    "mid-fit trains.",
+    "mid-fit trains; `torch.autograd.grad` of the loss, or a backward of its own, gets grads as they are (unscaled); "
+    "a layer recomputed in the backward (activation checkpointing) computes as in the forward; a module put in the "
+    "model mid-fit computes with the rest.",
     "What cannot keep these is refused with a sentence that says what to do instead: at set-up, before any step, "
     "or, for what only a step shows (a step cancelled after `step_in_backward` stepped it), when it happens.",
 )
