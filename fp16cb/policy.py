@@ -9,6 +9,9 @@ import difflib, fnmatch, re, sys, warnings
 from typing import NamedTuple
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.weight_norm import WeightNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from .dtypes import user_stacklevel
 
@@ -72,6 +75,16 @@ _NATIVE_MIXED = (nn.modules.batchnorm._BatchNorm,)  # torch's kernels take 16-bi
 # a parametrization computes its tensor in FP32, cast to the module's dtype as it leaves: torch's orthogonal maps have
 # no 16-bit CPU kernels (cayley, householder) or give NaN in 16 bits (matrix_exp); FP32 is what the user's code computed
 PARAMETRIZATION = "a parametrization: computed in FP32, its tensor cast to 16 bits for the module"
+# the reparametrizations by forward pre-hook (torch's pruning, the former `weight_norm` and `spectral_norm`) set their
+# tensor as a plain attribute of the module, which other code reads after the forward (the next pruning ranks the
+# weights by it): kept FP32, the attribute is what FP32 would leave there
+HOOKED = "a reparametrization by forward pre-hook (torch's pruning, the former weight_norm, spectral_norm): kept FP32"
+
+_HOOK_KINDS = (BasePruningMethod, WeightNorm, SpectralNorm)
+
+def _hooked(m:nn.Module) -> bool:
+    "Whether `m` carries a reparametrization by forward pre-hook (`HOOKED`)."
+    return bool(m._forward_pre_hooks) and any(isinstance(h, _HOOK_KINDS) for h in m._forward_pre_hooks.values())
 _ATTR = 'fp16cb_dtype'  # the per-module override
 
 class _IsType:
@@ -249,7 +262,8 @@ class PrecisionPolicy:
         by_spec, kept = self._spec_reasons(model), {}
         def visit(name, m, inherited):
             dt = self._override(name, m)
-            own = PARAMETRIZATION if isinstance(m, nn.utils.parametrize.ParametrizationList) else by_spec.get(id(m))
+            own = (PARAMETRIZATION if isinstance(m, nn.utils.parametrize.ParametrizationList) else
+                   HOOKED if _hooked(m) else by_spec.get(id(m)))
             reason = ((inherited or own) if dt is None else
                       (f"{_ATTR}=float32" if dt == torch.float32 else None))
             if reason is not None: kept[id(m)] = reason

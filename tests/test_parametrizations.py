@@ -10,13 +10,16 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+from torch.nn.utils import prune
+from torch.nn.utils import weight_norm as old_weight_norm, spectral_norm as old_spectral_norm
 from fastai.learner import Learner
+from fastai.callback.core import Callback
 from fastai.losses import CrossEntropyLossFlat
 from fastai.torch_core import set_seed
 
 import fp16cb  # noqa: F401  (the Learner methods)
 from fp16cb.demos.experiments import digits_data
-from fp16cb.policy import PARAMETRIZATION
+from fp16cb.policy import PARAMETRIZATION, HOOKED
 from conftest import DEVICE
 
 class Symmetric(nn.Module):
@@ -81,3 +84,56 @@ def test_a_parametrization_can_still_be_made_16_bit():
     assert rep.loc['3.parametrizations.weight', 'fp32_because'] == '-'
     assert rep.loc['3.parametrizations.weight', 'compute'] == 'bfloat16'
     assert sum(learn.loss_scale_history.skips) == 0
+
+# ---- reparametrizations by forward pre-hook: torch's pruning (mid-fit too), the former weight_norm and spectral_norm
+class PruneEachEpoch(Callback):
+    """Iterative magnitude pruning: 30% more of layer 3's weights at each epoch's end (`torch.nn.utils.prune`), ranked
+    by the `weight` its hook left on the module in the last forward (`seen`: its dtype, and whether it is FP32's
+    `weight_orig * weight_mask`)."""
+    order = 60
+    def before_fit(self): self.seen = []
+    def after_epoch(self):
+        m = self.learn.model[3]
+        if 'weight_orig' in m._parameters:
+            w = m.__dict__['weight']
+            self.seen.append((w.dtype, torch.equal(w, m.weight_orig.float() * m.weight_mask.float())))
+        prune.l1_unstructured(m, 'weight', amount=.3)
+
+def _pruned_fit(mode=None, hook=None):
+    set_seed(0, reproducible=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)  # (the former weight_norm: deprecated for the parametrization)
+        if hook is not None: model[3] = hook(model[3])
+    learn = Learner(digits_data(64, DEVICE), model.to(DEVICE), loss_func=CrossEntropyLossFlat())
+    if mode is not None: learn = getattr(learn, MODES[mode][0])(**MODES[mode][1])
+    pruning = PruneEachEpoch() if hook is None else None
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore', UserWarning)
+        learn.fit(3, 1e-3, cbs=pruning)
+    if mode is not None: learn.to_fp32()
+    return learn.model.state_dict(), pruning.seen if pruning else None
+
+@pytest.mark.parametrize('hook', [None, old_weight_norm, old_spectral_norm], ids=['prune', 'weight_norm', 'spectral_norm'])
+@pytest.mark.parametrize('mode', list(MODES))
+def test_a_module_reparametrized_by_a_hook_computes_in_fp32(mode, hook):
+    """Pruned at each epoch's end: the masks are FP32's, and every tensor FP32 after `to_fp32()`. Before: the pruning
+    ranked the weights by the 16-bit `weight` the hook left on the module, and its mask stayed 16-bit after the fit
+    (with `half_storage`, `weight_orig` too, and the masks differed from FP32's)."""
+    (ref, _), (got, seen) = _pruned_fit(hook=hook), _pruned_fit(mode, hook)
+    assert sorted(got) == sorted(ref)
+    assert {k: v.dtype for k, v in got.items() if v.is_floating_point() and v.dtype != torch.float32} == {}
+    if hook is None:  # ranked by FP32 weights; as many pruned as FP32 prunes (16-bit training moves a few at the edge)
+        assert seen == [(torch.float32, True)] * 2
+        assert int((got['3.weight_mask'] == 0).sum()) == int((ref['3.weight_mask'] == 0).sum())
+        assert float((got['3.weight_mask'] == ref['3.weight_mask']).float().mean()) > .95
+    assert max(float((got[k] - ref[k]).abs().max()) for k in ref if not k.endswith('_mask')) < 5e-2
+
+def test_a_pruned_module_is_kept_and_said_so():
+    "The policy report names the pruned module as kept FP32, and why."
+    model = parametrized('custom')
+    prune.random_unstructured(model[1], 'weight', amount=.5)
+    rep = Learner(digits_data(64, DEVICE), model.to(DEVICE), loss_func=CrossEntropyLossFlat()).to_bf16()
+    rep = rep.mixed_precision.policy_report().set_index('module')
+    assert rep.loc['1', 'fp32_because'] == HOOKED and rep.loc['1', 'compute'] == 'float32'

@@ -242,25 +242,32 @@ class ModelToHalf(SessionCallback):
     def fp32_tensors(self, widen=None) -> dict:
         """`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is
         (`widen`: see `fp32_value`)."""
-        res = {}
-        for rec in (self.originals or {}).values():
+        return {(id(m), n): self.fp32_value(cur, rec, widen) for rec, m, n, cur in self._places()}
+
+    def _places(self) -> list:
+        """`(record, module, name, tensor)` of each converted tensor where it lies now: in its place, or a param put
+        under another name since (torch's pruning makes a module's `weight` its `weight_orig`)."""
+        res, here = [], None
+        for key, rec in (self.originals or {}).items():
             cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
-            if cur is not None: res[(id(rec.module), rec.name)] = self.fp32_value(cur, rec, widen)
+            if rec.is_param and (cur is None or id(cur) != key):
+                if here is None: here = {id(t): (m, n) for m in self.learn.model.modules()
+                                         for n, t in m._parameters.items() if t is not None}
+                if key in here: res.append((rec, *here[key], here[key][0]._parameters[here[key][1]]))
+            elif cur is not None: res.append((rec, rec.module, rec.name, cur))
         return res
 
     def _restore_model(self):
         """Give the model back its exact FP32 values: the masters for trained params (their memory, not a copy: each
         param a tensor of its own over its master's part of the masters' buffer), the originals for the rest."""
         if not self.converted: return
-        for rec in self.originals.values():
-            cur = (rec.module._parameters if rec.is_param else rec.module._buffers).get(rec.name)
-            if cur is None: continue
+        for rec, m, n, cur in self._places():
             new = shared(self.fp32_value(cur, rec), cur)  # in the layout the model has now (channels_last), its own
             if rec.is_param:
                 # no 16-bit grad on an FP32 param
                 if cur.grad is not None and cur.grad.dtype != new.dtype: cur.grad = None
                 cur.data = new
-            else: rec.module._buffers[rec.name] = new
+            else: m._buffers[n] = new
         for m in self.learn.model.modules():
             if isinstance(m, nn.RNNBase): m.flatten_parameters()
         self.originals, self.masters = None, {}
