@@ -239,10 +239,10 @@ class ComputeCopies:
         return {c: t for _, _, _, t, c, _ in self._live or ()}
 
     def recompute(self, on:bool=True):
-        """From a backward's start to its end (`on`): a module of the model that runs inside the backward (activation
-        checkpointing recomputes its forward there) computes with copies of its params, made anew as in the forward:
-        the same values, and in a reentrant checkpoint the grads' way back to the params. Hooks on every module of the
-        process, so on only for the backward (the forward pays nothing)."""
+        """From the forward's end to the backward's (`on`): a module of the model that runs inside a backward
+        (activation checkpointing recomputes its forward there) computes with copies of its params, made anew as in the
+        forward: the same values, and in a reentrant checkpoint the grads' way back to the params. Hooks on every module
+        of the process, so off during the forward (which pays nothing)."""
         if not on:
             for h in self._again: h.remove()
             self._again = []

@@ -132,12 +132,11 @@ class ModelToHalf(SessionCallback):
         if self.watch is not None and self.watch.changed:  # a module put in the model since: set up again, with it
             if self.converted: self._widen_new()
             with self.session.suspended(): pass
+        if self.copies is not None: self.copies.recompute(False)  # (a batch cancelled before its backward's end)
         if self.training: self._trained = True  # from now on a param's value may differ from its original
         if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
         if self.copies is not None: self.copies.reset()
 
-    def before_backward(self):
-        if self.copies is not None: self.copies.recompute(True)  # (activation checkpointing runs forwards again)
     def after_backward(self):
         if self.copies is not None: self.copies.recompute(False)
 
@@ -205,7 +204,10 @@ class ModelToHalf(SessionCallback):
         return policy_report(model, self.policy, self.dtype, leaves=leaves, stored16=stored16)
 
     def after_pred(self):
-        if self.copies is not None: self.copies.reset()  # the params back, even if the forward's hook did not run
+        if self.copies is not None:
+            self.copies.reset()  # the params back, even if the forward's hook did not run
+            # to the backward's end: activation checkpointing runs forwards again in it, and in other code's before it
+            if self.training: self.copies.recompute(True)
         if self.computing: self.learn.pred = cast_floats(self.learn.pred, torch.float32)
 
     def keep_too(self, names:list):
