@@ -3,10 +3,11 @@ every scenario in turn, each with a fresh DDP, and writes what it saw to `OUT/ra
 Every rank starts from a different random init (`seed=rank`) and trains on its own shard of the data. The ranks train
 where `init` puts them: on CUDA (nccl, the GPU of their LOCAL_RANK) when CUDA is visible to them, else on the CPU
 (gloo; the test hides CUDA from them where there is no GPU for each rank); `_where` in the results says which."""
-import json, math, os, sys, warnings
+import hashlib, json, math, os, sys, warnings
 from pathlib import Path
 warnings.filterwarnings('ignore')
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from fastai.callback.core import Callback
@@ -64,6 +65,27 @@ def identical(order, mode):
     return dict(fp=fp, dtypes=sorted(counter.dtypes), bytes_per_step=n_bytes / len(pcb.skips), skips=pcb.skips,
                 scales=pcb.scales, after=after, fp_after=fingerprint(learn.model),
                 device=str(next(learn.model.parameters()).device))
+
+class Recomputed(torch.nn.Module):
+    "`inner` under torch's non-reentrant activation checkpointing: its forward runs again in the backward."
+    def __init__(self, inner): super().__init__(); self.inner = inner
+    def forward(self, x): return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+def checkpointed(mode):
+    """The demo model's hidden Linear and ReLU recomputed in the backward (wrapped by DDP after the precision callbacks),
+    and the same fit without it: their weights, and the losses of the checkpointed fit."""
+    fps = {}
+    for ck in (False, True):
+        learn = demo_learner(RANK, WORLD, seed=RANK, cbs=DDPWrap(ByteCounter()))
+        # (a layer below the model's children: the one the backward calls again is no child of the model)
+        if ck: learn.model[3], learn.model[4] = torch.nn.Sequential(Recomputed(learn.model[3:5])), torch.nn.Identity()
+        MODES[mode](learn)
+        fit(learn, 2)
+        learn.to_fp32()
+        vals = getattr(learn.model, 'module', learn.model).state_dict().values()  # (in the same order, other names)
+        fps[ck] = hashlib.sha256(b''.join(v.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                                          for v in vals)).hexdigest()[:16]
+    return dict(plain=fps[False], recomputed=fps[True], losses=[float(l) for l in learn.recorder.losses])
 
 def grad_of(learn):
     "The first Linear's weight grad as the precision callback will read it (after DDP's all-reduce)."
@@ -139,7 +161,8 @@ def have_accelerate():
 
 SCENARIOS = {**{f'identical_{o}_{m}': (lambda o=o, m=m: identical(o, m)) for o in ('after', 'before') for m in MODES},
              **{f'inf_{m}': (lambda m=m: inf_one_rank(m)) for m in ('to_fp16', 'to_native_bf16')},
-             'inf_loss_native': inf_loss_one_rank, 'lognormal': lognormal_scales, 'single': single, 'save_load': save_load}
+             'inf_loss_native': inf_loss_one_rank, 'lognormal': lognormal_scales, 'single': single, 'save_load': save_load,
+             **{f'checkpoint_{m}': (lambda m=m: checkpointed(m)) for m in ('to_bf16', 'to_fp16')}}
 if have_accelerate(): SCENARIOS.update({f'fastai_{m}': (lambda m=m: fastai_accelerate(m)) for m in ('to_fp16', 'to_native_fp16')})
 
 results = {'_where': dict(backend=dist.get_backend(), device=str(DEVICE), world=WORLD)}
