@@ -326,3 +326,20 @@ def test_a_module_put_in_the_model_mid_fit_trains_as_in_fp32(mode, grow):
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
     assert close(weights(learn), weights(ref))
     assert learn.recorder.losses[-1] == pytest.approx(ref.recorder.losses[-1], rel=.05)
+
+@pytest.mark.parametrize('end', ['ends', 'cancels a batch', 'raises'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16-half'])
+def test_no_hook_of_the_process_outlives_the_fit(mode, end):
+    "The module hooks of the whole process (recomputed layers, the tree watch) are gone when the fit is over, however."
+    from torch.nn.modules import module as M
+    class End(Callback):
+        def after_loss(self):
+            if not self.training or self.iter != 1 or end == 'ends': return
+            if end == 'raises': raise ValueError('a fault of other code')
+            raise CancelBatchException()
+    learn = learner(mode)
+    try: quiet_fit(learn, 1, cbs=End())
+    except ValueError: assert end == 'raises'
+    hooks = (M._global_forward_pre_hooks, M._global_forward_hooks, M._global_module_registration_hooks,
+             M._global_parameter_registration_hooks, M._global_buffer_registration_hooks)
+    assert [len(h) for h in hooks] == [0] * 5 and {p.dtype for p in learn.model.parameters()} == {torch.float32}
