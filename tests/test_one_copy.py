@@ -343,3 +343,17 @@ def test_no_hook_of_the_process_outlives_the_fit(mode, end):
     hooks = (M._global_forward_pre_hooks, M._global_forward_hooks, M._global_module_registration_hooks,
              M._global_parameter_registration_hooks, M._global_buffer_registration_hooks)
     assert [len(h) for h in hooks] == [0] * 5 and {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+class BufferEachBatch(Callback):
+    "Other code that puts a buffer under a new name in the model at every training batch (a costly habit here)."
+    order = 60
+    def before_fit(self): self.n = 0
+    def after_batch(self):
+        if self.training: self.n += 1; self.learn.model[0].register_buffer(f'seen{self.n}', torch.zeros(1))
+
+def test_the_model_changed_at_every_batch_is_said_once():
+    "Each change sets the fit up again at the next batch: the fit trains on, and a warning says the cost, once."
+    learn = learner('bf16')
+    with pytest.warns(RuntimeWarning, match="changed 5 times") as ws: quiet_fit(learn, 2, cbs=BufferEachBatch())
+    assert sum('changed 5 times' in str(w.message) for w in ws) == 1
+    assert learn.recorder.losses[-1] < learn.recorder.losses[0]

@@ -128,10 +128,12 @@ class ModelToHalf(SessionCallback):
         self._trained, self.rewrapped = False, False
         self._hook = self._float64 = self._range = self.entries = None
 
+    def before_fit(self):
+        self._changes = 0  # the set-ups again of this fit (`_follow`)
+        super().before_fit()
+
     def before_batch(self):
-        if self.watch is not None and self.watch.changed:  # a module put in the model since: set up again, with it
-            if self.converted: self._widen_new()
-            with self.session.suspended(): pass
+        if self.watch is not None and self.watch.changed: self._follow()
         if self.copies is not None: self.copies.recompute(False)  # (a batch cancelled before its backward's end)
         if self.training: self._trained = True  # from now on a param's value may differ from its original
         if getattr(self, 'entries', None) is not None: self.entries.reset()  # a forward that raised left its count
@@ -139,6 +141,17 @@ class ModelToHalf(SessionCallback):
 
     def after_backward(self):
         if self.copies is not None: self.copies.recompute(False)
+
+    def _follow(self):
+        "A module was put in the model since the set-up (or a tensor under a new name): set up again, with it."
+        if self.converted: self._widen_new()
+        with self.session.suspended(): pass
+        self._changes = getattr(self, '_changes', 0) + 1
+        if self._changes == 5:
+            warnings.warn("fp16cb: the model changed 5 times in this fit (a module put in it, or a param or buffer "
+                          "registered under a new name): each time the fit sets up again at the next batch, which "
+                          "costs about a fit's start. If code of yours registers one at every batch, register it once "
+                          "before the fit (or keep it as a plain attribute).", RuntimeWarning, stacklevel=2)
 
     def _widen_new(self):
         """The 16-bit tensors put in the converted model since its set-up (a copy of one of its modules: 16-bit, as the
