@@ -5,7 +5,7 @@ callback that records what the learner holds at each training event.
 (and the `device` fixture) is it, `make_learner` puts its model and data there, and fastai's own default device
 follows it (so that a GPU machine still tests the CPU by default). CUDA-only tests (`cuda_only()`) skip unless it is CUDA.
 The multi-process tests run their ranks where `ranks_device()` says: one GPU per rank, or the CPU (gloo)."""
-import os, random
+import copy, os, random
 from functools import partial
 from pathlib import Path
 import numpy as np
@@ -254,3 +254,20 @@ def set_chunk(monkeypatch, n):
     and the optimizer's state widened, a chunk at a time (`fp16cb.weights.loop.STATE_CHUNK`)."""
     from fp16cb.weights import loop
     if n: monkeypatch.setattr(loop, 'STATE_CHUNK', {'cpu': n, 'cuda': n})
+
+class GradOfLoss(Callback):
+    "In `after_loss`: `torch.autograd.grad(learn.loss, params)` beside the grads an FP32 copy of the model gives."
+    order = 60
+    def __init__(self): self.pairs = []
+    def after_loss(self):
+        if not self.training: return
+        ps = [p for p in self.learn.model.parameters() if p.requires_grad]
+        got = torch.autograd.grad(self.learn.loss, ps, retain_graph=True)
+        m32 = copy.deepcopy(self.learn.model).float()  # the FP32 weights, computed in FP32
+        ref = torch.autograd.grad(self.learn.loss_func(m32(*self.learn.xb), *self.learn.yb),
+                                  [p for p in m32.parameters() if p.requires_grad])
+        self.pairs.append(([g.float() for g in got], list(ref)))
+    def errors(self) -> list:
+        "Per batch: the distance of all the grads (one vector) from FP32's, relative to FP32's norm."
+        norm = lambda ts: sum(float((t ** 2).sum()) for t in ts) ** .5
+        return [norm([g - r for g, r in zip(got, ref)]) / norm(ref) for got, ref in self.pairs]

@@ -20,7 +20,7 @@ from fastai.vision.gan import GANLearner, basic_generator, basic_critic
 from fp16cb import cast_floats
 from fp16cb.callbacks import ModelToHalf
 from fp16cb.callbacks.casts import EntryCasts
-from conftest import DEVICE, HALF_MODES, make_learner, quiet_fit, seed_all, to_mode, Record
+from conftest import DEVICE, HALF_MODES, make_learner, quiet_fit, seed_all, to_mode, Record, GradOfLoss
 
 # ---- a faithful stand-in of transformers.utils.ModelOutput: the container rules, each field case alone (a real GPT-2
 # trains in every mode in tests/test_hugging_face.py)
@@ -343,25 +343,13 @@ def test_checkpointed_blocks_train_as_without_checkpointing(meth, kw, reentrant)
         assert max(float((a - b).abs().max()) for a, b in zip(got, plain)) < 2e-3
     else: assert [torch.equal(a, b) for a, b in zip(got, plain)] == [True] * len(got)
 
-class GradInAfterLoss(Callback):
-    "Other code's backward before fastai's: `torch.autograd.grad(learn.loss, params)` in `after_loss` (its norm kept)."
-    order = 30
-    def before_fit(self): self.norms = []
-    def after_loss(self):
-        if not self.training: return
-        gs = torch.autograd.grad(self.learn.loss, list(self.learn.model.parameters()), retain_graph=True)
-        self.norms.append(sum(float((g.float() ** 2).sum()) for g in gs) ** .5)
-
 @pytest.mark.parametrize('meth,kw', [('to_bf16', {}), ('to_fp16', {'max_loss_scale': 2.**8})])
 def test_a_backward_of_other_code_recomputes_checkpointed_blocks_as_fastais(meth, kw):
     """A callback's own backward through checkpointed blocks, before fastai's: the grads FP32's are. Before: `mat1 and
     mat2 must have the same dtype` (the copies for recomputed layers were on only from `before_backward`)."""
-    def fit(meth):
-        seed_all(0)
-        learn = make_learner(model=Checkpointed(False), opt_func=Adam, lr=1e-2, splitter=lambda m: [list(m.parameters())])
-        if meth is not None: getattr(learn, meth)(**kw)
-        cb = GradInAfterLoss()
-        quiet_fit(learn, 1, cbs=cb)
-        return cb.norms
-    ref, got = fit(None), fit(meth)
-    assert len(got) == len(ref) == 4 and got == pytest.approx(ref, rel=.05)
+    seed_all(0)
+    learn = make_learner(model=Checkpointed(False), opt_func=Adam, lr=1e-2, splitter=lambda m: [list(m.parameters())])
+    getattr(learn, meth)(**kw)
+    cb = GradOfLoss()  # the grads of `torch.autograd.grad(learn.loss, params)` in `after_loss`, and FP32's
+    quiet_fit(learn, 1, cbs=cb)
+    assert len(cb.pairs) == 4 and max(cb.errors()) < 5e-2, cb.errors()
