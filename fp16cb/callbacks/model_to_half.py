@@ -34,10 +34,11 @@ def _float64_input(module, args, kwargs, name:str, dtype):
 
 class TreeWatch:
     """Whether the model's tree changed since the set-up: a module put in one of its modules (a head replaced, a layer
-    grown by a callback), or a param or buffer under a new name. Registration hooks of the whole process, while a fit
-    is set up (a tensor put under a name the module has already is followed as it is)."""
-    def __init__(self, model:nn.Module):
-        self.ids, self.changed = {id(m) for m in model.modules()}, False
+    grown by a callback), or a param or buffer under a new name; in a converted model (`params`), any param put in.
+    Registration hooks of the whole process, while a fit is set up (the copies follow a tensor put under a name the
+    module has already as it is)."""
+    def __init__(self, model:nn.Module, params:bool=False):
+        self.ids, self.changed, self.params = {id(m) for m in model.modules()}, False, params
         self.handles = [mod.register_module_module_registration_hook(self._module),
                         mod.register_module_parameter_registration_hook(partial(self._tensor, kind='_parameters')),
                         mod.register_module_buffer_registration_hook(partial(self._tensor, kind='_buffers'))]
@@ -45,7 +46,8 @@ class TreeWatch:
     def _module(self, module, name, value):
         if id(module) in self.ids: self.changed = True
     def _tensor(self, module, name, value, kind:str):
-        if id(module) in self.ids and name not in getattr(module, kind): self.changed = True
+        if id(module) in self.ids and (name not in getattr(module, kind) or self.params and kind == '_parameters'):
+            self.changed = True
 
     def remove(self):
         for h in self.handles: h.remove()
@@ -118,7 +120,7 @@ class ModelToHalf(SessionCallback):
                                                                      with_kwargs=True, prepend=True))
         # calls from outside its forward, kept weights
         self.entries = EntryCasts(self.learn.model, res, self.dtype, self.copies)
-        self.watch = TreeWatch(model)  # (last: what the set-up itself registered is not a change)
+        self.watch = TreeWatch(model, self.converted)  # (last: what the set-up itself registered is not a change)
 
     def _shard_policy(self, model, res):
         """A model sharded with FSDP2: its units' policies compute in 16 bits (the kept ones in FP32), all-gathering
