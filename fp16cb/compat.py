@@ -37,7 +37,8 @@ SEMANTICS = (
     "16-bit weights, which are the weights in that mode); a weight changed in place "
     "(under `torch.no_grad()`) is what the next step starts from; a callback's `before_step` reads the grads unscaled "
     "and may change them; a cancelled step's grads stay until the optimizer's `zero_grad`; a param made trainable "
-    "mid-fit trains; `torch.autograd.grad` of the loss, or a backward of its own, gets grads as they are (unscaled); "
+    "mid-fit trains; `torch.autograd.grad` of the loss, or a backward of its own, gets grads as they are (unscaled), "
+    "second order included; "
     "a layer recomputed in the backward (activation checkpointing) computes as in the forward; a module put in the "
     "model mid-fit computes with the rest.",
     "What cannot keep these is refused with a sentence that says what to do instead: at set-up, before any step, "
@@ -113,6 +114,8 @@ CONTEXTS = {  # name: what it is
                   "(`torch.utils.checkpoint`, as Hugging Face's `gradient_checkpointing_enable` and timm's)",
     'surgery': "other code: a module put in the model mid-fit (a callback gives it a new head, a copy of the old one "
                "that the optimizer does not hold)",
+    'gradpenalty': "other code: a penalty on the loss's grads w.r.t. the params, added to the loss (second order: "
+                   "`torch.autograd.grad(..., create_graph=True)`)",
 }
 
 # ---- the facts a verdict reads

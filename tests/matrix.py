@@ -212,8 +212,17 @@ class NewHead(Callback):
         self.n += 1
         if self.n == 5: self.learn.model.head = copy.deepcopy(self.learn.model.head)
 
+class GradPenalty(Callback):
+    "The squared norm of the loss's grads w.r.t. the trainable params, times 0.1, added to the loss (second order)."
+    order = 30
+    def after_loss(self):
+        if not self.training: return
+        ps = [p for p in self.learn.model.parameters() if p.requires_grad]
+        gs = torch.autograd.grad(self.learn.loss, ps, create_graph=True, allow_unused=True)
+        self.learn.loss_grad = self.learn.loss_grad + .1 * sum((g.float() ** 2).sum() for g in gs if g is not None)
+
 OUTSIDE_CBS = {'ema': EMAWeights, 'constraint': Constrain, 'unfreeze': UnfreezeHead, 'userclip': UserClip,
-               'skipbatch': SkipBatch, 'cancelaccum': AccumulateByCancel, 'surgery': NewHead}
+               'skipbatch': SkipBatch, 'cancelaccum': AccumulateByCancel, 'surgery': NewHead, 'gradpenalty': GradPenalty}
 
 BS = 16
 GRADCLIP = 1.  # as compat declares the cell; it binds on loss-scaled grads only (the global norm here: 0.06 to 0.4)

@@ -67,6 +67,9 @@ class GradSink:
         memory (a fused step takes runs of both). Unscaled already (bf16), into sources that all hold a grad
         (fastai's `zero_grad` zeroes them in place): as they are, autograd casting each to its source's dtype as it
         adds it where that grad lies (no buffer of ours)."""
+        if torch.is_grad_enabled():  # a backward that builds its own graph (`create_graph`): differentiable, no buffer
+            k = 1. if self.scaled else self.inv_scale
+            return [g if g is None else g.to(p.dtype) * k if k != 1. else g.to(p.dtype) for g, p in zip(grads, sources)]
         if not self.scaled and self.inv_scale == 1. and all(
                 g is None or (not g.is_sparse and p.grad is not None) for g, p in zip(grads, sources)): return grads
         res = [None] * len(grads)
