@@ -117,18 +117,14 @@ def fp32_model_state(learn, stream:Stream=None) -> dict:
     if mth is None or not mth.converted: return own_storages(model.state_dict())
     sd = model.state_dict()
     vals = mth.fp32_tensors(None if stream is None else partial(_widened, stream))
-    places = [(f'{prefix}.{name}' if prefix else name, mod, name, cur)
-              for prefix, mod in model.named_modules(remove_duplicate=False)
-              for name, cur in list(mod._parameters.items()) + list(mod._buffers.items())]
-    # a tensor held in two places (a head tied to the embedding) is recorded in one: the same value under each key
-    by_tensor = {id(cur): vals[(id(mod), name)] for _, mod, name, cur in places if (id(mod), name) in vals}
-    alone = {}
-    for key, _, _, cur in places:
-        v = by_tensor.get(id(cur))
-        if v is None or key not in sd: continue
-        if id(cur) not in alone:  # the file holds it alone, once
-            alone[id(cur)] = shared(v.detach(), cur) if isinstance(v, torch.Tensor) else v
-        sd[key] = alone[id(cur)]
+    alone = {}  # a tensor held in two places (a head tied to the embedding): one value under each of its keys
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for name, cur in list(mod._parameters.items()) + list(mod._buffers.items()):
+            key, v = f'{prefix}.{name}' if prefix else name, vals.get(id(cur))
+            if v is None or key not in sd: continue
+            if id(cur) not in alone:  # the file holds it alone, once
+                alone[id(cur)] = shared(v.detach(), cur) if isinstance(v, torch.Tensor) else v
+            sd[key] = alone[id(cur)]
     return sd
 
 def _widened(stream:Stream, cur:torch.Tensor, dtype) -> torch.Tensor:

@@ -85,6 +85,7 @@ _HOOK_KINDS = (BasePruningMethod, WeightNorm, SpectralNorm)
 def _hooked(m:nn.Module) -> bool:
     "Whether `m` carries a reparametrization by forward pre-hook (`HOOKED`)."
     return bool(m._forward_pre_hooks) and any(isinstance(h, _HOOK_KINDS) for h in m._forward_pre_hooks.values())
+
 _ATTR = 'fp16cb_dtype'  # the per-module override
 
 class _IsType:

@@ -257,9 +257,9 @@ class ModelToHalf(SessionCallback):
         return widen(cur, rec.original.dtype)  # trained in 16-bit without master: nothing better than its value
 
     def fp32_tensors(self, widen=None) -> dict:
-        """`{(id(module), name): exact FP32 value}` of every converted param and buffer, the model left as it is
-        (`widen`: see `fp32_value`)."""
-        return {(id(m), n): self.fp32_value(cur, rec, widen) for rec, m, n, cur in self._places()}
+        """`{id(tensor): exact FP32 value}` of every converted param and buffer as it lies in the model now (a tensor
+        held in two places, a tied head, is one), the model left as it is (`widen`: see `fp32_value`)."""
+        return {id(cur): self.fp32_value(cur, rec, widen) for rec, _, _, cur in self._places()}
 
     def _places(self) -> list:
         """`(record, module, name, tensor)` of each converted tensor where it lies now: in its place, or a param put
