@@ -230,3 +230,26 @@ def test_a_fused_run_steps_its_widened_state_where_it_lies(monkeypatch):
     later = flats[len(flats) // 2:]  # (the first step makes the moments)
     ptrs = {s.untyped_storage().data_ptr() for s in scratches}
     assert later and all(b.untyped_storage().data_ptr() in ptrs for b in later), len(later)
+
+def test_a_runs_stored_moments_lie_one_after_the_other_so_a_widening_copies_a_key_at_once():
+    """Between steps, the bf16 moments of a run of consecutive params lie one after the other in memory, key by key (in
+    a buffer of at most a state chunk), so the widening copies each key's in one copy, and the narrowing back too.
+    Before: each moment was a tensor of its own, a copy each way per moment (on the benchmark's 300 small tensors the
+    step with bf16 state took 1.52x `to_bf16()`'s, now about 1.4x)."""
+    from torch import nn
+    from fp16cb.weights.layout import span_of
+    from fp16cb.weights.drivers import FUSED
+    seen = []
+    class Look(Callback):
+        order = MixedPrecision.order + 1
+        def after_step(self):
+            runs, state = FUSED[self.learn.opt].runs(self.learn.opt), opt_state(self.learn.opt)
+            for run in runs:
+                for k in ('grad_avg', 'sqr_avg'):
+                    ts = [state[p][k] for p in run.params]
+                    seen.append((ts[0].dtype, span_of(ts) is not None))
+    model = nn.Sequential(nn.Linear(4, 16), *[nn.Linear(16, 16) for _ in range(5)], nn.Linear(16, 1))
+    learn = make_learner(model=model, opt_func=Adam, splitter=lambda m: [list(m.parameters())], cbs=[Look()])
+    quiet_fit(learn.to_bf16(state_dtype=torch.bfloat16), 2)
+    assert seen and all(dt == BF16 for dt, _ in seen), seen[:4]
+    assert all(lies for _, lies in seen), seen

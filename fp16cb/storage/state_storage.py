@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor
 from ..compat import MOVING_AVERAGES
 from ..distributed import local_shard, as_state_of
 from ..dtypes import EIGHT_BIT
-from ..weights.layout import flat_views, with_layout_of, own_storages
+from ..weights.layout import flat_views, with_layout_of, own_storages, spans
 from ..weights.optstate import PlainState, opt_state, steps_param_by_param
-from ..weights.loop import STORED
+from ..weights.loop import STORED, chunks
 from ..weights.params import AROUND
 from . import state8
 from .state8 import State8
@@ -46,7 +46,7 @@ def _dither_(x:Tensor, generator=None) -> Tensor:
     bits = x.view(torch.int32)  # sign and magnitude: adding to the low bits moves |x| up, clearing them moves it down
     if x.device.type == 'cpu' and x.is_contiguous(): _add_table_noise_(bits.view(-1), generator)
     else: bits.add_(random16(x.numel(), generator, x.device).view(x.shape)).add_(1 << 15)  # + uniform [0, 2^16)
-    bits.bitwise_and_(-65536)
+    bits.bitwise_and_(-65536)  # (a copy reading only the high halves instead is a strided copy: slower on a CPU)
     return x
 
 # On a CPU, torch's generator costs more than the rest of the dither (3 ms of a 17 ms step on 4M moments): the noise
@@ -119,6 +119,26 @@ class _Group:
         self.entries, self.lows = entries, [local_shard(v) for _, _, v in entries]
         self.device, self.numel = self.lows[0].device, sum(t.numel() for t in self.lows)
         self.owners = owners if any(o is not None for o in owners) else None
+        self._runs = None  # (`spans` of `lows`, their offsets in a scratch), found at the first copy
+
+    def runs(self) -> list:
+        """`(first, end, span of the lows, their part of a scratch)` of each run of `lows` that lies one after the other
+        in memory (as `_fresh` makes them: `spans`), found once."""
+        if self._runs is None:
+            offs = [0]
+            for t in self.lows: offs.append(offs[-1] + t.numel())
+            self._runs = [(i, j, span, slice(offs[i], offs[j])) for i, j, span in spans(self.lows)]
+        return self._runs
+
+    def copy(self, scratch:Tensor, views:list, back:bool=False):
+        """The 16-bit `lows` into their FP32 `views` in `scratch` (`back`: the other way, rounded to nearest: exact
+        from a dithered scratch), one copy a run (`runs`), a fused one for what lies elsewhere."""
+        dsts, srcs = [], []
+        for i, j, span, part in self.runs():
+            if span is None: dsts += views[i:j]; srcs += self.lows[i:j]
+            elif back: span.copy_(scratch[part])
+            else: scratch[part].copy_(span)
+        if dsts: torch._foreach_copy_(*((srcs, dsts) if back else (dsts, srcs)))
 
 class _Widened:
     """What `widen` did for a `_Group`: the scratch its entries' FP32 views live in, and how many entries the params'
@@ -179,7 +199,7 @@ class StateStorage(PlainState):
             scratch = torch.empty(g.numel, dtype=torch.float32, device=g.device)
             views = flat_views(scratch, g.lows)  # each laid out as its tensor (channels_last stays)
             if self.dtype == EIGHT_BIT: state8.dequantize_many(views, g.lows)
-            else: torch._foreach_copy_(views, g.lows)
+            else: g.copy(scratch, views)
             if g.owners is None:
                 for (d, k, _), v in zip(g.entries, views): d[k] = v
             else:
@@ -255,7 +275,7 @@ class StateStorage(PlainState):
         if self.dtype == EIGHT_BIT: state8.quantize_many(w.group.lows, w.views, gen)
         else:
             if stochastic: _dither_(w.scratch, gen)  # then the copies to bf16 are exact (else: to nearest)
-            torch._foreach_copy_(w.group.lows, w.views)
+            w.group.copy(w.scratch, w.views, back=True)
         for d, k, t in w.entries: d[k] = t
 
     def _round_back(self, pairs:list, old:dict, widened, stochastic:bool):
@@ -272,8 +292,8 @@ class StateStorage(PlainState):
         dsts = []
         for d, k, v in pairs:
             t = old.get((id(d), k))
-            dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride()
-                        else torch.empty_like(v, dtype=self.dtype))
+            dsts.append(t if t is not None and t.shape == v.shape and t.stride() == v.stride() else None)
+        dsts = _fresh([v for _, _, v in pairs], dsts, self.dtype)
         if stochastic: _dither_(flat, self.generator)  # then the copies below to bf16 are exact (else: to nearest)
         torch._foreach_copy_([local_shard(t) for t in dsts], srcs)  # (views of `flat`, rounded)
         for (d, k, _), t in zip(pairs, dsts): d[k] = t
@@ -296,7 +316,8 @@ class StateStorage(PlainState):
         """The whole state in 16-bit, rounded to nearest (the set-up of a fit; after the FP32 view): no random draw, so
         a fit resumed from a checkpoint draws what the uninterrupted one does, and state widened from 16-bit is
         exact."""
-        self.narrow(list(state), state, stochastic=False)
+        # (in memory order: a run of consecutive params then finds its state consecutive too, `_fresh`)
+        self.narrow(sorted(state, key=_address), state, stochastic=False)
 
     def widen_into(self, p, k, v, out:Tensor) -> Tensor:
         """`out` = the FP32 value of the entry `k: v` of `p` that this storage stores (what `widen_all` makes of it),
@@ -332,6 +353,26 @@ class StateStorage(PlainState):
         if self.dtype is None: return own_storages(opt.state_dict())
         with as_stored(): sd = opt.state_dict()
         return lazy_state(sd, opt_state(opt), self, stream or Stream(eager=True))
+
+def _address(p) -> tuple:
+    "Where the param `p` lies: its device and address (a DTensor: of this rank's shard)."
+    t = local_shard(p) if isinstance(p, Tensor) else None
+    return (str(t.device), t.data_ptr()) if t is not None else ('', 0)
+
+def _fresh(like:list, dsts:list, dtype) -> list:
+    """`dsts` with each None made an empty tensor shaped and strided as its tensor of `like`, in `dtype`: views one
+    after the other into a buffer per state chunk (`chunks`), so that a later widening copies a run of them at once,
+    and a buffer outlives its first view going by little (a DTensor's: a tensor of its own)."""
+    res, new = list(dsts), []
+    for i, t in enumerate(dsts):
+        if t is not None: continue
+        if isinstance(like[i], DTensor): res[i] = torch.empty_like(like[i], dtype=dtype)
+        else: new.append(i)
+    for part in chunks(new, key=lambda i: like[i]):
+        ts = [like[i] for i in part]
+        buf = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=ts[0].device)
+        for i, v in zip(part, flat_views(buf, ts)): res[i] = v
+    return res
 
 def _widened_step(storage, state:dict, step):
     "`step()` with all of `state` widened to FP32 around it (an optimizer with a `step` of its own)."

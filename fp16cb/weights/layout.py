@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ['dense_strides', 'memory_order', 'span_of', 'flat_views', 'flatten_like', 'owns_storage', 'with_layout_of',
-           'shared', 'laid_out_as', 'split_like', 'own_storages']
+__all__ = ['dense_strides', 'memory_order', 'span_of', 'spans', 'flat_views', 'flatten_like', 'owns_storage',
+           'with_layout_of', 'shared', 'laid_out_as', 'split_like', 'own_storages']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -36,6 +36,17 @@ def span_of(ts:list) -> Tensor|None:
                 or tuple(t.stride()) != dense_strides(t)): return None
         end += t.numel()
     return ts[0].detach().as_strided((end - ts[0].storage_offset(),), (1,), ts[0].storage_offset())
+
+def spans(ts:list) -> list:
+    """`ts` cut into maximal runs `ts[i:j]` of dense tensors one after the other in one storage: `(i, j, span)` each,
+    `span` the 1-d tensor over their memory (`span_of`: None for a tensor that is not dense, alone in its run)."""
+    res, i = [], 0
+    while i < len(ts):
+        j = i + 1
+        while j < len(ts) and span_of(ts[j - 1:j + 1]) is not None: j += 1
+        res.append((i, j, span_of(ts[i:j])))
+        i = j
+    return res
 
 def flat_views(flat:Tensor, like:list) -> list:
     "Views into the 1-d `flat`, one per tensor of `like` in order, each with the shape and dense strides of its tensor."
