@@ -208,10 +208,13 @@ def test_a_fused_run_steps_its_widened_state_where_it_lies(monkeypatch):
     lie one key after the other in the widening's scratch, and the run steps them there as one flat tensor each, which
     is then rounded back in place: no run buffer is made for them and no copy of them taken. Before: the widened
     views lay param by param, so each step made a flat buffer per key and copied the moments into it and out again
-    (on the benchmark's 300 small tensors, the step with bf16 state took 2.9x the FP32-state step; now about 1.3x)."""
+    (on the benchmark's 300 small tensors, the step with bf16 state took 2.9x the FP32-state step; now about 1.3x).
+    The usual step, as every optimizer but fastai's Adam on a CPU takes it (that one: `fused16`, tested below)."""
     from torch import nn
     from fp16cb.weights import drivers
+    from fp16cb.storage import fused16
     from fp16cb.storage.state_storage import StateStorage as SS
+    monkeypatch.setitem(fused16.COMPILE, 'cpu', False)
     scratches, flats = [], []
     widen, flat = SS.widen, drivers._Stretch._flat
     def spy_widen(self, params, state):
@@ -253,3 +256,96 @@ def test_a_runs_stored_moments_lie_one_after_the_other_so_a_widening_copies_a_ke
     quiet_fit(learn.to_bf16(state_dtype=torch.bfloat16), 2)
     assert seen and all(dt == BF16 for dt, _ in seen), seen[:4]
     assert all(lies for _, lies in seen), seen
+
+# ---- fastai's Adam with bf16 state on a CPU: one compiled pass per run of params (`fp16cb.storage.fused16`)
+def _adam_model():
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 32), nn.LayerNorm(32), *[nn.Linear(32, 32) for _ in range(4)], nn.Linear(32, 1))
+
+def _one_group(m): return [list(m.parameters())]
+
+def _trained(compiled:bool, monkeypatch, epochs=2, **kw):
+    from fp16cb.storage import fused16
+    monkeypatch.setitem(fused16.COMPILE, 'cpu', compiled)
+    calls, compiled = [], fused16._compiled  # calls: the size of each run the compiled step stepped
+    def counted(dev):
+        fn = compiled(dev)
+        return None if fn is None else lambda *a: calls.append(a[0].numel()) or fn(*a)
+    monkeypatch.setattr(fused16, '_compiled', counted)
+    learn = make_learner(model=_adam_model(), opt_func=Adam, device='cpu', splitter=_one_group, **kw)
+    quiet_fit(learn.to_bf16(state_dtype=BF16), epochs, lr=1e-2, one_cycle=True)
+    return learn, calls
+
+def test_fastai_adam_with_bf16_state_steps_in_one_compiled_pass_as_the_usual_step_does(monkeypatch):
+    """fastai's Adam (decoupled weight decay, its default) with bf16 state on a CPU: each run of params with a step
+    count is stepped by one compiled pass (weights, grads and bf16 moments read once, written once) instead of the
+    widening, fastai's callbacks and the narrowing, about 1.5x the FP32-state step before (the benchmark's `mlp`,
+    `book` and GPT-2). The same fit with the usual step lands where it does: the two differ by their stochastic
+    roundings' draws (the fused pass hashes its noise), by far less than the fit moves the weights."""
+    fused, calls = _trained(True, monkeypatch)
+    usual, _ = _trained(False, monkeypatch)
+    assert len(calls) >= 7, calls  # every step after the first went the compiled way (8 steps)
+    start = make_learner(model=_adam_model(), device='cpu').model
+    for (n, a), b, s in zip(fused.model.named_parameters(), usual.model.parameters(), start.parameters()):
+        assert a.dtype == b.dtype == torch.float32, n
+        moved, apart = (b - s).norm(), (a - b).norm()
+        assert apart < 0.05 * moved, (n, apart.item(), moved.item())
+    for a, b in zip(opt_state(fused.opt).values(), opt_state(usual.opt).values()):
+        assert a['step'] == b['step'] and a['grad_avg'].dtype == torch.float32  # FP32 again after the fit
+
+def test_the_compiled_adam_step_is_fastais_arithmetic_with_moments_rounded_stochastically():
+    """One compiled step against fastai's own callbacks on FP32 state: the weights bit for bit but where the compiler
+    fused what eager rounds twice (an FP32 rounding there), each moment one of the two bf16 values around fastai's FP32
+    moment, rounded up as often as its distance says (unbiased: the mean of many roundings is the value)."""
+    from fastai.optimizer import Adam as FastaiAdam
+    from fp16cb.storage import fused16
+    torch.manual_seed(0)
+    n = 50_000
+    p, g = torch.randn(n), torch.randn(n) * 1e-2
+    m, v = (torch.randn(n) * 1e-2).to(BF16), (torch.rand(n) * 1e-4).to(BF16)
+    hyper, step = dict(lr=3e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01), 6
+    ref = torch.nn.Parameter(p.clone())
+    ref.grad = g.clone()
+    opt = FastaiAdam([ref], **hyper)
+    opt.state[ref] = {'grad_avg': m.float(), 'sqr_avg': v.float(), 'step': step}
+    opt.step()
+    c, new = fused16._scalars(hyper, {'step': step})
+    assert new == step + 1 == opt.state[ref]['step']
+    got, m16, v16 = p.clone(), m.clone(), v.clone()
+    fused16._compiled('cpu')(got, g, m16, v16, c, torch.tensor([11, 12]))
+    same = (got == ref.data).float().mean().item()
+    assert same > 0.99 and torch.allclose(got, ref.data, rtol=1e-6, atol=1e-9), same
+    for low, exact in ((m16, opt.state[ref]['grad_avg']), (v16, opt.state[ref]['sqr_avg'])):
+        down = exact.to(BF16).float()  # the nearest; the other neighbour is one bf16 spacing away
+        spacing = (exact.abs() * 2.**-7).clamp_min(1e-30)
+        assert ((low.float() - exact).abs() <= spacing).all()
+    x = torch.full((100_000,), 1. + 2.**-10)  # a quarter spacing above 1: rounded up a quarter of the times
+    r = fused16._round16(x, torch.tensor(5)).float()
+    assert set(r.unique().tolist()) == {1., 1. + 2.**-7} and abs(r.mean().item() - (1. + 2.**-10)) < 2e-4
+
+def test_the_compiled_adam_step_compiles_once_for_every_run_size_and_learning_rate(monkeypatch):
+    """One graph for every run's size and every step: the scalars (a one-cycle schedule's learning rate and moments, the
+    step count) come in a tensor, and each run's memory in tensors of their own (a view's offset would guard)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from fp16cb.storage import fused16
+    torch._dynamo.reset()
+    fused16._FN.clear()
+    _, ran = _trained(True, monkeypatch, epochs=3)
+    assert len(ran) >= 10 and len(set(ran)) > 1, ran  # (runs of several sizes; the one-cycle lr changes every step)
+    assert len(_debug_get_cache_entry_list(fused16._adam16.__code__)) == 1
+
+def test_the_usual_step_takes_over_where_the_compiled_one_does_not_apply(monkeypatch):
+    """Adam with L2 regularization (`decouple_wd=False`) is not fused: it steps as usual and trains as it does; where
+    compiling fails (no C++ compiler), one warning and the usual step from then on."""
+    from fp16cb.storage import fused16
+    monkeypatch.setitem(fused16.COMPILE, 'cpu', True)
+    monkeypatch.setattr(fused16, '_FN', {})
+    l2 = make_learner(model=_adam_model(), opt_func=partial(Adam, decouple_wd=False), device='cpu', splitter=_one_group)
+    assert not fused16.is_adam(l2.create_opt() or l2.opt.cbs) and fused16.is_adam(Adam([torch.zeros(1)], 1e-3).cbs)
+    def broken(*a, **k): raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(torch, 'compile', lambda f, **k: broken)
+    learn = make_learner(model=_adam_model(), opt_func=Adam, device='cpu', splitter=_one_group)
+    with pytest.warns(UserWarning, match='fused Adam step failed'):
+        quiet_fit(learn.to_bf16(state_dtype=BF16), 2, lr=1e-2)
+    assert fused16.COMPILE['cpu'] is False and learn.recorder.losses[-1] < learn.recorder.losses[0]

@@ -30,7 +30,7 @@ from ..weights.layout import flat_views, with_layout_of, own_storages, spans
 from ..weights.optstate import PlainState, opt_state, steps_param_by_param
 from ..weights.loop import STORED, chunks
 from ..weights.params import AROUND
-from . import state8
+from . import state8, fused16
 from .state8 import State8
 from .stored import TorchHooks, as_stored
 from .lazy import Stream, lazy_state
@@ -221,6 +221,11 @@ class StateStorage(PlainState):
             drop = lambda _, me=weakref.ref(self), key=key: me() is not None and me()._plans.pop(key, None)
             plan.refs = [weakref.ref(p, drop) for p in params]
         return plan
+
+    def fused_step(self, core, run, hyper:dict) -> bool:
+        """Step the `FusedRun` `run` of fastai optimizer `core` in one compiled pass, its state where it lies
+        (`fused16`: fastai's Adam, bf16 state, a CPU): True when it was, else nothing was done."""
+        return fused16.adam_run(self, core, run, hyper)
 
     def stores(self, k, v, p, numel:int|None=None) -> bool:
         """Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit or 8-bit between steps (8-bit: when

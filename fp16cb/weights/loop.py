@@ -56,6 +56,9 @@ def fastai_step(self, closure=None):
     done = set()
     for run in loop.runs(self) if loop is not None else ():
         if storage is not None and sum(p.numel() for p in run.params) > state_chunk(run.master.device): continue
+        if storage is not None and storage.fused_step(self, run, self.hypers[run.gi]):
+            done.update(map(id, run.params))
+            continue
         with lifted(run.params):
             fused = set(map(id, run.step(self, self.hypers[run.gi])))
             for p in run.params:

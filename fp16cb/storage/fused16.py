@@ -1,0 +1,149 @@
+"""bf16 state's step of fastai's Adam as one compiled pass per run of params, on a CPU. The usual step with bf16 state
+widens the moments to FP32 (a pass), runs fastai's callbacks on them (a pass each), then dithers and rounds them back
+(three passes): on a CPU, where every pass goes to memory and back, that is about 1.5x the step with FP32 state. Here
+one `torch.compile`d function reads the weights, the grads and the two bf16 moments once, and writes the weights and
+the moments once: fastai's Adam (decoupled weight decay, `average_grad` with dampening, `average_sqr_grad`,
+`adam_step`), its moments rounded back stochastically (as torchao compiles its optimizers' step per param).
+
+- **When:** fastai's `Adam` with decoupled weight decay (its default) or none, on a CPU, state stored in bf16 and
+  rounded stochastically, a run of params (`weights.drivers.FusedRun`) whose states agree (the same step count and
+  flags, both moments there: not the first step) and lie one key after the other in memory (`_fresh`). Anything else
+  takes the usual step: other optimizers, the first step, a GPU (not measured there yet), rounding to nearest.
+- **The same arithmetic:** fastai's scalars are computed as fastai computes them (in Python, in double), and the
+  elementwise steps are fastai's, in its order: 99.8% of the weights come out bit for bit as fastai's eager step makes
+  them, the others within an FP32 rounding (the compiler fuses what eager rounds twice).
+- **Its own dither:** the noise of the stochastic rounding is a hash of each element's place and of a seed drawn from
+  the rounding's generator per moment and step (`_hash16`, a 32-bit integer hash: uniform 16-bit values, no table to
+  gather from), not the eager path's table of noise: other draws, as unbiased; the same on resume and on every rank.
+- **Compiled once:** dynamic shapes (one graph for every run's size), the scalars passed as a tensor (a new learning
+  rate compiles nothing). Where compiling fails (no C++ compiler), it warns once and the usual step goes on."""
+from __future__ import annotations
+import warnings
+from functools import partial
+import torch
+from torch import Tensor
+from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_stat, adam_step, debias
+
+from ..weights.drivers import _signature
+from ..weights.layout import spans, shared
+from .state8 import _quiet
+
+__all__ = ['COMPILE', 'is_adam', 'adam_run']
+
+COMPILE = {'cpu': True}  # device type -> whether bf16 state's Adam step runs compiled there (False: the usual step)
+_FN = {}
+KEYS = ('grad_avg', 'sqr_avg')
+
+def is_adam(cbs:list) -> bool:
+    "Whether fastai optimizer callbacks `cbs` are fastai's `Adam` with decoupled weight decay (`decouple_wd=True`)."
+    if len(cbs) != 5: return False
+    ag = cbs[1]
+    return (cbs[0] is weight_decay and isinstance(ag, partial) and ag.func is average_grad and not ag.args
+            and ag.keywords == {'dampening': True} and cbs[2] is average_sqr_grad and cbs[3] is step_stat
+            and cbs[4] is adam_step)
+
+def _hash16(n, seed:Tensor, device) -> Tensor:
+    "16 uniform random bits (int32) per place 0..n-1: the low bits of a 32-bit integer hash of (place + `seed`)."
+    x = (torch.arange(n, device=device, dtype=torch.int64) + seed) & 0xFFFFFFFF
+    x = (x ^ (x >> 16)) * 0x7FEB352D & 0xFFFFFFFF
+    x = (x ^ (x >> 15)) * 0x846CA68B & 0xFFFFFFFF
+    return ((x ^ (x >> 16)) & 0xFFFF).to(torch.int32)
+
+def _round16(x:Tensor, seed:Tensor) -> Tensor:
+    "`x` (FP32) rounded to bf16 stochastically: 16 random bits added to those bf16 drops, which are then cleared."
+    bits = (x.view(torch.int32) + _hash16(x.numel(), seed, x.device)) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+def _adam16(p:Tensor, g:Tensor, m16:Tensor, v16:Tensor, c:Tensor, seeds:Tensor):
+    """fastai's Adam on the flat FP32 weights `p` (grads `g`), its moments `m16`, `v16` stored in bf16, all updated in
+    place. `c`: decay, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps, -lr/debias1 (as fastai computes them)."""
+    p.mul_(c[0])
+    m = m16.float() * c[1] + g * c[2]  # average_grad(dampening=True)
+    v = v16.float() * c[3] + g * g * c[4]  # average_sqr_grad
+    p.add_(c[7] * (m / ((v / c[5]).sqrt() + c[6])))  # adam_step
+    m16.copy_(_round16(m, seeds[0]))
+    v16.copy_(_round16(v, seeds[1]))
+
+def _compiled(device):
+    "The compiled `_adam16` for `device`'s type, or None where it is off or compiling failed."
+    kind = torch.device(device).type
+    if not COMPILE.get(kind): return None
+    if kind not in _FN: _FN[kind] = torch.compile(_adam16, dynamic=True)
+    return _FN[kind]
+
+def _scalars(hyper:dict, scalars:dict) -> tuple:
+    "`(c, step)`: `_adam16`'s scalars as fastai's callbacks compute them for this step, and the new step count."
+    lr, mom, sqr_mom, eps, wd = (hyper[k] for k in ('lr', 'mom', 'sqr_mom', 'eps', 'wd'))
+    step = scalars.get('step', 0) + 1
+    decay = 1 - lr * wd if scalars.get('do_wd', True) and wd != 0 else 1.
+    c = [decay, mom, 1 - mom, sqr_mom, 1 - sqr_mom, debias(sqr_mom, 1 - sqr_mom, step), eps,
+         -lr / debias(mom, 1 - mom, step)]
+    return torch.tensor(c, dtype=torch.float64).float(), step
+
+def _pieces(storage, params:list, state:dict):
+    """`(offsets, [(first, end, grad_avg, sqr_avg)])`: the element offsets of `params` in their run, and the run cut
+    where one of its two bf16 moments does not go on in memory, each piece's moments as 1-d tensors over their memory
+    (each laid out as its param); None when they are not so laid out (then the usual step). Found once per widening
+    plan (`StateStorage._plan`)."""
+    plan = storage._plan(params, state)
+    if len(plan.groups) != 1: return None
+    g = plan.groups[0]
+    if not hasattr(g, 'pieces'): g.pieces = _cut(g, params)
+    return g.pieces
+
+def _cut(g, params:list):
+    "`_pieces` of the widening group `g` of `params` (key-major entries: each key's tensors in `params`' order)."
+    n = len(params)
+    if g.owners is not None or len(g.entries) != 2 * n: return None
+    keys = [g.entries[0][1], g.entries[n][1]]
+    if (sorted(keys) != sorted(KEYS) or any(e[1] != keys[i // n] for i, e in enumerate(g.entries))
+            or any(t.stride() != p.stride() for t, p in zip(g.lows, params + params))): return None
+    offs = [0]
+    for p in params: offs.append(offs[-1] + p.numel())
+    runs = {k: spans(g.lows[i * n:(i + 1) * n]) for i, k in enumerate(keys)}
+    if any(span is None for rs in runs.values() for _, _, span in rs): return None
+    cuts = sorted({i for rs in runs.values() for i, _, _ in rs} | {n})
+    def part(k, i, j):  # params i:j's moment `k`, within the run of it that holds them
+        a, _, span = next(r for r in runs[k] if r[0] <= i < r[1])
+        return span[offs[i] - offs[a]:offs[j] - offs[a]]
+    return offs, [(i, j, part('grad_avg', i, j), part('sqr_avg', i, j)) for i, j in zip(cuts, cuts[1:])]
+
+def _stretches(pieces:list, sigs:list) -> list:
+    "`(first, end, piece)`: each piece cut further where the params' states differ (step count, flags: `sigs`)."
+    res = []
+    for piece in pieces:
+        i, j = piece[0], piece[1]
+        for k in range(i + 1, j + 1):
+            if k == j or sigs[k] != sigs[k - 1]: res.append((i, k, piece)); i = k
+    return res
+
+def adam_run(storage, core, run, hyper:dict) -> bool:
+    """`run` (a `FusedRun` of fastai optimizer `core`) stepped by the compiled Adam, its moments stored in bf16 by
+    `storage` (a `StateStorage`): True when it was (else nothing was done: the usual step)."""
+    if (storage.dtype != torch.bfloat16 or not storage.stochastic or len(run.params) < 2
+            or not is_adam(core.cbs) or (fn := _compiled(run.master.device)) is None): return False
+    state = core.state
+    sigs = [_signature(state.get(p, {}), p) for p in run.params]
+    if any(s is None or sorted(s[1]) != sorted(KEYS) for s in sigs): return False
+    found = _pieces(storage, run.params, state)
+    if found is None: return False
+    offs, todo = found[0], _stretches(found[1], sigs)
+    seeds, done = torch.randint(0, 2**31, (len(todo), 2), generator=storage.generator), 0
+    try:
+        with _quiet():
+            for (i, j, (a, _, m, v)), seed in zip(todo, seeds):
+                c, step = _scalars(hyper, sigs[i][0])
+                part, rel = slice(offs[i], offs[j]), slice(offs[i] - offs[a], offs[j] - offs[a])
+                # (each over a storage of its own, no copy: a view's offset would compile a graph per offset)
+                fn(*map(shared, (run.master[part], run.grad[part], m[rel], v[rel])), c, seed)
+                for p in run.params[i:j]: state[p]['step'] = step
+                done += 1
+    except Exception as e:  # no C++ compiler: the usual step from now on (when nothing was stepped yet)
+        if done: raise
+        COMPILE[run.master.device.type] = False
+        warnings.warn(f"bf16 optimizer state: torch.compile of the fused Adam step failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); stepping as usual (slower). `fp16cb.storage.fused16.COMPILE['cpu'] = False` "
+                      "skips the attempt.")
+        return False
+    run.parts.clear()
+    return True
