@@ -265,7 +265,7 @@ def _adam_model():
 
 def _one_group(m): return [list(m.parameters())]
 
-def _trained(compiled:bool, monkeypatch, epochs=2, **kw):
+def _trained(compiled:bool, monkeypatch, epochs=2, sib=False, **kw):
     from fp16cb.storage import fused16
     monkeypatch.setitem(fused16.COMPILE, 'cpu', compiled)
     calls, compiled = [], fused16._compiled  # calls: the size of each run the compiled step stepped
@@ -274,7 +274,7 @@ def _trained(compiled:bool, monkeypatch, epochs=2, **kw):
         return None if fn is None else lambda *a: calls.append(a[0].numel()) or fn(*a)
     monkeypatch.setattr(fused16, '_compiled', counted)
     learn = make_learner(model=_adam_model(), opt_func=Adam, device='cpu', splitter=_one_group, **kw)
-    quiet_fit(learn.to_bf16(state_dtype=BF16), epochs, lr=1e-2, one_cycle=True)
+    quiet_fit(learn.to_bf16(state_dtype=BF16, step_in_backward=sib), epochs, lr=1e-2, one_cycle=True)
     return learn, calls
 
 def test_fastai_adam_with_bf16_state_steps_in_one_compiled_pass_as_the_usual_step_does(monkeypatch):
@@ -286,13 +286,27 @@ def test_fastai_adam_with_bf16_state_steps_in_one_compiled_pass_as_the_usual_ste
     fused, calls = _trained(True, monkeypatch)
     usual, _ = _trained(False, monkeypatch)
     assert len(calls) >= 7, calls  # every step after the first went the compiled way (8 steps)
-    start = make_learner(model=_adam_model(), device='cpu').model
-    for (n, a), b, s in zip(fused.model.named_parameters(), usual.model.parameters(), start.parameters()):
-        assert a.dtype == b.dtype == torch.float32, n
-        moved, apart = (b - s).norm(), (a - b).norm()
-        assert apart < 0.05 * moved, (n, apart.item(), moved.item())
+    _close(fused.model, usual.model, _adam_model())
     for a, b in zip(opt_state(fused.opt).values(), opt_state(usual.opt).values()):
         assert a['step'] == b['step'] and a['grad_avg'].dtype == torch.float32  # FP32 again after the fit
+
+def _close(a, b, start):
+    "Each param of models `a` and `b` apart by far less than `b` moved from `start`."
+    for (n, x), y, s in zip(a.named_parameters(), b.parameters(), start.parameters()):
+        assert x.dtype == y.dtype == torch.float32, n
+        moved, apart = (y - s).norm(), (x - y).norm()
+        assert apart < 0.05 * moved, (n, apart.item(), moved.item())
+
+@pytest.mark.parametrize('sib', [False, True])
+def test_a_param_stepped_alone_takes_the_compiled_adam_step_too(monkeypatch, sib):
+    """A param bigger than a state chunk (here: every param, the chunk made small), and each param stepped in the
+    backward (`step_in_backward`), take the compiled step a param at a time (before: widened a slice at a time)."""
+    from fp16cb.weights import loop
+    monkeypatch.setitem(loop.STATE_CHUNK, 'cpu', 64)
+    fused, calls = _trained(True, monkeypatch, sib=sib)
+    usual, _ = _trained(False, monkeypatch, sib=sib)
+    assert len(calls) >= 7 * 8 and max(calls) > 64, calls  # every param of every step after the first
+    _close(fused.model, usual.model, _adam_model())
 
 def test_the_compiled_adam_step_is_fastais_arithmetic_with_moments_rounded_stochastically():
     """One compiled step against fastai's own callbacks on FP32 state: the weights bit for bit but where the compiler

@@ -22,17 +22,19 @@ import warnings
 from functools import partial
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_stat, adam_step, debias
 
-from ..weights.drivers import _signature
-from ..weights.layout import spans, shared
+
+from ..weights.drivers import _signature, _same_order
+from ..weights.layout import spans, shared, memory_order
 from .state8 import _quiet
 
-__all__ = ['COMPILE', 'is_adam', 'adam_run']
+__all__ = ['COMPILE', 'is_adam', 'adam_run', 'adam_param']
 
 COMPILE = {'cpu': True}  # device type -> whether bf16 state's Adam step runs compiled there (False: the usual step)
 _FN = {}
-KEYS = ('grad_avg', 'sqr_avg')
+KEYS, BF16 = ('grad_avg', 'sqr_avg'), torch.bfloat16
 
 def is_adam(cbs:list) -> bool:
     "Whether fastai optimizer callbacks `cbs` are fastai's `Adam` with decoupled weight decay (`decouple_wd=True`)."
@@ -81,10 +83,10 @@ def _scalars(hyper:dict, scalars:dict) -> tuple:
     return torch.tensor(c, dtype=torch.float64).float(), step
 
 def _pieces(storage, params:list, state:dict):
-    """`(offsets, [(first, end, grad_avg, sqr_avg)])`: the element offsets of `params` in their run, and the run cut
+    """`(offsets, [(first, end, grad_avg, sqr_avg)], cache)`: the element offsets of `params` in their run; the run cut
     where one of its two bf16 moments does not go on in memory, each piece's moments as 1-d tensors over their memory
-    (each laid out as its param); None when they are not so laid out (then the usual step). Found once per widening
-    plan (`StateStorage._plan`)."""
+    (each laid out as its param); and a cache of the tensors stepped (`_parts`). None when they are not so laid out
+    (then the usual step). Found once per widening plan (`StateStorage._plan`)."""
     plan = storage._plan(params, state)
     if len(plan.groups) != 1: return None
     g = plan.groups[0]
@@ -106,7 +108,7 @@ def _cut(g, params:list):
     def part(k, i, j):  # params i:j's moment `k`, within the run of it that holds them
         a, _, span = next(r for r in runs[k] if r[0] <= i < r[1])
         return span[offs[i] - offs[a]:offs[j] - offs[a]]
-    return offs, [(i, j, part('grad_avg', i, j), part('sqr_avg', i, j)) for i, j in zip(cuts, cuts[1:])]
+    return offs, [(i, j, part('grad_avg', i, j), part('sqr_avg', i, j)) for i, j in zip(cuts, cuts[1:])], {}
 
 def _stretches(pieces:list, sigs:list) -> list:
     "`(first, end, piece)`: each piece cut further where the params' states differ (step count, flags: `sigs`)."
@@ -117,33 +119,73 @@ def _stretches(pieces:list, sigs:list) -> list:
             if k == j or sigs[k] != sigs[k - 1]: res.append((i, k, piece)); i = k
     return res
 
+def _kernel(storage, core, device):
+    "The compiled step, when it applies to fastai optimizer `core` with its state stored by `storage` on `device`."
+    if storage.dtype != torch.bfloat16 or not storage.stochastic or not is_adam(core.cbs): return None
+    return _compiled(device)
+
+def _adam(fn, calls:list, storage) -> bool:
+    """Each of `calls` (`(weights, grads, grad_avg, sqr_avg, scalars)`, each over a storage of its own: a view's offset
+    would compile a graph per offset) stepped by `fn`, with its seeds. False, nothing done, where compiling failed."""
+    seeds = torch.randint(0, 2**31, (len(calls), 2), generator=storage.generator)
+    try:
+        with _quiet():
+            for i, (call, seed) in enumerate(zip(calls, seeds)): fn(*call, seed)
+    except Exception as e:  # no C++ compiler: the usual step from now on (when nothing was stepped yet)
+        if i: raise
+        COMPILE[calls[0][0].device.type] = False
+        warnings.warn(f"bf16 optimizer state: torch.compile of the fused Adam step failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); stepping as usual (slower). `fp16cb.storage.fused16.COMPILE['cpu'] = False` "
+                      "skips the attempt.")
+        return False
+    return True
+
 def adam_run(storage, core, run, hyper:dict) -> bool:
     """`run` (a `FusedRun` of fastai optimizer `core`) stepped by the compiled Adam, its moments stored in bf16 by
     `storage` (a `StateStorage`): True when it was (else nothing was done: the usual step)."""
-    if (storage.dtype != torch.bfloat16 or not storage.stochastic or len(run.params) < 2
-            or not is_adam(core.cbs) or (fn := _compiled(run.master.device)) is None): return False
+    if len(run.params) < 2 or (fn := _kernel(storage, core, run.master.device)) is None: return False
     state = core.state
     sigs = [_signature(state.get(p, {}), p) for p in run.params]
     if any(s is None or sorted(s[1]) != sorted(KEYS) for s in sigs): return False
     found = _pieces(storage, run.params, state)
     if found is None: return False
-    offs, todo = found[0], _stretches(found[1], sigs)
-    seeds, done = torch.randint(0, 2**31, (len(todo), 2), generator=storage.generator), 0
-    try:
-        with _quiet():
-            for (i, j, (a, _, m, v)), seed in zip(todo, seeds):
-                c, step = _scalars(hyper, sigs[i][0])
-                part, rel = slice(offs[i], offs[j]), slice(offs[i] - offs[a], offs[j] - offs[a])
-                # (each over a storage of its own, no copy: a view's offset would compile a graph per offset)
-                fn(*map(shared, (run.master[part], run.grad[part], m[rel], v[rel])), c, seed)
-                for p in run.params[i:j]: state[p]['step'] = step
-                done += 1
-    except Exception as e:  # no C++ compiler: the usual step from now on (when nothing was stepped yet)
-        if done: raise
-        COMPILE[run.master.device.type] = False
-        warnings.warn(f"bf16 optimizer state: torch.compile of the fused Adam step failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); stepping as usual (slower). `fp16cb.storage.fused16.COMPILE['cpu'] = False` "
-                      "skips the attempt.")
-        return False
+    parts, scalars = _parts(found, run), {}
+    calls, steps = [], []
+    for i, j, piece in _stretches(found[1], sigs):
+        key = repr(sigs[i][0])
+        if key not in scalars: scalars[key] = _scalars(hyper, sigs[i][0])
+        calls.append((*parts(i, j, piece), scalars[key][0]))
+        steps.append((i, j, scalars[key][1]))
+    if not _adam(fn, calls, storage): return False
+    for i, j, step in steps:
+        for p in run.params[i:j]: state[p]['step'] = step
     run.parts.clear()
+    return True
+
+def _parts(found:tuple, run):
+    """`parts(first, end, piece)`: params first:end of `run` as `(weights, grads, grad_avg, sqr_avg)`, each over a
+    storage of its own (`shared`), kept with the widening plan while the run is the same."""
+    offs, cache = found[0], found[2]
+    if cache.get('run') is not run: cache.clear(); cache['run'] = run
+    def parts(i, j, piece):
+        if (i, j) not in cache:
+            a = piece[0]
+            part, rel = slice(offs[i], offs[j]), slice(offs[i] - offs[a], offs[j] - offs[a])
+            cache[(i, j)] = tuple(map(shared, (run.master[part], run.grad[part], piece[2][rel], piece[3][rel])))
+        return cache[(i, j)]
+    return parts
+
+def adam_param(storage, core, p, hyper:dict) -> bool:
+    """The one param `p` of fastai optimizer `core` (one too big for a run, or stepped in the backward) stepped by the
+    compiled Adam, its moments stored in bf16 by `storage`: True when it was (else nothing was done)."""
+    st = core.state.get(p)
+    if not st or p.grad is None or isinstance(p, DTensor) or (fn := _kernel(storage, core, p.device)) is None:
+        return False
+    sig = _signature(st, p)
+    if sig is None or sorted(sig[1]) != sorted(KEYS): return False
+    ts = [p, p.grad, st['grad_avg'], st['sqr_avg']]
+    if (any(t.dtype != BF16 for t in ts[2:]) or not all(_same_order(p, t) for t in ts[1:])): return False
+    c, step = _scalars(hyper, sig[0])
+    if not _adam(fn, [(*(shared(memory_order(t)) for t in ts), c)], storage): return False
+    st['step'] = step
     return True

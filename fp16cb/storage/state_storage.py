@@ -227,6 +227,10 @@ class StateStorage(PlainState):
         (`fused16`: fastai's Adam, bf16 state, a CPU): True when it was, else nothing was done."""
         return fused16.adam_run(self, core, run, hyper)
 
+    def fused_param(self, core, p, hyper:dict) -> bool:
+        "`fused_step` for the one param `p` (one too big for a run, or stepped in the backward)."
+        return fused16.adam_param(self, core, p, hyper)
+
     def stores(self, k, v, p, numel:int|None=None) -> bool:
         """Whether the FP32 state entry `k: v` of `p` is one this stores in 16-bit or 8-bit between steps (8-bit: when
         the param, of `numel` elements if `p` is a slice of it, has at least `state8.MIN_NUMEL`)."""

@@ -79,7 +79,9 @@ def fastai_step(self, closure=None):
 def step_one(core, p, hyper:dict, storage=None):
     """fastai's update of the one param `p` (the step in the backward), its state widened around it when it is stored
     narrow; a param bigger than a chunk a slice at a time, the optimizer elementwise (the step's temporaries, and the
-    widened state, of a slice's size: the backward's peak holds no whole-param step)."""
+    widened state, of a slice's size: the backward's peak holds no whole-param step); or, where the storage has a
+    compiled step for the optimizer, by that."""
+    if storage is not None and storage.fused_param(core, p, hyper): return
     if slices_well(p) and elementwise(core):
         return sliced_update(core, p, hyper, state_chunk(p.device), *slices(p), storage)
     if storage is None: return fastai_update(core, p, hyper)
