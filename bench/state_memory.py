@@ -48,6 +48,16 @@ def live_storages() -> dict:
     for o in objs:
         add(o)
         if o.is_leaf and o.grad is not None: add(o.grad)
+    return _without_aliases(res)
+
+def _without_aliases(storages:dict) -> dict:
+    """`storages` (`{data_ptr: nbytes}`) without those that lie inside another's memory: a storage over part of a
+    buffer (`fp16cb.weights.layout.shared`, which a checkpoint and bf16 state's compiled step make) is no memory of its
+    own."""
+    res, end = {}, -1
+    for ptr, n in sorted(storages.items(), key=lambda kv: (kv[0], -kv[1])):
+        if ptr + n <= end: continue  # inside the storage before it
+        res[ptr], end = n, max(end, ptr + n)
     return res
 
 def _is_tensor(o) -> bool:

@@ -511,3 +511,14 @@ def test_the_state_step_benchmark_runs_on_the_test_device():
     for mode in ('fp32', 'bf16', 'bf16-state8'):
         assert 0 < out[mode]['ms_step'] <= out[mode]['ms_batch'], out[mode]  # (the batch holds its step)
     assert out['bf16']['step_vs_bf16'] == 1.
+
+def test_a_storage_over_part_of_a_buffer_is_not_counted_again():
+    """A storage over part of a buffer's memory (`layout.shared`: a checkpoint's tensors, the tensors bf16 state's
+    compiled step keeps for a run) is no memory of its own: counted once, with the buffer."""
+    from bench.state_memory import live_storages
+    from fp16cb.weights.layout import shared
+    before = sum(live_storages().values())
+    buf = torch.zeros(1000)
+    part = shared(buf[100:300])
+    assert part.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert sum(live_storages().values()) - before == 4000
