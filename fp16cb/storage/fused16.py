@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_stat, adam_step, debias
 
 
-from ..weights.drivers import _signature, _same_order
+from ..weights.drivers import _same_order
 from ..weights.layout import spans, shared, memory_order
 from .state8 import _quiet
 
@@ -82,16 +82,23 @@ def _scalars(hyper:dict, scalars:dict) -> tuple:
          -lr / debias(mom, 1 - mom, step)]
     return torch.tensor(c, dtype=torch.float64).float(), step
 
-def _pieces(storage, params:list, state:dict):
-    """`(offsets, [(first, end, grad_avg, sqr_avg)], cache)`: the element offsets of `params` in their run; the run cut
-    where one of its two bf16 moments does not go on in memory, each piece's moments as 1-d tensors over their memory
-    (each laid out as its param); and a cache of the tensors stepped (`_parts`). None when they are not so laid out
-    (then the usual step). Found once per widening plan (`StateStorage._plan`)."""
+def _pieces(storage, params:list, state:dict) -> tuple:
+    """`(found, state dicts)`: `found`, `(offsets, [(first, end, grad_avg, sqr_avg)], cache)`, the element offsets of
+    `params` in their run; the run cut where one of its two bf16 moments does not go on in memory, each piece's moments
+    as 1-d tensors over their memory (each laid out as its param); and a cache of the tensors stepped (`_parts`). None
+    when they are not so, or a state holds more than Adam's (then the usual step). Found once per widening plan
+    (`StateStorage._plan`, which holds while the dicts hold exactly those tensors and as many entries)."""
     plan = storage._plan(params, state)
-    if len(plan.groups) != 1: return None
+    if len(plan.groups) != 1: return None, plan.ds
     g = plan.groups[0]
-    if not hasattr(g, 'pieces'): g.pieces = _cut(g, params)
-    return g.pieces
+    if not hasattr(g, 'pieces'): g.pieces = _cut(g, params) if all(_adams(d) for d in plan.ds) else None
+    return g.pieces, plan.ds
+
+SCALARS = {'step', 'do_wd', 'force_train'}  # what fastai's Adam keeps beside the moments (flags set by fastai)
+
+def _adams(d) -> bool:
+    "Whether the state dict `d` holds fastai's Adam's state after a step, nothing else: both moments and a step count."
+    return bool(d) and 'step' in d and all(k in d for k in KEYS) and set(d) <= SCALARS | set(KEYS)
 
 def _cut(g, params:list):
     "`_pieces` of the widening group `g` of `params` (key-major entries: each key's tensors in `params`' order)."
@@ -144,21 +151,15 @@ def adam_run(storage, core, run, hyper:dict) -> bool:
     """`run` (a `FusedRun` of fastai optimizer `core`) stepped by the compiled Adam, its moments stored in bf16 by
     `storage` (a `StateStorage`): True when it was (else nothing was done: the usual step)."""
     if len(run.params) < 2 or (fn := _kernel(storage, core, run.master.device)) is None: return False
-    state = core.state
-    sigs = [_signature(state.get(p, {}), p) for p in run.params]
-    if any(s is None or sorted(s[1]) != sorted(KEYS) for s in sigs): return False
-    found = _pieces(storage, run.params, state)
+    found, ds = _pieces(storage, run.params, core.state)
     if found is None: return False
-    parts, scalars = _parts(found, run), {}
-    calls, steps = [], []
+    sigs = [(d['step'], bool(d.get('do_wd', True))) for d in ds]  # (what Adam's step reads of the state's scalars)
+    parts, scalars, calls = _parts(found, run), {}, []
     for i, j, piece in _stretches(found[1], sigs):
-        key = repr(sigs[i][0])
-        if key not in scalars: scalars[key] = _scalars(hyper, sigs[i][0])
-        calls.append((*parts(i, j, piece), scalars[key][0]))
-        steps.append((i, j, scalars[key][1]))
+        if sigs[i] not in scalars: scalars[sigs[i]] = _scalars(hyper, dict(zip(('step', 'do_wd'), sigs[i])))
+        calls.append((*parts(i, j, piece), scalars[sigs[i]][0]))
     if not _adam(fn, calls, storage): return False
-    for i, j, step in steps:
-        for p in run.params[i:j]: state[p]['step'] = step
+    for d, (step, _) in zip(ds, sigs): d['step'] = step + 1
     run.parts.clear()
     return True
 
@@ -179,13 +180,11 @@ def adam_param(storage, core, p, hyper:dict) -> bool:
     """The one param `p` of fastai optimizer `core` (one too big for a run, or stepped in the backward) stepped by the
     compiled Adam, its moments stored in bf16 by `storage`: True when it was (else nothing was done)."""
     st = core.state.get(p)
-    if not st or p.grad is None or isinstance(p, DTensor) or (fn := _kernel(storage, core, p.device)) is None:
+    if not _adams(st) or p.grad is None or isinstance(p, DTensor) or (fn := _kernel(storage, core, p.device)) is None:
         return False
-    sig = _signature(st, p)
-    if sig is None or sorted(sig[1]) != sorted(KEYS): return False
     ts = [p, p.grad, st['grad_avg'], st['sqr_avg']]
     if (any(t.dtype != BF16 for t in ts[2:]) or not all(_same_order(p, t) for t in ts[1:])): return False
-    c, step = _scalars(hyper, sig[0])
+    c, step = _scalars(hyper, st)
     if not _adam(fn, [(*(shared(memory_order(t)) for t in ts), c)], storage): return False
     st['step'] = step
     return True
