@@ -363,3 +363,17 @@ def test_the_usual_step_takes_over_where_the_compiled_one_does_not_apply(monkeyp
     with pytest.warns(UserWarning, match='fused Adam step failed'):
         quiet_fit(learn.to_bf16(state_dtype=BF16), 2, lr=1e-2)
     assert fused16.COMPILE['cpu'] is False and learn.recorder.losses[-1] < learn.recorder.losses[0]
+
+def test_a_state_holding_more_than_adams_takes_the_usual_step(monkeypatch):
+    """fastai passes each param's state to its callbacks as keyword arguments: a key other code puts there changes the
+    step (here `dampening=False`, which `average_sqr_grad` then reads). The compiled step knows Adam's state alone (its
+    moments, the step count, fastai's flags), so such a state takes the usual step, and the fit is the usual one."""
+    class Undamped(Callback):
+        order = MixedPrecision.order + 1
+        def after_step(self):
+            for st in opt_state(self.learn.opt).values(): st['dampening'] = False
+    fits = {}
+    for compiled in (True, False):
+        fits[compiled], calls = _trained(compiled, monkeypatch, cbs=[Undamped()])
+        assert not calls
+    _close(fits[True].model, fits[False].model, _adam_model())
