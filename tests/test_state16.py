@@ -377,3 +377,27 @@ def test_a_state_holding_more_than_adams_takes_the_usual_step(monkeypatch):
         fits[compiled], calls = _trained(compiled, monkeypatch, cbs=[Undamped()])
         assert not calls
     _close(fits[True].model, fits[False].model, _adam_model())
+
+def test_the_compiled_adam_step_keeps_no_dropped_grads_alive(monkeypatch):
+    """Grads let go after a step (as a skipped step lets them go: `p.grad = None`, the fused loop told) leave no
+    tensor behind over their memory: the compiled step keeps the run's weights and moments ready from step to step,
+    not its grads (else the next backward's new grads would come on top of them: the true peak above FP32's)."""
+    import gc
+    from fp16cb.weights.drivers import FUSED
+    from bench.state_memory import live_storages
+    left = []
+    class Drop(Callback):
+        order = MixedPrecision.order + 1
+        def after_step(self):
+            if self.train_iter != 3: return
+            ps = [p for p in self.learn.model.parameters() if p.grad is not None]
+            spans = {(g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in (p.grad for p in ps)}
+            for p in ps: p.grad = None
+            FUSED[self.learn.opt].forget()
+            gc.collect()
+            live = live_storages()
+            left.extend((a, n) for a, n in spans for b, m in live.items() if b < a + n and a < b + m)
+            raise CancelFitException
+    from fastai.callback.core import CancelFitException
+    _, calls = _trained(True, monkeypatch, cbs=[Drop()])
+    assert calls and not left, left

@@ -18,7 +18,7 @@ the moments once: fastai's Adam (decoupled weight decay, `average_grad` with dam
 - **Compiled once:** dynamic shapes (one graph for every run's size), the scalars passed as a tensor (a new learning
   rate compiles nothing). Where compiling fails (no C++ compiler), it warns once and the usual step goes on."""
 from __future__ import annotations
-import warnings
+import warnings, weakref
 from functools import partial
 import torch
 from torch import Tensor
@@ -165,15 +165,18 @@ def adam_run(storage, core, run, hyper:dict) -> bool:
 
 def _parts(found:tuple, run):
     """`parts(first, end, piece)`: params first:end of `run` as `(weights, grads, grad_avg, sqr_avg)`, each over a
-    storage of its own (`shared`), kept with the widening plan while the run is the same."""
+    storage of its own (`shared`). The weights' and moments' kept with the widening plan while the run is the same (a
+    weak reference: a run let go goes); the grads' made anew each step, so that grads dropped (a skipped step) are
+    not kept alive by them."""
     offs, cache = found[0], found[2]
-    if cache.get('run') is not run: cache.clear(); cache['run'] = run
+    if (ref := cache.get('run')) is None or ref() is not run: cache.clear(); cache['run'] = weakref.ref(run)
     def parts(i, j, piece):
+        part = slice(offs[i], offs[j])
         if (i, j) not in cache:
-            a = piece[0]
-            part, rel = slice(offs[i], offs[j]), slice(offs[i] - offs[a], offs[j] - offs[a])
-            cache[(i, j)] = tuple(map(shared, (run.master[part], run.grad[part], piece[2][rel], piece[3][rel])))
-        return cache[(i, j)]
+            rel = slice(offs[i] - offs[piece[0]], offs[j] - offs[piece[0]])
+            cache[(i, j)] = tuple(map(shared, (run.master[part], piece[2][rel], piece[3][rel])))
+        w, m, v = cache[(i, j)]
+        return w, shared(run.grad[part]), m, v
     return parts
 
 def adam_param(storage, core, p, hyper:dict) -> bool:
