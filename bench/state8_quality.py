@@ -44,9 +44,25 @@ from bench.workloads import make_data, WORKLOADS, CPU_SCALE
 
 __all__ = ['MODES', 'QUALITY_MODES', 'SPEED_MODES', 'TASKS', 'SPEED_WORKLOADS', 'run_quality', 'run_speed', 'main']
 
+class Fused16(Callback):
+    """bf16 state's compiled Adam step (`fp16cb.storage.fused16`) on (`on=True`) or off during this learner's fits,
+    whatever its default for the model's device is (on for a CPU, off elsewhere until measured there): the two side by
+    side in one run (`bf16-state16-usual`, `bf16-state16-compiled`)."""
+    order = -100
+    def __init__(self, on:bool): self.on, self.was = on, None
+    def before_fit(self):
+        from fp16cb.storage import fused16
+        self.kind = next(self.learn.model.parameters()).device.type
+        self.was, fused16.COMPILE[self.kind] = fused16.COMPILE.get(self.kind), self.on
+    def after_fit(self):
+        from fp16cb.storage import fused16
+        fused16.COMPILE[self.kind] = self.was
+
 MODES = {'fp32': lambda l: l,
          'bf16': lambda l: l.to_bf16(),
          'bf16-state16': lambda l: l.to_bf16(state_dtype=torch.bfloat16),
+         'bf16-state16-usual': lambda l: l.to_bf16(state_dtype=torch.bfloat16).add_cb(Fused16(False)),
+         'bf16-state16-compiled': lambda l: l.to_bf16(state_dtype=torch.bfloat16).add_cb(Fused16(True)),
          'bf16-state8': lambda l: l.to_bf16(state_dtype='8bit'),
          'fp16-state8': lambda l: l.to_fp16(state_dtype='8bit'),
          'bf16-half': lambda l: l.to_bf16(half_storage=True),
@@ -54,6 +70,8 @@ MODES = {'fp32': lambda l: l,
          'bf16-half-sib-state8': lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')}
 CALLS = {'fp32': 'FP32 (no mixed precision)', 'bf16': 'to_bf16() (FP32 state)',
          'bf16-state16': 'to_bf16(state_dtype=torch.bfloat16)', 'bf16-state8': "to_bf16(state_dtype='8bit')",
+         'bf16-state16-usual': 'to_bf16(state_dtype=torch.bfloat16), the compiled Adam step off',
+         'bf16-state16-compiled': 'to_bf16(state_dtype=torch.bfloat16), the compiled Adam step on',
          'fp16-state8': "to_fp16(state_dtype='8bit')",
          'bf16-half': "to_bf16(half_storage=True)", 'bf16-half-state8': "to_bf16(half_storage=True, state_dtype='8bit')",
          'bf16-half-sib-state8': "to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')"}

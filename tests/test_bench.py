@@ -522,3 +522,19 @@ def test_a_storage_over_part_of_a_buffer_is_not_counted_again():
     part = shared(buf[100:300])
     assert part.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     assert sum(live_storages().values()) - before == 4000
+
+def test_the_state_step_benchmark_turns_the_compiled_adam_step_off_or_on_for_its_mode():
+    """`bf16-state16-usual` and `bf16-state16-compiled` (the GPU check's A/B of bf16 state's compiled Adam step, off on a
+    GPU until measured there): each fit of the mode runs with the compiled step off or on, and the setting is what it
+    was after it."""
+    from conftest import make_learner, quiet_fit
+    from bench.state8_quality import MODES
+    from fp16cb.storage import fused16
+    seen, before = [], dict(fused16.COMPILE)
+    class Look(Callback):
+        def before_batch(self):
+            if self.training: seen.append(fused16.COMPILE.get(DEVICE.type))
+    for mode in ('bf16-state16-usual', 'bf16-state16-compiled'):
+        learn = MODES[mode](make_learner(opt_func=Adam, cbs=[Look()]))
+        quiet_fit(learn, 1)
+    assert seen == [False] * 4 + [True] * 4 and fused16.COMPILE == before, (seen, fused16.COMPILE)
