@@ -12,9 +12,10 @@ the moments once: fastai's Adam (decoupled weight decay, `average_grad` with dam
 - **The same arithmetic:** fastai's scalars are computed as fastai computes them (in Python, in double), and the
   elementwise steps are fastai's, in its order: 99.8% of the weights come out bit for bit as fastai's eager step makes
   them, the others within an FP32 rounding (the compiler fuses what eager rounds twice).
-- **Its own dither:** the noise of the stochastic rounding is a hash of each element's place and of a seed drawn from
-  the rounding's generator per moment and step (`_hash16`, a 32-bit integer hash: uniform 16-bit values, no table to
-  gather from), not the eager path's table of noise: other draws, as unbiased; the same on resume and on every rank.
+- **Its own dither:** the noise of the stochastic rounding is the hash 8-bit state's quantizer draws with
+  (`state8.hash32`) of each element's place and a key drawn from the rounding's generator per moment and call:
+  exactly uniform 16-bit values, no table to gather from. Not the eager path's table of noise: other draws, as
+  unbiased; the same on resume and on every rank.
 - **Compiled once:** dynamic shapes (one graph for every run's size), the scalars passed as a tensor (a new learning
   rate compiles nothing). Where compiling fails (no C++ compiler), it warns once and the usual step goes on."""
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_
 
 from ..weights.drivers import _same_order
 from ..weights.layout import spans, shared, memory_order
-from .state8 import _quiet
+from .state8 import _quiet, hash32
 
 __all__ = ['COMPILE', 'is_adam', 'adam_run', 'adam_param']
 
@@ -44,16 +45,11 @@ def is_adam(cbs:list) -> bool:
             and ag.keywords == {'dampening': True} and cbs[2] is average_sqr_grad and cbs[3] is step_stat
             and cbs[4] is adam_step)
 
-def _hash16(n, seed:Tensor, device) -> Tensor:
-    "16 uniform random bits (int32) per place 0..n-1: the low bits of a 32-bit integer hash of (place + `seed`)."
-    x = (torch.arange(n, device=device, dtype=torch.int64) + seed) & 0xFFFFFFFF
-    x = (x ^ (x >> 16)) * 0x7FEB352D & 0xFFFFFFFF
-    x = (x ^ (x >> 15)) * 0x846CA68B & 0xFFFFFFFF
-    return ((x ^ (x >> 16)) & 0xFFFF).to(torch.int32)
-
-def _round16(x:Tensor, seed:Tensor) -> Tensor:
-    "`x` (FP32) rounded to bf16 stochastically: 16 random bits added to those bf16 drops, which are then cleared."
-    bits = (x.view(torch.int32) + _hash16(x.numel(), seed, x.device)) & -65536
+def _round16(x:Tensor, key:Tensor) -> Tensor:
+    """`x` (FP32) rounded to bf16 stochastically: 16 random bits (`state8.hash32` of each element's place, `key` an
+    int32 draw) added to those bf16 drops, which are then cleared."""
+    noise = hash32(torch.arange(x.numel(), dtype=torch.int32, device=x.device), key.to(torch.int32)) & 0xFFFF
+    bits = (x.view(torch.int32) + noise) & -65536
     return bits.view(torch.float32).to(torch.bfloat16)
 
 def _adam16(p:Tensor, g:Tensor, m16:Tensor, v16:Tensor, c:Tensor, seeds:Tensor):
@@ -134,12 +130,12 @@ def _kernel(storage, core, device):
 def _adam(fn, calls:list, storage) -> bool:
     """Each of `calls` (`(weights, grads, grad_avg, sqr_avg, scalars)`, each over a storage of its own: a view's offset
     would compile a graph per offset) stepped by `fn`, with its seeds. False, nothing done, where compiling failed."""
-    seeds = torch.randint(0, 2**31, (len(calls), 2), generator=storage.generator)
+    seeds, done = torch.randint(-2**31, 2**31, (len(calls), 2), generator=storage.generator).int(), 0
     try:
         with _quiet():
-            for i, (call, seed) in enumerate(zip(calls, seeds)): fn(*call, seed)
+            for call, seed in zip(calls, seeds): fn(*call, seed); done += 1
     except Exception as e:  # no C++ compiler: the usual step from now on (when nothing was stepped yet)
-        if i: raise
+        if done: raise
         COMPILE[calls[0][0].device.type] = False
         warnings.warn(f"bf16 optimizer state: torch.compile of the fused Adam step failed ({type(e).__name__}: "
                       f"{str(e)[:200]}); stepping as usual (slower). `fp16cb.storage.fused16.COMPILE['cpu'] = False` "

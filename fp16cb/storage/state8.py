@@ -126,15 +126,19 @@ def _upper(y:Tensor, starts:Tensor) -> Tensor:
     e = starts[_key16(y)]
     return (e & 0xFF).int() + ((e >> 32).int().view(torch.float32) < y).int()
 
-def _uniform(shape, key:Tensor) -> Tensor:
-    """Uniform draws in [0, 1) (24 bits each), one per element of `shape`: a bijective integer hash (Wellons'
-    `lowbias32`) of each element's index XOR `key` (int32, one element, drawn uniform over all 2^32 values). Each
-    element's draw is then exactly uniform over the 2^24 values (a bijection of a uniform key), and independent from
-    one key to the next: computed where they are used, inside the compiled graph, with no tensor of draws."""
-    h = torch.arange(shape[0] * shape[1], dtype=torch.int32, device=key.device).view(shape) ^ key
+def hash32(idx:Tensor, key:Tensor) -> Tensor:
+    """A bijective integer hash (Wellons' `lowbias32`) of each of `idx` (int32) XOR `key` (int32, drawn uniform over
+    all 2^32 values): each element's 32 bits then exactly uniform (a bijection of a uniform key), and independent from
+    one key to the next. Random draws computed where they are used, inside a compiled graph, with no tensor of draws
+    (8-bit state's stochastic choice, bf16 state's dither in `fused16`)."""
+    h = idx ^ key
     h = (h ^ ((h >> 16) & 0xFFFF)) * 0x7FEB352D  # (int32 products wrap: the hash's arithmetic modulo 2^32)
     h = (h ^ ((h >> 15) & 0x1FFFF)) * -0x7B935975
-    h = h ^ ((h >> 16) & 0xFFFF)
+    return h ^ ((h >> 16) & 0xFFFF)
+
+def _uniform(shape, key:Tensor) -> Tensor:
+    "Uniform draws in [0, 1) (24 bits each), one per element of `shape`: `hash32` of each element's index."
+    h = hash32(torch.arange(shape[0] * shape[1], dtype=torch.int32, device=key.device).view(shape), key)
     return ((h >> 8) & 0xFFFFFF).float() * 2.0 ** -24
 
 def _quantize_rows_stochastic(x:Tensor, qmap:Tensor, key:Tensor, starts:Tensor, pairs:Tensor) -> tuple:
