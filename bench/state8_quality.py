@@ -45,9 +45,9 @@ from bench.workloads import make_data, WORKLOADS, CPU_SCALE
 __all__ = ['MODES', 'QUALITY_MODES', 'SPEED_MODES', 'TASKS', 'SPEED_WORKLOADS', 'run_quality', 'run_speed', 'main']
 
 class Fused16(Callback):
-    """bf16 state's compiled Adam step (`fp16cb.storage.fused16`) on (`on=True`) or off during this learner's fits,
-    whatever its default for the model's device is (on for a CPU, off elsewhere until measured there): the two side by
-    side in one run (`bf16-state16-usual`, `bf16-state16-compiled`)."""
+    """The compiled Adam steps (`fp16cb.storage.fused16`: bf16 state's, `half_storage`'s) on (`on=True`) or off during
+    this learner's fits, whatever their default for the model's device is (on for a CPU, off elsewhere until measured
+    there): the two side by side in one run (`bf16-state16-usual`/`-compiled`, `bf16-half-usual`/`-compiled`)."""
     order = -100
     def __init__(self, on:bool): self.on, self.was = on, None
     def before_fit(self):
@@ -66,6 +66,8 @@ MODES = {'fp32': lambda l: l,
          'bf16-state8': lambda l: l.to_bf16(state_dtype='8bit'),
          'fp16-state8': lambda l: l.to_fp16(state_dtype='8bit'),
          'bf16-half': lambda l: l.to_bf16(half_storage=True),
+         'bf16-half-usual': lambda l: l.to_bf16(half_storage=True).add_cb(Fused16(False)),
+         'bf16-half-compiled': lambda l: l.to_bf16(half_storage=True).add_cb(Fused16(True)),
          'bf16-half-state8': lambda l: l.to_bf16(half_storage=True, state_dtype='8bit'),
          'bf16-half-sib-state8': lambda l: l.to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')}
 CALLS = {'fp32': 'FP32 (no mixed precision)', 'bf16': 'to_bf16() (FP32 state)',
@@ -73,7 +75,10 @@ CALLS = {'fp32': 'FP32 (no mixed precision)', 'bf16': 'to_bf16() (FP32 state)',
          'bf16-state16-usual': 'to_bf16(state_dtype=torch.bfloat16), the compiled Adam step off',
          'bf16-state16-compiled': 'to_bf16(state_dtype=torch.bfloat16), the compiled Adam step on',
          'fp16-state8': "to_fp16(state_dtype='8bit')",
-         'bf16-half': "to_bf16(half_storage=True)", 'bf16-half-state8': "to_bf16(half_storage=True, state_dtype='8bit')",
+         'bf16-half': "to_bf16(half_storage=True)",
+         'bf16-half-usual': 'to_bf16(half_storage=True), the compiled Adam step off',
+         'bf16-half-compiled': 'to_bf16(half_storage=True), the compiled Adam step on',
+         'bf16-half-state8': "to_bf16(half_storage=True, state_dtype='8bit')",
          'bf16-half-sib-state8': "to_bf16(half_storage=True, step_in_backward=True, state_dtype='8bit')"}
 STATE8 = ('bf16-state8', 'fp16-state8', 'bf16-half-state8', 'bf16-half-sib-state8')
 

@@ -269,9 +269,10 @@ def _trained(compiled:bool, monkeypatch, epochs=2, sib=False, **kw):
     from fp16cb.storage import fused16
     monkeypatch.setitem(fused16.COMPILE, 'cpu', compiled)
     calls, compiled = [], fused16._compiled  # calls: the size of each run the compiled step stepped
-    def counted(dev):
-        fn = compiled(dev)
-        return None if fn is None else lambda *a: calls.append(a[0].numel()) or fn(*a)
+    def counted(dev, kernel=fused16._adam16):
+        fn = compiled(dev, kernel)
+        if fn is None or kernel is not fused16._adam16: return fn
+        return lambda *a: calls.append(a[0].numel()) or fn(*a)
     monkeypatch.setattr(fused16, '_compiled', counted)
     learn = make_learner(model=_adam_model(), opt_func=Adam, device='cpu', splitter=_one_group, **kw)
     quiet_fit(learn.to_bf16(state_dtype=BF16, step_in_backward=sib), epochs, lr=1e-2, one_cycle=True)

@@ -31,7 +31,7 @@ from ..weights.drivers import _same_order
 from ..weights.layout import spans, shared, memory_order
 from .state8 import _quiet, hash32
 
-__all__ = ['COMPILE', 'is_adam', 'adam_run', 'adam_param']
+__all__ = ['COMPILE', 'is_adam', 'adam_run', 'adam_param', 'lifted_adam', 'lifted_param']
 
 COMPILE = {'cpu': True}  # device type -> whether bf16 state's Adam step runs compiled there (False: the usual step)
 _FN = {}
@@ -52,22 +52,33 @@ def _round16(x:Tensor, key:Tensor) -> Tensor:
     bits = (x.view(torch.int32) + noise) & -65536
     return bits.view(torch.float32).to(torch.bfloat16)
 
-def _adam16(p:Tensor, g:Tensor, m16:Tensor, v16:Tensor, c:Tensor, seeds:Tensor):
-    """fastai's Adam on the flat FP32 weights `p` (grads `g`), its moments `m16`, `v16` stored in bf16, all updated in
-    place. `c`: decay, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps, -lr/debias1 (as fastai computes them)."""
+def _moments(p:Tensor, g:Tensor, m:Tensor, v:Tensor, c:Tensor) -> tuple:
+    """fastai's Adam on the flat FP32 weights `p` (in place; grads `g`) from the FP32 moments `m`, `v`: the new moments.
+    `c`: decay, mom, 1-mom, sqr_mom, 1-sqr_mom, debias2, eps, -lr/debias1 (as fastai computes them)."""
     p.mul_(c[0])
-    m = m16.float() * c[1] + g * c[2]  # average_grad(dampening=True)
-    v = v16.float() * c[3] + g * g * c[4]  # average_sqr_grad
+    m = m * c[1] + g * c[2]  # average_grad(dampening=True)
+    v = v * c[3] + g * g * c[4]  # average_sqr_grad
     p.add_(c[7] * (m / ((v / c[5]).sqrt() + c[6])))  # adam_step
+    return m, v
+
+def _adam16(p:Tensor, g:Tensor, m16:Tensor, v16:Tensor, c:Tensor, seeds:Tensor):
+    "fastai's Adam (`_moments`), its moments `m16`, `v16` stored in bf16 and rounded back stochastically, in place."
+    m, v = _moments(p, g, m16.float(), v16.float(), c)
     m16.copy_(_round16(m, seeds[0]))
     v16.copy_(_round16(v, seeds[1]))
 
-def _compiled(device):
-    "The compiled `_adam16` for `device`'s type, or None where it is off or compiling failed."
+def _adam32(p:Tensor, g:Tensor, m:Tensor, v:Tensor, c:Tensor):
+    "fastai's Adam (`_moments`) with FP32 moments, all updated in place: a lifted run of 16-bit params (`lifted_adam`)."
+    m2, v2 = _moments(p, g, m, v, c)
+    m.copy_(m2)
+    v.copy_(v2)
+
+def _compiled(device, fn=_adam16):
+    "The compiled `fn` for `device`'s type, or None where the compiled steps are off there or compiling failed."
     kind = torch.device(device).type
     if not COMPILE.get(kind): return None
-    if kind not in _FN: _FN[kind] = torch.compile(_adam16, dynamic=True)
-    return _FN[kind]
+    if (fn, kind) not in _FN: _FN[(fn, kind)] = torch.compile(fn, dynamic=True)
+    return _FN[(fn, kind)]
 
 def _scalars(hyper:dict, scalars:dict) -> tuple:
     "`(c, step)`: `_adam16`'s scalars as fastai's callbacks compute them for this step, and the new step count."
@@ -130,16 +141,20 @@ def _kernel(storage, core, device):
 def _adam(fn, calls:list, storage) -> bool:
     """Each of `calls` (`(weights, grads, grad_avg, sqr_avg, scalars)`, each over a storage of its own: a view's offset
     would compile a graph per offset) stepped by `fn`, with its seeds. False, nothing done, where compiling failed."""
-    seeds, done = torch.randint(-2**31, 2**31, (len(calls), 2), generator=storage.generator).int(), 0
+    seeds = torch.randint(-2**31, 2**31, (len(calls), 2), generator=storage.generator).int()
+    return _call(fn, [(*call, seed) for call, seed in zip(calls, seeds)])
+
+def _call(fn, calls:list) -> bool:
+    "`fn(*call)` for each of `calls`: False, nothing done, where compiling failed (then off for the device type)."
+    done = 0
     try:
         with _quiet():
-            for call, seed in zip(calls, seeds): fn(*call, seed); done += 1
+            for call in calls: fn(*call); done += 1
     except Exception as e:  # no C++ compiler: the usual step from now on (when nothing was stepped yet)
         if done: raise
         COMPILE[calls[0][0].device.type] = False
-        warnings.warn(f"bf16 optimizer state: torch.compile of the fused Adam step failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); stepping as usual (slower). `fp16cb.storage.fused16.COMPILE['cpu'] = False` "
-                      "skips the attempt.")
+        warnings.warn(f"fp16cb: torch.compile of the fused Adam step failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "stepping as usual (slower). `fp16cb.storage.fused16.COMPILE['cpu'] = False` skips the attempt.")
         return False
     return True
 
@@ -186,4 +201,35 @@ def adam_param(storage, core, p, hyper:dict) -> bool:
     c, step = _scalars(hyper, st)
     if not _adam(fn, [(*(shared(memory_order(t)) for t in ts), c)], storage): return False
     st['step'] = step
+    return True
+
+def lifted_adam(core, stochastic:bool, device):
+    """The compiled step of a stretch of lifted params (`half_storage`: 16-bit weights lifted to FP32 in a scratch,
+    stepped, rounded back stochastically), for `weights.drivers.FusedRun.step`: `step(weights, grads, moments, scalars,
+    hyper)` steps the flat FP32 weights, grads and moments (`{key: flat tensor}`) in one pass and gives the new state
+    (None: it does not apply, the usual step). None when fastai optimizer `core` is not fastai's `Adam` with decoupled
+    weight decay, the weights round to nearest (bit for bit as fastai's eager step: kept so), or compiling is off on
+    `device`. The 16-bit rounding that follows dwarfs what the compiler's fusing changes (an FP32 rounding here and
+    there)."""
+    if not stochastic or not is_adam(core.cbs) or (fn := _compiled(device, _adam32)) is None: return None
+    def step(w:Tensor, g:Tensor, flat:dict, scalars:dict, hyper:dict) -> dict|None:
+        if (set(flat) != set(KEYS) or 'step' not in scalars or not set(scalars) <= SCALARS
+                or any(t.dtype != torch.float32 for t in flat.values())): return None
+        c, n = _scalars(hyper, scalars)
+        ts = (shared(t).detach() for t in (w, g, flat['grad_avg'], flat['sqr_avg']))  # (no `.grad`: dynamo guards it)
+        if not _call(fn, [(*ts, c)]): return None
+        return {**scalars, 'step': n, **flat}
+    return step
+
+def lifted_param(kernel, q:Tensor, st:dict, hyper:dict) -> bool:
+    """`q`, a 16-bit param lifted to FP32 with its grad (stepped on its own: in the backward), stepped by `kernel`
+    (`lifted_adam`'s) with its param's state `st`, each tensor in `q`'s memory order: whether it was (else nothing was
+    done: the usual step)."""
+    if kernel is None or q.grad is None or not st: return False
+    ts = {k: v for k, v in st.items() if isinstance(v, Tensor) and v.shape == q.shape}
+    if not all(_same_order(q, t) for t in (q.grad, *ts.values())): return False
+    new = kernel(memory_order(q), memory_order(q.grad), {k: memory_order(v) for k, v in ts.items()},
+                 {k: v for k, v in st.items() if k not in ts}, hyper)
+    if new is None: return False
+    st.update((k, v) for k, v in new.items() if k not in ts)
     return True

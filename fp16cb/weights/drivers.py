@@ -48,21 +48,23 @@ class FusedRun:
         for p in self.params: self.offsets.append(self.offsets[-1] + p.numel())
         self.parts = {}  # {(first, end): _Stretch}, kept from step to step (their state buffers with them)
 
-    def step(self, core, hyper:dict) -> list:
-        "Step the run's stretches of equal state, each as one flat tensor: returns the params stepped so."
+    def step(self, core, hyper:dict, kernel=None) -> list:
+        """Step the run's stretches of equal state, each as one flat tensor (`kernel`: a compiled step to try first,
+        `_Stretch.step`): returns the params stepped so."""
         if len(self.params) < 2: return []
         state, done, i = core.state, [], 0
+        limit = self.limit if kernel is None else float('inf')  # (one pass: no callback's pass to keep in the caches)
         sigs = [_signature(state[p], p) for p in self.params]
         n, off = len(self.params), self.offsets
         while i < n:
             j = i + 1
-            while j < n and sigs[i] is not None and sigs[j] == sigs[i] and off[j + 1] - off[i] <= self.limit: j += 1
+            while j < n and sigs[i] is not None and sigs[j] == sigs[i] and off[j + 1] - off[i] <= limit: j += 1
             if j - i > 1:
                 part = self.parts.get((i, j))
                 if part is None:  # new boundaries: the stretches they overlap go, with their buffers
                     self.parts = {k: v for k, v in self.parts.items() if k[1] <= i or k[0] >= j}
                     part = self.parts[(i, j)] = _Stretch(self, i, j)
-                part.step(core, hyper, [state[p] for p in self.params[i:j]], sigs[i])
+                part.step(core, hyper, [state[p] for p in self.params[i:j]], sigs[i], kernel)
                 done += self.params[i:j]
             i = j
         return done
@@ -84,17 +86,24 @@ class _Stretch:
         self.params, self.master, self.grad = run.params[first:end], run.master[a:b], run.grad[a:b]
         self.bufs, self.views = {}, {}
 
-    def step(self, core, hyper:dict, sts:list, sig:tuple):
-        "One update by fastai's callbacks of the stretch as one flat tensor, its state spread back into each param's."
+    def step(self, core, hyper:dict, sts:list, sig:tuple, kernel=None):
+        """One update by fastai's callbacks of the stretch as one flat tensor, its state spread back into each param's;
+        or by `kernel(weights, grads, {key: flat state}, scalars, hyper)`, which gives the new state (None: it did not
+        apply)."""
         scalars, keys = sig
         flat = {k: self._flat(k, sts) for k in keys}
+        st = None if kernel is None else kernel(self.master, self.grad, flat, scalars, hyper)
+        self._spread(self._callbacks(core, hyper, scalars, flat) if st is None else st, sts, flat)
+
+    def _callbacks(self, core, hyper:dict, scalars:dict, flat:dict) -> dict:
+        "fastai's callbacks on the stretch as one flat tensor: the new state."
         q = self.master
         q.grad = self.grad
         try:
             st = {**scalars, **flat}
             for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
         finally: q.grad = None
-        self._spread(st, sts, flat)
+        return st
 
     def _flat(self, k, sts:list) -> Tensor:
         """The flat buffer of state key `k`, whose views the params' states `sts` hold (when they don't: a buffer made,

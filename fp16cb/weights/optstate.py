@@ -139,13 +139,14 @@ def narrow_new(p, state:dict, full:dict, st:dict, q, storage):
         state[k] = storage.zeros_like(p, k)
         full[k], st[k] = sliced(p, {k: state[k]}, storage)[k], tmp[q][k]
 
-def sliced_update(core, p, hyper:dict, n:int, lift, land, storage=None):
+def sliced_update(core, p, hyper:dict, n:int, lift, land, storage=None, kernel=None):
     """fastai's update of `p` by an `elementwise` optimizer `core`, `n` elements at a time, in memory order: per slice
     `lift(slice)` gives the FP32 values to step (a slice of `p`'s master, or a copy of `p`'s) with their FP32 grad set,
     the optimizer's callbacks run on them and on the slice of `p`'s state, and `land(slice, values)` takes the stepped
     values while they are in the caches. The state stays `p`'s: tensors made by the first step are made whole, and a
     slice's step count is the param's (each slice counts the same step). `storage`: 16-bit state widened a slice at a
-    time (one slice's FP32 copy at the step's peak, not the param's); what the first step makes is narrowed after."""
+    time (one slice's FP32 copy at the step's peak, not the param's); what the first step makes is narrowed after.
+    `kernel`: a compiled step to try first on each slice (`drivers._Stretch.step`'s)."""
     state, n = core.state[p], (storage or PLAIN).aligned(n)
     full, rest = sliced(p, state, storage), {}
     for o in range(0, p.numel(), n):
@@ -153,7 +154,10 @@ def sliced_update(core, p, hyper:dict, n:int, lift, land, storage=None):
         q = lift(s)
         sl, w = slice_state(full, s, q, storage)
         st = {**state, **sl}
-        for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
+        new = None if kernel is None else kernel(q, q.grad, sl, {k: v for k, v in state.items() if k not in sl}, hyper)
+        if new is not None: st = new
+        else:
+            for cb in core.cbs: st = _update(st, cb(q, **{**st, **hyper}))
         narrow_slice(sl, st, q, storage, w)
         narrow_new(p, state, full, st, q, storage)
         rest = keep_slice(p, state, full, st, s, q.numel(), storage)
