@@ -10,7 +10,7 @@ this list (`tests/test_structure.py` checks the order):
   nearest or stochastically (`LiftedSteps`, `round_to`);
 - `state_storage`: the optimizer's state between steps (`StateStorage`): FP32, bfloat16 (rounded back stochastically)
   or 8-bit, widened to FP32 with its param for the step, and attached to an optimizer for a fit;
-- `fused16`: bf16 state's step of fastai's Adam, a run of params in one compiled pass (on a CPU);
+- `fused16`: fastai's Adam, a run of params in one compiled pass (on a CPU): bf16 state's step, `half_storage`'s;
 - `stored`: the stored state as a torch optimizer's step and whoever reads a state dict see it (`TorchHooks`,
   `fastai_state_dict`: FP32 copies);
 - `lazy`: FP32 tensors that a checkpoint writes one at a time (`Stream`), made as `torch.save` reaches them;

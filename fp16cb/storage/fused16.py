@@ -1,23 +1,32 @@
-"""bf16 state's step of fastai's Adam as one compiled pass per run of params, on a CPU. The usual step with bf16 state
-widens the moments to FP32 (a pass), runs fastai's callbacks on them (a pass each), then dithers and rounds them back
-(three passes): on a CPU, where every pass goes to memory and back, that is about 1.5x the step with FP32 state. Here
-one `torch.compile`d function reads the weights, the grads and the two bf16 moments once, and writes the weights and
-the moments once: fastai's Adam (decoupled weight decay, `average_grad` with dampening, `average_sqr_grad`,
-`adam_step`), its moments rounded back stochastically (as torchao compiles its optimizers' step per param).
+"""fastai's Adam as one compiled pass per run of params, on a CPU: bf16 state's step, and `half_storage`'s step of its
+lifted params. The usual step with bf16 state widens the moments to FP32 (a pass), runs fastai's callbacks on them (a
+pass each), then dithers and rounds them back (three passes): on a CPU, where every pass goes to memory and back, that
+is about 1.5x the step with FP32 state. Here one `torch.compile`d function reads the weights, the grads and the two
+moments once, and writes the weights and the moments once: fastai's Adam (decoupled weight decay, `average_grad` with
+dampening, `average_sqr_grad`, `adam_step`), bf16 moments rounded back stochastically (as torchao compiles its
+optimizers' step per param).
 
-- **When:** fastai's `Adam` with decoupled weight decay (its default) or none, on a CPU, state stored in bf16 and
-  rounded stochastically, a run of params (`weights.drivers.FusedRun`) whose states agree (the same step count and
-  flags, both moments there: not the first step) and lie one key after the other in memory (`_fresh`). Anything else
-  takes the usual step: other optimizers, the first step, a GPU (not measured there yet), rounding to nearest.
+- **When:** fastai's `Adam` with decoupled weight decay (its default) or none, on a CPU, with stochastic rounding, and
+  states that agree (the same step count and flags, both moments there: not the first step):
+  - bf16 state (`adam_run`, `adam_param`): a run of FP32 params (`weights.drivers.FusedRun`) whose bf16 moments lie one
+    key after the other in memory (`_fresh`), or a param stepped alone;
+  - `half_storage` (`lifted_adam`, `lifted_param`): a stretch of 16-bit params lifted to FP32 in the scratch (its state
+    FP32, or widened for the step), a slice of a big one, or one stepped in the backward. The 16-bit weights are
+    rounded back after it as after the usual step.
+  Anything else takes the usual step: other optimizers, the first step, a GPU (not measured there yet), rounding to
+  nearest (which keeps fastai's eager arithmetic bit for bit: an FP32 rounding could flip a nearest 16-bit value).
 - **The same arithmetic:** fastai's scalars are computed as fastai computes them (in Python, in double), and the
-  elementwise steps are fastai's, in its order: 99.8% of the weights come out bit for bit as fastai's eager step makes
-  them, the others within an FP32 rounding (the compiler fuses what eager rounds twice).
-- **Its own dither:** the noise of the stochastic rounding is the hash 8-bit state's quantizer draws with
+  elementwise steps are fastai's, in its order: 99.5% of the weights come out bit for bit as fastai's eager step makes
+  them, the others within an FP32 rounding (the compiler does not fuse a multiply and an add that eager fuses, and the
+  other way round).
+- **Its own dither:** the noise of bf16 state's stochastic rounding is the hash 8-bit state's quantizer draws with
   (`state8.hash32`) of each element's place and a key drawn from the rounding's generator per moment and call:
   exactly uniform 16-bit values, no table to gather from. Not the eager path's table of noise: other draws, as
   unbiased; the same on resume and on every rank.
-- **Compiled once:** dynamic shapes (one graph for every run's size), the scalars passed as a tensor (a new learning
-  rate compiles nothing). Where compiling fails (no C++ compiler), it warns once and the usual step goes on."""
+- **Compiled once:** dynamic shapes (one graph per kernel for every run's size), the scalars passed as a tensor (a new
+  learning rate compiles nothing), each run's memory as tensors over storages of their own (a view's offset, or a
+  `.grad` set, would make dynamo guard and compile again). Where compiling fails (no C++ compiler), it warns once and
+  the usual step goes on."""
 from __future__ import annotations
 import warnings, weakref
 from functools import partial

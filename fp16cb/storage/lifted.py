@@ -183,13 +183,13 @@ class LiftedSteps:
 
     def step_one(self, core, p, hyper:dict, f=None):
         """fastai's update of `p` alone (the step in the backward): lifted, stepped (its state keyed by `p`; fastai's
-        Adam by the compiled pass where it applies, `fused16.lifted_param`), landed; a param bigger than a slice, with an
-        elementwise optimizer, a slice at a time, its narrow state too."""
+        Adam by the compiled pass where it applies, `fused16.lifted_param`), landed; a param bigger than a slice, with
+        an elementwise optimizer, a slice at a time, its narrow state too."""
         if self._kinds(core)[0] and p.dtype in HALF_DTYPES and p.numel() > self._slice(p.device):
             return self._sliced(core, p, hyper, f)
         q = self.lift(p, f)
         with self.storage.lifted([p], core.state):
-            kernel = lifted_adam(core, self.stochastic, p.device) if q is not p else None  # (an FP32 param: eager)
+            kernel = lifted_adam(core, self.stochastic, p.device) if q is not p else None  # (FP32 param: eager)
             if not lifted_param(kernel, q, core.state.get(p), hyper): fastai_update(core, q, hyper, key=p)
         self.land(p, q)
 
