@@ -1,6 +1,6 @@
 """`half_storage` with fastai's Adam on a CPU: its 16-bit params lifted to FP32 a batch at a time, each stretch of them
-stepped by one compiled pass (`fp16cb.storage.fused16.lifted_adam`) instead of fastai's callbacks one pass each, and a
-param bigger than a slice a slice at a time, the same way. The rounding back to 16 bits, the loss scale, the clip and
+stepped by one compiled pass (`fp16cb.storage.fused16.lifted_adam`) instead of fastai's callbacks one pass each; a
+param bigger than a slice a slice at a time, and a param stepped in the backward, the same way. The rounding back to 16 bits, the loss scale, the clip and
 the state's storage are what they were; rounding to nearest keeps fastai's eager step, bit for bit."""
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch import nn
 from fastai.basics import Adam, Callback
 
 from fp16cb.callbacks import MixedPrecision
-from fp16cb.storage import fused16, lifted
+from fp16cb.storage import fused16
 from fp16cb.weights import loop
 from fp16cb.weights.optstate import opt_state
 from conftest import make_learner, quiet_fit
@@ -58,25 +58,11 @@ def test_half_storage_adam_steps_each_stretch_in_one_compiled_pass(monkeypatch, 
     for a, b in zip(opt_state(fused.opt).values(), opt_state(usual.opt).values()):
         assert a['step'] == b['step'] and a['grad_avg'].dtype == torch.float32
 
-def test_the_compiled_step_lifts_a_models_small_params_in_one_batch(monkeypatch):
-    """With the compiled step and FP32 state, small params are lifted together up to `lifted.COMPILED_BATCH` elements
-    (one pass: no callback's pass to keep in the caches), not a slice: here one batch a step where the slice (made
-    small) would make several. A param bigger than that is stepped a slice at a time, each slice by the compiled pass
-    too (here: the chunk made so small that every weight is sliced)."""
-    batches = []
-    real = lifted.LiftedSteps._step_batch
-    def count(self, core, b):
-        if b.ps: batches.append(len(b.ps))
-        return real(self, core, b)
-    monkeypatch.setattr(lifted.LiftedSteps, '_step_batch', count)
-    monkeypatch.setitem(loop.STATE_CHUNK, 'cpu', 2**10)  # a slice of 512 elements: the model is 4.5k
-    _, sizes = _fit(True, monkeypatch, epochs=1)
-    assert set(batches) == {14}, batches  # every param, each step
-    batches.clear()
-    _fit(False, monkeypatch, epochs=1)
-    assert len(batches) == 4 * 5 and max(batches) < 14, batches  # between the weights, each stepped a slice at a time
+def test_a_big_params_slices_take_the_compiled_pass(monkeypatch):
+    """A param bigger than a slice (half a chunk: here the chunk made so small that every param of 32 or more elements
+    is one) is lifted a slice at a time, each slice stepped by the compiled pass with its slice of the state, and lands
+    where the usual step's slices do."""
     monkeypatch.setitem(loop.STATE_CHUNK, 'cpu', 64)
-    monkeypatch.setitem(lifted.COMPILED_BATCH, 'cpu', 0)
     fused, sizes = _fit(True, monkeypatch)
     usual, _ = _fit(False, monkeypatch)
     assert set(sizes) == {32} and len(sizes) == 7 * 140, len(sizes)  # 140 slices of 32 each step, but the first
@@ -129,8 +115,7 @@ def test_the_compiled_lifted_step_compiles_once(monkeypatch):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     torch._dynamo.reset()
     monkeypatch.setattr(fused16, '_FN', {})
-    monkeypatch.setitem(loop.STATE_CHUNK, 'cpu', 256)
-    monkeypatch.setitem(lifted.COMPILED_BATCH, 'cpu', 0)
+    monkeypatch.setitem(loop.STATE_CHUNK, 'cpu', 256)  # (slices of 128, stretches of smaller params)
     _, sizes = _fit(True, monkeypatch, epochs=3, one_cycle=True)
     assert len(set(sizes)) > 2, sizes
     assert len(_debug_get_cache_entry_list(fused16._adam32.__code__)) == 1

@@ -20,9 +20,6 @@ from .fused16 import lifted_adam, lifted_param
 __all__ = ['LiftedSteps', 'Scratch', 'round_stochastic', 'round_fp16_stochastic_', 'round_to', 'HALF_DTYPES']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# Elements of small params lifted and stepped together where the compiled Adam step takes them (`fused16.lifted_adam`),
-# by device type: `mlp` half_storage's step went from 1.36x to 1.1x `to_bf16()`'s with 2^20 here (a scratch of 8 MiB)
-COMPILED_BATCH = {'cpu': 2**20}
 
 def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
     """`x` (FP32) rounded to `dtype`, up or down at random with the probabilities that make the result exact on
@@ -153,15 +150,6 @@ class LiftedSteps:
         "Elements of a param stepped at once in the scratch: half a chunk (its weights and grads fill one chunk)."
         return max(1, state_chunk(device) // 2)
 
-    def _batch_limit(self, core, device) -> int:
-        """Elements of small params stepped together (`_step_batch`): a slice; more (`COMPILED_BATCH`) where the
-        compiled step takes them with FP32 state (one pass: no callback's pass to keep in the caches, and fewer calls;
-        a narrow state is widened a batch at a time: a slice's then)."""
-        n = self._slice(device)
-        if self.storage.dtype is None and lifted_adam(core, self.stochastic, device) is not None:
-            n = max(n, COMPILED_BATCH.get(torch.device(device).type, 0))
-        return n
-
     # -- one param
     def lift(self, p, f):
         """What the optimizer steps for `p`: a 16-bit param's FP32 copy with its grad multiplied by `f` in FP32 (the
@@ -204,14 +192,13 @@ class LiftedSteps:
         """fastai's `Optimizer.step` on lifted params (the state stays keyed by the model's param). An elementwise
         optimizer steps in the scratch, no allocation: a 16-bit param of a slice or more a slice at a time, smaller ones
         together (`_step_batch`: lifted by one copy, rounded back by one)."""
-        batch, fast, limits = _Batch(), self._kinds(core)[1], {}
+        batch, fast = _Batch(), self._kinds(core)[1]
         for gi, (pg, hyper) in enumerate(zip(core.param_lists, core.hypers)):
             f = self.factor(gi)
             for p in pg:
                 if p.grad is None: continue
                 if fast and p.dtype in HALF_DTYPES:
-                    if p.device not in limits: limits[p.device] = self._batch_limit(core, p.device)
-                    n = limits[p.device]
+                    n = self._slice(p.device)
                     if p.numel() < n:
                         if not batch.takes(p, f, n): self._step_batch(core, batch); batch = _Batch()
                         batch.add(p, f, hyper); continue
