@@ -85,9 +85,9 @@ step bench "$PY" -m bench --device "$DEV" --json "$JSON" ${BENCH_ARGS:-}
 step bench-memory "$PY" -m bench --device "$DEV" --modes memory --opts adam --workloads lm --json "$OUT/bench_memory.json" ${BENCH_ARGS:-}
 step bench-compile "$PY" -m bench --device "$DEV" --compile --workloads lm --json "$OUT/bench_compile.json" ${BENCH_ARGS:-}
 # the optimizer step with bf16 and 8-bit state and with half_storage, beside torchao's (and bitsandbytes') AdamW8bit
-# (bf16 state's compiled Adam step is off on a GPU until measured there: `bf16-state16-compiled` measures it)
+# (the compiled Adam steps are off on a GPU until measured there: the `-compiled` modes measure them)
 step state8 "$PY" -m bench.state8_quality --parts speed --peers --device "$DEV" --json "$OUT/state8_speed_$DEV.json" \
-  --speed-modes fp32,bf16,bf16-state16,bf16-state16-compiled,bf16-state8,bf16-half
+  --speed-modes fp32,bf16,bf16-state16,bf16-state16-compiled,bf16-state8,bf16-half,bf16-half-compiled
 # opt-in (GPU_CHECK_STEPS=profile): where a step's time goes, mode by mode, at two chunk sizes of the lift (PROFILE_ARGS
 # replaces the arguments, e.g. PROFILE_ARGS="--workload lm --modes bf16 --lift-chunks 22,25")
 step profile "$PY" -m bench.profile_gpu --device "$DEV" ${PROFILE_ARGS:---workload resnet50 --lift-chunks 22,25 --opts adam,fused}
