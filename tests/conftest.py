@@ -122,6 +122,14 @@ def clones(ts): return [t.detach().clone() for t in ts]
 
 def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
 
+def assert_apart_less_than_moved(a, b, start, share=0.05):
+    """Each param of models `a` and `b` (FP32) apart by far less (`share`) than `b` moved from `start`: two fits whose
+    steps differ by roundings land together."""
+    for (n, x), y, s in zip(a.named_parameters(), b.parameters(), start.parameters()):
+        assert x.dtype == y.dtype == torch.float32, n
+        moved, apart = (y - s).norm(), (x - y).norm()
+        assert apart < share * moved, (n, apart.item(), moved.item())
+
 # short fits: fp16's dynamic scale starts lower than 2**24, so that its first steps do not overflow
 HALF_MODES = {'fp16': ('to_fp16', {'max_loss_scale': 2.**8}), 'bf16': ('to_bf16', {})}
 

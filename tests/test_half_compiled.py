@@ -11,7 +11,7 @@ from fp16cb.callbacks import MixedPrecision
 from fp16cb.storage import fused16
 from fp16cb.weights import loop
 from fp16cb.weights.optstate import opt_state
-from conftest import make_learner, quiet_fit
+from conftest import make_learner, quiet_fit, assert_apart_less_than_moved
 
 BF16 = torch.bfloat16
 
@@ -35,13 +35,6 @@ def _fit(compiled:bool, monkeypatch, meth='to_bf16', epochs=2, cbs=None, one_cyc
     quiet_fit(learn, epochs, lr=1e-2, one_cycle=one_cycle)
     return learn, sizes
 
-def _close(a, b, start):
-    "Each param of models `a` and `b` apart by far less than `b` moved from `start`."
-    for (n, x), y, s in zip(a.named_parameters(), b.parameters(), start.parameters()):
-        assert x.dtype == y.dtype == torch.float32, n
-        moved, apart = (y - s).norm(), (x - y).norm()
-        assert apart < 0.05 * moved, (n, apart.item(), moved.item())
-
 @pytest.mark.parametrize('meth,kw', [('to_bf16', {}), ('to_fp16', {'max_loss_scale': 2.**8}),
                                      ('to_bf16', {'state_dtype': BF16}), ('to_bf16', {'step_in_backward': True})],
                          ids=['bf16', 'fp16', 'bf16_state16', 'bf16_sib'])
@@ -54,7 +47,7 @@ def test_half_storage_adam_steps_each_stretch_in_one_compiled_pass(monkeypatch, 
     fused, sizes = _fit(True, monkeypatch, meth, **kw)
     usual, none = _fit(False, monkeypatch, meth, **kw)
     assert len(sizes) >= 2 * 7 and not none, sizes
-    _close(fused.model, usual.model, _model())
+    assert_apart_less_than_moved(fused.model, usual.model, _model())
     for a, b in zip(opt_state(fused.opt).values(), opt_state(usual.opt).values()):
         assert a['step'] == b['step'] and a['grad_avg'].dtype == torch.float32
 
@@ -66,7 +59,7 @@ def test_a_big_params_slices_take_the_compiled_pass(monkeypatch):
     fused, sizes = _fit(True, monkeypatch)
     usual, _ = _fit(False, monkeypatch)
     assert set(sizes) == {32} and len(sizes) == 7 * 140, len(sizes)  # 140 slices of 32 each step, but the first
-    _close(fused.model, usual.model, _model())
+    assert_apart_less_than_moved(fused.model, usual.model, _model())
 
 def test_rounding_to_nearest_keeps_fastais_eager_step_bit_for_bit(monkeypatch):
     """`stochastic_rounding=False`: the 16-bit weights are fastai's FP32 step rounded to nearest, which an FP32 rounding
@@ -85,7 +78,7 @@ def test_a_state_holding_more_than_adams_takes_the_usual_step(monkeypatch):
     fused, sizes = _fit(True, monkeypatch, cbs=[Undamped()])
     usual, _ = _fit(False, monkeypatch, cbs=[Undamped()])
     assert not sizes
-    _close(fused.model, usual.model, _model())
+    assert_apart_less_than_moved(fused.model, usual.model, _model())
 
 def test_the_compiled_lifted_step_is_fastais_arithmetic():
     """One compiled pass against fastai's own callbacks on FP32 weights and state: bit for bit but where the compiler

@@ -14,7 +14,7 @@ from fp16cb.dtypes import resolve_state_dtype
 from fp16cb.storage.state_storage import round_bf16_stochastic_
 from fp16cb.weights.optstate import opt_state
 from fp16cb.demos.experiments import make_learner as digits_learner, train
-from conftest import make_learner, quiet_fit, Record
+from conftest import make_learner, quiet_fit, assert_apart_less_than_moved, Record
 
 BF16 = torch.bfloat16
 
@@ -287,16 +287,9 @@ def test_fastai_adam_with_bf16_state_steps_in_one_compiled_pass_as_the_usual_ste
     fused, calls = _trained(True, monkeypatch)
     usual, _ = _trained(False, monkeypatch)
     assert len(calls) >= 7, calls  # every step after the first went the compiled way (8 steps)
-    _close(fused.model, usual.model, _adam_model())
+    assert_apart_less_than_moved(fused.model, usual.model, _adam_model())
     for a, b in zip(opt_state(fused.opt).values(), opt_state(usual.opt).values()):
         assert a['step'] == b['step'] and a['grad_avg'].dtype == torch.float32  # FP32 again after the fit
-
-def _close(a, b, start):
-    "Each param of models `a` and `b` apart by far less than `b` moved from `start`."
-    for (n, x), y, s in zip(a.named_parameters(), b.parameters(), start.parameters()):
-        assert x.dtype == y.dtype == torch.float32, n
-        moved, apart = (y - s).norm(), (x - y).norm()
-        assert apart < 0.05 * moved, (n, apart.item(), moved.item())
 
 @pytest.mark.parametrize('sib', [False, True])
 def test_a_param_stepped_alone_takes_the_compiled_adam_step_too(monkeypatch, sib):
@@ -307,7 +300,7 @@ def test_a_param_stepped_alone_takes_the_compiled_adam_step_too(monkeypatch, sib
     fused, calls = _trained(True, monkeypatch, sib=sib)
     usual, _ = _trained(False, monkeypatch, sib=sib)
     assert len(calls) >= 7 * 8 and max(calls) > 64, calls  # every param of every step after the first
-    _close(fused.model, usual.model, _adam_model())
+    assert_apart_less_than_moved(fused.model, usual.model, _adam_model())
 
 def test_the_compiled_adam_step_is_fastais_arithmetic_with_moments_rounded_stochastically():
     """One compiled step against fastai's own callbacks on FP32 state: the weights bit for bit but where the compiler
@@ -377,7 +370,7 @@ def test_a_state_holding_more_than_adams_takes_the_usual_step(monkeypatch):
     for compiled in (True, False):
         fits[compiled], calls = _trained(compiled, monkeypatch, cbs=[Undamped()])
         assert not calls
-    _close(fits[True].model, fits[False].model, _adam_model())
+    assert_apart_less_than_moved(fits[True].model, fits[False].model, _adam_model())
 
 def test_the_compiled_adam_step_keeps_no_dropped_grads_alive(monkeypatch):
     """Grads let go after a step (as a skipped step lets them go: `p.grad = None`, the fused loop told) leave no
