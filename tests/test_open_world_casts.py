@@ -233,6 +233,27 @@ def test_children_called_outside_the_forward_take_16bit_inputs_give_fp32_outputs
     finally: cb.teardown()
     assert not m.a._forward_pre_hooks and not learn.model._forward_pre_hooks and cb.entries is None
 
+@pytest.mark.parametrize('mode', list(HALF_MODES))
+def test_a_child_called_outside_the_forward_that_raises_gives_its_params_back(mode):
+    """A child called on its own mid-fit (as a GAN's loss calls the critic) whose forward raises: its FP32 Parameters
+    are back in its places at once, and its next call is cast as any outside call. Before: its 16-bit copies stayed
+    there and its call count stayed up until the next batch, so the next call in the same batch was taken for one
+    inside another, not cast: `mat1 and mat2 must have the same dtype`. Inside the model's forward the children carry
+    one pre-hook each; an outside call gets a forward hook of its own, gone before the next forward (before: two hooks
+    per child on every call; a 150-layer model's forward went 8.0 -> 7.7 ms)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    seen = []
+    class Outside(Callback):
+        def after_pred(self): seen.append(('forward', len(model[1]._forward_hooks)))
+        def after_loss(self):
+            w = model[1].weight
+            with pytest.raises(RuntimeError): model[1](torch.randn(2, 3, device=DEVICE))  # a wrong width: it raises
+            seen.append(('raised', model[1].weight is w, w.dtype, type(w).__name__))
+            seen.append(('next', model[1](torch.randn(2, 8, device=DEVICE)).dtype))
+    learn = to_mode(make_learner(model=model, splitter=lambda m: [list(m.parameters())]), mode)
+    quiet_fit(learn, 1, cbs=[Outside()])
+    assert set(seen) == {('forward', 0), ('raised', True, torch.float32, 'Parameter'), ('next', torch.float32)}, seen
+
 # ---- 12. AWD-LSTM with its embedding kept FP32
 def _lm(n=40, sl=8, vocab=20):
     seed_all(0)

@@ -170,6 +170,7 @@ class EntryCasts:
     No hook at all when the whole model is FP32 (its 16-bit parts are islands: cast on entry already)."""
     def __init__(self, model:nn.Module, res, dtype:torch.dtype, copies=None):
         self.dtype, self.handles, self.depth, self._outer = dtype, [], 0, None  # depth: the model's calls under way
+        self._out = None  # the forward hook of the outside call under way (or just ended: removed at the next)
         self.copies = copies  # the model keeps its FP32 params: a child called on its own computes with its copies
         root = uncompiled(model)
         if isinstance(root, (nn.DataParallel, nn.parallel.DistributedDataParallel)): root = uncompiled(root.module)
@@ -178,32 +179,40 @@ class EntryCasts:
         self._beside(root, res)
 
     def _outside(self, model:nn.Module, root:nn.Module, kept:dict):
-        "Hooks on the model (it counts its calls) and on its 16-bit children holding params (kept ones: cast already)."
+        """Hooks on the model (it counts its calls) and on its 16-bit children holding params (kept ones: cast already):
+        a pre-hook each, which within the model's forward only reads the count; an outside call gets a forward hook
+        of its own for its end (`_child_in`)."""
         kids = [c for c in root.children() if id(uncompiled(c)) not in kept and any(True for _ in c.parameters())]
         if not kids: return
-        # no `always_call` hooks: dynamo guards on their ids, and each fit's new ones would compile the model again;
-        # a forward that raised leaves the counts behind: `reset` (`ModelToHalf.before_batch`) clears them
+        # no `always_call` hooks on the model: dynamo guards on their ids, and each fit's new ones would compile the
+        # model again; a forward that raised leaves the counts behind: `reset` (`ModelToHalf.before_batch`) clears them
         self.handles += [ours(model.register_forward_pre_hook(self._enter, prepend=True)),
                          ours(model.register_forward_hook(self._leave))]
-        for c in kids:
-            self.handles += [ours(c.register_forward_pre_hook(self._child_in, with_kwargs=True)),
-                             ours(c.register_forward_hook(self._child_out))]
+        self.handles += [ours(c.register_forward_pre_hook(self._child_in, with_kwargs=True)) for c in kids]
 
     def _enter(self, module, args): self.depth += 1
     def _leave(self, module, args, out): self.depth = max(self.depth - 1, 0)
-    def reset(self): self.depth, self._outer = 0, None
+
+    def reset(self):
+        "No call under way; the forward hook of the last outside call gone (before the next forward: dynamo sees none)."
+        self.depth, self._outer = 0, None
+        if self._out is not None: self._out.remove(); self._out = None
 
     def _child_in(self, module, args, kwargs):
-        "The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are not)."
+        """The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are not),
+        and a forward hook for its end (always called: a forward that raises puts the params back too)."""
         # compiled: within the model's graph; in a backward: a recomputed forward, copies in place (`recompute`)
-        if torch.compiler.is_compiling() or self.depth or in_backward(): return None
+        if self.depth or torch.compiler.is_compiling() or in_backward(): return None
+        self.reset()
         self.depth, self._outer = 1, module
+        self._out = ours(module.register_forward_hook(self._child_out, prepend=True, always_call=True))  # (first)
         if self.copies is not None: self.copies.enter(module)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def _child_out(self, module, args, out):
-        if torch.compiler.is_compiling() or self._outer is not module: return None
-        self.reset()
+        "The outside call's end: the params back, its output in FP32 (the hook itself goes at the next `reset`)."
+        if self._outer is not module: return None
+        self.depth, self._outer = 0, None  # (not removed here: torch may be iterating over the module's hooks)
         if self.copies is not None: self.copies.leave()
         return cast_floats(out, torch.float32)
 
