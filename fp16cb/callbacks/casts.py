@@ -205,7 +205,7 @@ class EntryCasts:
         if self.depth or torch.compiler.is_compiling() or in_backward(): return None
         self.reset()
         self.depth, self._outer = 1, module
-        self._out = ours(module.register_forward_hook(self._child_out, prepend=True, always_call=True))  # (first)
+        self._out = ours(module.register_forward_hook(self._child_out, prepend=True, always_call=True))
         if self.copies is not None: self.copies.enter(module)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
