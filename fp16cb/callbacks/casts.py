@@ -199,8 +199,9 @@ class EntryCasts:
         if self._out is not None: self._out.remove(); self._out = None
 
     def _child_in(self, module, args, kwargs):
-        """The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are not),
-        and a forward hook for its end (always called: a forward that raises puts the params back too)."""
+        """The outermost call of a child outside the model's forward: its inputs cast (inside it, its siblings' are
+        not), and a forward hook for its end, before any other (always called: a forward that raises puts the params
+        back too)."""
         # compiled: within the model's graph; in a backward: a recomputed forward, copies in place (`recompute`)
         if self.depth or torch.compiler.is_compiling() or in_backward(): return None
         self.reset()
