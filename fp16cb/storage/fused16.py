@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_stat, adam_step, debias
 
 
-from ..weights.drivers import _same_order
+from ..weights.drivers import _same_order, is_param_state
 from ..weights.layout import spans, shared, memory_order
 from .state8 import _quiet, hash32
 
@@ -222,8 +222,7 @@ def lifted_adam(core, stochastic:bool, device):
     there)."""
     if not stochastic or not is_adam(core.cbs) or (fn := _compiled(device, _adam32)) is None: return None
     def step(w:Tensor, g:Tensor, flat:dict, scalars:dict, hyper:dict) -> dict|None:
-        if (set(flat) != set(KEYS) or 'step' not in scalars or not set(scalars) <= SCALARS
-                or any(t.dtype != torch.float32 for t in flat.values())): return None
+        if not _adams({**scalars, **flat}) or any(t.dtype != torch.float32 for t in flat.values()): return None
         c, n = _scalars(hyper, scalars)
         ts = (shared(t).detach() for t in (w, g, flat['grad_avg'], flat['sqr_avg']))  # (no `.grad`: dynamo guards it)
         if not _call(fn, [(*ts, c)]): return None
@@ -235,7 +234,7 @@ def lifted_param(kernel, q:Tensor, st:dict, hyper:dict) -> bool:
     (`lifted_adam`'s) with its param's state `st`, each tensor in `q`'s memory order: whether it was (else nothing was
     done: the usual step)."""
     if kernel is None or q.grad is None or not st: return False
-    ts = {k: v for k, v in st.items() if isinstance(v, Tensor) and v.shape == q.shape}
+    ts = {k: v for k, v in st.items() if is_param_state(v, q)}
     if not all(_same_order(q, t) for t in (q.grad, *ts.values())): return False
     new = kernel(memory_order(q), memory_order(q.grad), {k: memory_order(v) for k, v in ts.items()},
                  {k: v for k, v in st.items() if k not in ts}, hyper)

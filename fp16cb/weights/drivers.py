@@ -53,12 +53,11 @@ class FusedRun:
         `_Stretch.step`): returns the params stepped so."""
         if len(self.params) < 2: return []
         state, done, i = core.state, [], 0
-        limit = self.limit if kernel is None else float('inf')  # (one pass: no callback's pass to keep in the caches)
         sigs = [_signature(state[p], p) for p in self.params]
         n, off = len(self.params), self.offsets
         while i < n:
             j = i + 1
-            while j < n and sigs[i] is not None and sigs[j] == sigs[i] and off[j + 1] - off[i] <= limit: j += 1
+            while j < n and sigs[i] is not None and sigs[j] == sigs[i] and off[j + 1] - off[i] <= self.limit: j += 1
             if j - i > 1:
                 part = self.parts.get((i, j))
                 if part is None:  # new boundaries: the stretches they overlap go, with their buffers
