@@ -19,7 +19,7 @@ PKGS=(
   numpy==2.4.6 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 tzdata
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 pyparsing==3.3.2 pillow==13.0.0
   scipy==1.17.1 scikit-learn==1.9.1 joblib==1.6.0 threadpoolctl==3.8.0 narwhals==2.29.0
-  pytest==9.0.3 iniconfig==2.3.0 pluggy==1.6.0 hypothesis==6.155.2 attrs==26.1.0 sortedcontainers==2.4.0
+  pytest==9.0.3 pytest-xdist==3.8.0 execnet==2.1.2 iniconfig==2.3.0 pluggy==1.6.0 hypothesis==6.155.2 attrs==26.1.0 sortedcontainers==2.4.0
 )
 mkdir -p "$DIR"
 python3 -m pip download --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
