@@ -370,3 +370,28 @@ def test_a_penalty_on_the_grads_trains_as_in_fp32(mode):
     # (not the bias ahead of the BatchNorm: its grad is 0 in FP32, rounding noise in 16 bits)
     pick = lambda l: [p.detach() for n, p in l.model.named_parameters() if n != '0.bias']
     assert close(pick(learn), pick(ref))
+
+def test_each_forward_computes_with_the_tensors_the_modules_hold_now():
+    """The copies' plan is kept between forwards and read again when a place changes: a param replaced, a param frozen
+    (its copy made without autograd), a buffer made
+    float64 (a buffer of a 16-bit module is cast only from FP32)."""
+    from fp16cb.callbacks.copies import ComputeCopies
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0].register_buffer('scale', torch.ones(4))  # read by no forward: what a forward sees of it is its copy
+    copies, seen = ComputeCopies(model, kept=set(), dtype=torch.bfloat16), {}
+    def look(m, args): seen.update(w=m.weight, b=m.bias, scale=m.scale)
+    model[0].register_forward_pre_hook(look)
+    def forward():
+        seen.clear(); model(torch.randn(5, 3).bfloat16()); return dict(seen)
+    first = forward()
+    assert first['w'].dtype == torch.bfloat16 and first['w'].requires_grad and forward()['w'].grad_fn is not None
+    new = nn.Parameter(torch.full((4, 3), 0.5))
+    model[0].weight = new  # a param replaced under its name
+    assert torch.equal(forward()['w'].float(), new.detach())
+    model[0].bias.requires_grad_(False)  # frozen: its copy carries no grad
+    got = forward()
+    assert not got['b'].requires_grad and got['w'].requires_grad
+    assert got['scale'].dtype == torch.bfloat16
+    model[0].scale.data = model[0].scale.data.double()  # no longer FP32: not cast
+    assert forward()['scale'].dtype == torch.float64
+    copies.remove()

@@ -6,7 +6,7 @@ only carry the grads back) and puts them in the modules' places for that forward
 back. In the backward the copies' grads come back onto the FP32 params, a fused pass per device and dtype, divided
 by the loss scale on the way: `p.grad` is FP32 and unscaled, as FP32 fastai holds it, whoever reads it and whenever."""
 from __future__ import annotations
-import warnings, weakref
+import operator, warnings, weakref
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
@@ -151,6 +151,31 @@ def _plan(slots:list, dtype:torch.dtype) -> tuple:
         (grad if kind == '_parameters' and t.requires_grad else nograd).append((t, to))
     return grad, nograd, live
 
+class _Plans:
+    """`_plan` of a list of slots, read again only when it may differ: a place holds another tensor since (a param
+    replaced, deleted or registered), or one of the tensors changed dtype (`.data =`) or `requires_grad` (frozen,
+    unfrozen). A forward reads its plan in one pass over the places, not one `dtype_for` per tensor."""
+    def __init__(self, dtype:torch.dtype): self.dtype, self.memo = dtype, {}
+
+    def __call__(self, slots:list) -> tuple:
+        key, memo = id(slots), self.memo.get(id(slots))
+        if memo is not None:
+            dicts, names, ts, flags, res = memo
+            if all(map(operator.is_, map(dict.get, dicts, names), ts)) and _flags(ts) == flags: return res
+        res = _plan(slots, self.dtype)
+        dicts, names = [getattr(m, kind) for m, kind, _, _ in slots], [n for _, _, n, _ in slots]  # (the modules' own)
+        ts = list(map(dict.get, dicts, names))
+        self.memo[key] = (dicts, names, ts, _flags(ts), res)
+        return res
+
+    def clear(self): self.memo = {}
+
+_dtype, _requires = operator.attrgetter('dtype'), operator.attrgetter('requires_grad')
+
+def _flags(ts:list) -> tuple:
+    ts = [t for t in ts if t is not None]
+    return list(map(_dtype, ts)), list(map(_requires, ts))
+
 class ComputeCopies:
     """The copies the model computes with during a fit (module docstring). `dtype`: the compute dtype outside the FP32
     islands; `kept`: the ids of the modules that stay FP32 (`PrecisionPolicy.resolve(...).kept`)."""
@@ -158,6 +183,7 @@ class ComputeCopies:
         target = hook_target(model)
         self.dtype, self.sink, self.kept = dtype, sink or GradSink(), kept
         self.depth, self._live, self._cache, self._subsets, self._again = 0, None, None, {}, []
+        self._plans = _Plans(dtype)
         self.slots = self._slots(uncompiled(target))
         self._mods = {id(m) for m in uncompiled(target).modules()}
         # dynamo reads `.grad` of the tensors a compiled forward takes, which warns for copies (not leaves): quiet there
@@ -219,7 +245,7 @@ class ComputeCopies:
             self._quieted = warnings.catch_warnings()
             self._quieted.__enter__()
             warnings.filterwarnings('ignore', message='The .grad attribute of a Tensor that is not a leaf')
-        grad, nograd, live = _plan(self.slots if module is None else self._subset(module), self.dtype)
+        grad, nograd, live = self._plans(self.slots if module is None else self._subset(module))
         copies = self._make(grad, nograd, module is None)
         self._live = [(m, kind, n, t, copies[id(t)], copies[id(t)]._version) for m, kind, n, t in live]
         for m, kind, n, _, c, _ in self._live: getattr(m, kind)[n] = c
@@ -275,3 +301,4 @@ class ComputeCopies:
         self.recompute(False)
         for h in self.handles: h.remove()
         self.handles, self._cache, self._subsets = [], None, {}
+        self._plans.clear()
