@@ -16,14 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fastai.callback.core import Callback
 from fastai.torch_core import rank_distrib
 from fastcore.basics import noop
 
-from .distributed import is_fsdp, patch_fastai
+from .distributed import is_fsdp, is_dtensor, patch_fastai
 
 __all__ = ['is_fsdp', 'fsdp_units', 'ShardPolicy', 'ReduceSink', 'shard_model', 'full_state_dict',
            'load_full_state_dict', 'full_tensor', 'shard_like', 'DistributedData', 'gathered',
@@ -31,7 +29,7 @@ __all__ = ['is_fsdp', 'fsdp_units', 'ShardPolicy', 'ReduceSink', 'shard_model', 
 
 def fsdp_units(model:nn.Module) -> list:
     "The FSDP2 units of `model` (the modules `fully_shard` was called on), in `model.modules()`' order."
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if is_fsdp(m)]
 
 def _groups(unit) -> list: return list(unit._get_fsdp_state()._fsdp_param_groups)
 
@@ -39,7 +37,7 @@ def _owners(model:nn.Module) -> dict:
     "`{id(module): the FSDP2 unit whose all-gather holds its params}` (the module itself, or its nearest unit above)."
     res = {}
     def walk(m, unit):
-        unit = m if isinstance(m, FSDPModule) else unit
+        unit = m if is_fsdp(m) else unit
         res[id(m)] = unit
         for c in m.children(): walk(c, unit)
     walk(model, None)
@@ -49,7 +47,7 @@ def check_sharded(model:nn.Module, kept:dict, names:dict):
     """Every param of `model` is sharded (the root is a unit: a param outside every unit would train on each rank
     alone), and every module kept FP32 that holds params is a unit of its own: FSDP2 casts all the params of a unit
     together."""
-    if not isinstance(model, FSDPModule) or any(not isinstance(p, DTensor) for p in model.parameters()):
+    if not is_fsdp(model) or any(not is_dtensor(p) for p in model.parameters()):
         raise ValueError("this model is sharded with FSDP2 only in part: call `fully_shard(model)` on the root too "
                          "(after its layers), so that every param is sharded and its grads reduced across ranks.")
     owner = _owners(model)
@@ -68,6 +66,7 @@ class ShardPolicy:
     `restore` gives the user's back. The units are resharded first, and their all-gather buffers made again in the new
     dtype."""
     def __init__(self, model:nn.Module, kept:dict, dtype:torch.dtype, names:dict=None):
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # (imported already: the model is sharded)
         check_sharded(model, kept, names or {})
         self.units, self.dtype = fsdp_units(model), dtype
         self.saved = [(u, u._get_fsdp_state()._mp_policy) for u in self.units]
@@ -87,10 +86,10 @@ def _parents(model:nn.Module) -> dict:
     owner, res = _owners(model), {}
     for m in model.modules():
         for c in m.children():
-            if isinstance(c, FSDPModule): res[id(c)] = owner[id(m)]
+            if is_fsdp(c): res[id(c)] = owner[id(m)]
     return res
 
-def _set_policy(unit, policy:MixedPrecisionPolicy):
+def _set_policy(unit, policy):
     """`policy` on the FSDP2 unit `unit` and its param groups (torch has no public call to change a unit's policy
     after `fully_shard`): resharded, its params' dtypes set again, their all-gather buffers made anew at the next
     forward. A unit that has `policy` already is left as it is."""
@@ -144,6 +143,7 @@ def shard_model(
     """`model` sharded with FSDP2 as fp16cb computes with it: each module kept FP32 (BatchNorm, `keep_fp32`) a unit of
     its own, then each module of a class in `layers`, then the root. Call it before the learner makes its
     optimizer."""
+    from torch.distributed.fsdp import fully_shard  # (late: importing FSDP2 costs a second and more, `_loaded`)
     from .policy import PrecisionPolicy
     kept = PrecisionPolicy.make(keep_fp32).resolve(model, warn=False).kept
     if mesh is not None: kwargs['mesh'] = mesh
@@ -154,17 +154,18 @@ def shard_model(
         for c in m.children(): visit(c, k)
     visit(model, False)
     for m in list(model.modules())[:0:-1]:  # the innermost first, the root last
-        if isinstance(m, FSDPModule) or not any(True for _ in m.parameters()): continue
+        if is_fsdp(m) or not any(True for _ in m.parameters()): continue
         if id(m) in bounds or (layers and isinstance(m, layers)): fully_shard(m, **kwargs)
     return fully_shard(model, **kwargs)
 
 def full_tensor(t):
     "The whole of `t` (a DTensor: gathered from every rank, a collective), or `t`."
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 def shard_like(t:torch.Tensor, like):
     "The FP32 whole tensor `t` as `like`'s shards (a DTensor of its mesh and placements: this rank's part), or `t`."
-    if not isinstance(like, DTensor): return t
+    if not is_dtensor(like): return t
+    from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 def gathered(obj):
@@ -172,7 +173,7 @@ def gathered(obj):
     collective: every rank calls it, on the same structure)."""
     if isinstance(obj, dict): return type(obj)((k, gathered(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, '_fields'): return type(obj)(gathered(v) for v in obj)
-    return full_tensor(obj).detach() if isinstance(obj, DTensor) else obj
+    return full_tensor(obj).detach() if is_dtensor(obj) else obj
 
 def full_state_dict(model:nn.Module) -> dict:
     "`model.state_dict()` with every sharded tensor whole, on every rank (a collective: every rank calls it)."
@@ -182,9 +183,9 @@ def shard_state(state:dict):
     """An optimizer's state (`{param: {key: value}}`) loaded whole made this rank's shards: each tensor shaped like its
     sharded param becomes a DTensor of the param's placements (no communication: every rank read the whole file)."""
     for p, st in state.items():
-        if not isinstance(p, DTensor): continue
+        if not is_dtensor(p): continue
         for k, v in st.items():
-            if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape: st[k] = shard_like(v, p)
+            if torch.is_tensor(v) and not is_dtensor(v) and v.shape == p.shape: st[k] = shard_like(v, p)
 
 def load_full_state_dict(model:nn.Module, sd:dict, strict:bool=True):
     "A whole state dict (`full_state_dict`, or a one-process learner's) into the sharded `model`: each rank its part."

@@ -32,10 +32,10 @@ import warnings, weakref
 from functools import partial
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_stat, adam_step, debias
 
 
+from ..distributed import is_dtensor
 from ..weights.drivers import _same_order, is_param_state
 from ..weights.layout import spans, shared, memory_order
 from .state8 import _quiet, hash32
@@ -203,7 +203,7 @@ def adam_param(storage, core, p, hyper:dict) -> bool:
     """The one param `p` of fastai optimizer `core` (one too big for a run, or stepped in the backward) stepped by the
     compiled Adam, its moments stored in bf16 by `storage`: True when it was (else nothing was done)."""
     st = core.state.get(p)
-    if not _adams(st) or p.grad is None or isinstance(p, DTensor) or (fn := _kernel(storage, core, p.device)) is None:
+    if not _adams(st) or p.grad is None or is_dtensor(p) or (fn := _kernel(storage, core, p.device)) is None:
         return False
     ts = [p, p.grad, st['grad_avg'], st['sqr_avg']]
     if (any(t.dtype != BF16 for t in ts[2:]) or not all(_same_order(p, t) for t in ts[1:])): return False

@@ -21,10 +21,9 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from ..compat import MOVING_AVERAGES
-from ..distributed import local_shard, as_state_of
+from ..distributed import local_shard, as_state_of, is_dtensor
 from ..dtypes import EIGHT_BIT
 from ..weights.layout import flat_views, with_layout_of, own_storages, spans
 from ..weights.optstate import PlainState, opt_state, steps_param_by_param
@@ -214,7 +213,7 @@ class StateStorage(PlainState):
         plan = self._plans.get(key)
         if plan is None or not plan.holds(ds):
             # (whose DTensor a sharded param's state is: the model's own params, kept alive by it)
-            owner = {id(d): p for p, d in zip(params, ds) if d and isinstance(p, DTensor)}
+            owner = {id(d): p for p, d in zip(params, ds) if d and is_dtensor(p)}
             entries = _key_major([(d, k, v) for p, d in zip(params, ds) if d for k, v in d.items()
                                   if _is(k, v, p, self.dtype)])
             plan = self._plans[key] = _Plan(ds, entries, owner)
@@ -375,7 +374,7 @@ def _fresh(like:list, dsts:list, dtype) -> list:
     res, new = list(dsts), []
     for i, t in enumerate(dsts):
         if t is not None: continue
-        if isinstance(like[i], DTensor): res[i] = torch.empty_like(like[i], dtype=dtype)
+        if is_dtensor(like[i]): res[i] = torch.empty_like(like[i], dtype=dtype)
         else: new.append(i)
     for part in chunks(new, key=lambda i: like[i]):
         ts = [like[i] for i in part]

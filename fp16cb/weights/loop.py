@@ -13,8 +13,8 @@ import weakref
 from contextlib import nullcontext
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
+from ..distributed import is_dtensor
 from .drivers import FUSED, _same_order
 from .layout import memory_order
 from .optstate import elementwise, fastai_update, sliced_update
@@ -90,7 +90,7 @@ def step_one(core, p, hyper:dict, storage=None):
 def slices_well(p) -> bool:
     """Whether `p` is bigger than a chunk, its grad in its memory order (not an FSDP2 param: a DTensor is stepped
     whole, its shard being what this rank holds)."""
-    return p.numel() > state_chunk(p.device) and not isinstance(p, DTensor) and _same_order(p, p.grad)
+    return p.numel() > state_chunk(p.device) and not is_dtensor(p) and _same_order(p, p.grad)
 
 def slices(p) -> tuple:
     "`(lift, land)` for a sliced step of the model's own param `p`: a slice of it in memory order, with its grad's."
