@@ -85,3 +85,25 @@ def test_a_fits_params_are_laid_out_and_own_their_memory_after(updates):
         assert p.grad.untyped_storage().nbytes() == p.numel() * 4
     st = learn.opt.state[learn.model[2].weight]['grad_avg']
     assert st.untyped_storage().nbytes() == st.numel() * 4
+
+def _states(ps:list, **kinds) -> list:
+    "Adam-like states of `ps` (moments shaped like each, a step count), with the entries of `kinds` (`{i: {k: v}}`)."
+    res = [{'grad_avg': torch.zeros_like(p), 'sqr_avg': torch.zeros_like(p), 'step': 3} for p in ps]
+    for i, extra in kinds.get('extra', {}).items(): res[i].update(extra)
+    return res
+
+@pytest.mark.parametrize('case', ['alike', 'a step apart', 'keys in another order', 'a flag of its own',
+                                  'a tensor step count', 'a moment of another shape', '0-d moments', 'empty', 'floats'])
+def test_the_states_signatures_read_together_are_each_ones_own(case):
+    "The run's stretches (params of equal signatures) are the same whether the states are read together or one by one."
+    ps = [torch.randn(3, 3), torch.randn(4), torch.randn(2, 2), torch.randn(4)]
+    sts = {'alike': _states(ps), 'a step apart': _states(ps, extra={1: {'step': 4}}),
+           'keys in another order': _states(ps)[:1] + [dict(reversed(list(s.items()))) for s in _states(ps)[1:]],
+           'a flag of its own': _states(ps, extra={0: {'do_wd': False}}),
+           'a tensor step count': _states(ps, extra={2: {'step': torch.tensor(3)}}),
+           'a moment of another shape': _states(ps, extra={3: {'grad_avg': torch.zeros(2, 2)}}),
+           '0-d moments': [{'m': torch.zeros(())} for _ in ps], 'empty': [{} for _ in ps],
+           'floats': [{'x': 1.5}, {'x': 1.5}, {'x': 2.}, {'x': 1.5}]}[case]
+    alone, together = [drivers._signature(s, p) for s, p in zip(sts, ps)], drivers._signatures(sts, ps)
+    assert together == alone
+    assert [[a == b for b in together] for a in together] == [[a == b for b in alone] for a in alone]

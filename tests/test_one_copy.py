@@ -236,10 +236,10 @@ class WeightPenalty(Callback):
     """A penalty added to the loss from `learn.model.parameters()` in `after_loss` (outside the model's forward): L2, or
     a plain sum (whose grads are views of one scalar's, shared by all the params)."""
     order = 60
-    def __init__(self, kind='l2'): self.kind = kind
+    def __init__(self, kind='l2', first:int=None): self.kind, self.first = kind, first  # first: on the first n only
     def after_loss(self):
         if not self.training: return
-        ps = list(self.learn.model.parameters())
+        ps = list(self.learn.model.parameters())[:self.first]
         pen = sum((p ** 2).sum() for p in ps) if self.kind == 'l2' else sum(p.sum() for p in ps)
         self.learn.loss_grad = self.learn.loss_grad + 1e-1 * pen
 
@@ -250,6 +250,14 @@ def test_a_penalty_on_the_params_outside_the_forward_trains_as_in_fp32(kind):
     ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=WeightPenalty(kind))
     learn = make_learner(opt_func=SGD).to_fp16(loss_scale=2.**8, dynamic=False)
     quiet_fit(learn, 1, cbs=WeightPenalty(kind)); learn.to_fp32()
+    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
+
+def test_a_penalty_on_some_params_trains_as_in_fp32():
+    """The penalty on the first two params only: their copies' grads and the penalty's are summed then unscaled (a hook
+    for that backward), the others' unscaled as they arrive (one fused pass)."""
+    ref = learner('fp32', SGD); w0 = weights(ref); quiet_fit(ref, 1, cbs=WeightPenalty(first=2))
+    learn = make_learner(opt_func=SGD).to_fp16(loss_scale=2.**8, dynamic=False)
+    quiet_fit(learn, 1, cbs=WeightPenalty(first=2)); learn.to_fp32()
     assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
 
 # grads that other code computes outside fastai's backward: with `torch.autograd.grad`, or a backward of its own

@@ -7,6 +7,7 @@ back. In the backward the copies' grads come back onto the FP32 params, a fused 
 by the loss scale on the way: `p.grad` is FP32 and unscaled, as FP32 fastai holds it, whoever reads it and whenever."""
 from __future__ import annotations
 import operator, warnings, weakref
+from itertools import repeat
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
@@ -23,34 +24,60 @@ class GradSink:
     """Where the copies' grads arrive: in their sources' dtypes, divided by the loss scale of the backward that made
     them (`inv_scale`, set by the callback before each backward). The inf/NaN check reads `p.grad` at the step, which
     sees whatever else wrote into it too.
-    A loss-scaled fit (`hook`) divides the scale out on each param's way in instead, after autograd has summed what
-    reaches it: through the copies, and from code that uses the params outside the forward (a penalty on the weights
-    in the loss), so that every part of `p.grad` is unscaled, as FP32 fastai's."""
+    A loss-scaled fit (`hook`) divides the scale out of every part of `p.grad`, as FP32 fastai's is unscaled: the
+    copies' grads in one fused pass as they arrive; a param that the backward reaches some other way too (code that
+    uses the params outside the forward: a penalty on the weights in the loss), found by a walk of the loss's graph as
+    the backward begins, after autograd has summed what reaches it, by a hook for that backward (its copy's grad left
+    scaled then)."""
     inv_scale, scaled = 1., False
 
-    def __init__(self): self.hooks, self._mine = {}, {}
+    def __init__(self): self.watched, self.hooks, self.others, self._mine = {}, [], set(), {}
 
     def begin(self, scale:float, loss:torch.Tensor|None=None):
         """The backward of `loss`, scaled by `scale`, is coming: its grads arrive divided by the scale, until it ends
         (autograd's engine calls `end` then: a later backward or `torch.autograd.grad` of other code is not scaled)."""
         self.inv_scale, self._mine = 1. / scale, {}
+        self._drop()
         if scale != 1. and loss is not None and loss.grad_fn is not None:
             loss.grad_fn.register_prehook(self._started)  # (the scale's own product: the backward's first node)
+            if self.scaled: self._hook_others(loss.grad_fn)
 
     def _started(self, grad_outputs):
         torch.autograd.Variable._execution_engine.queue_callback(self.end)  # (the callback: as the backward ends)
 
-    def end(self): self.inv_scale = 1.
+    def end(self):
+        self.inv_scale = 1.
+        self._drop()
 
     def hook(self, params):
-        "Divide the scale out of each of `params`' grads as it reaches the param (once per param), from now on."
+        "From now on, the loss scale is divided out of every part of `params`' grads (the class docstring)."
+        ps = [p for p in params if p.requires_grad]
         self.scaled = True
-        for p in params:
-            if id(p) not in self.hooks and p.requires_grad: self.hooks[id(p)] = p.register_hook(self._unscale)
+        self.watched.update(zip(map(id, ps), map(weakref.ref, ps)))
 
     def unhook(self):
-        for h in self.hooks.values(): h.remove()
-        self.hooks, self.scaled = {}, False
+        self._drop()
+        self.watched, self.scaled = {}, False
+
+    def _drop(self):
+        for h in self.hooks: h.remove()
+        self.hooks, self.others = [], set()
+
+    def _hook_others(self, root):
+        """A hook for this backward on each watched param that the graph of `root` reaches other than through the
+        copies: a walk of the graph, which stops at the copies' nodes."""
+        seen, todo, watched = {root}, [root], self.watched
+        while todo:
+            for node, _ in todo.pop().next_functions:
+                if node is None or node in seen or isinstance(node, _CAST_NODE): continue
+                seen.add(node)
+                if not isinstance(node, _LEAF_NODE):
+                    todo.append(node)
+                    continue
+                p = node.variable
+                if (r := watched.get(id(p))) is not None and r() is p and id(p) not in self.others:
+                    self.others.add(id(p))
+                    self.hooks.append(p.register_hook(self._unscale))
 
     def _unscale(self, g):
         "A param's grad of this backward, all of it: divided by the scale (in place when it is one of ours)."
@@ -62,27 +89,40 @@ class GradSink:
         return g * self.inv_scale
 
     def arrive(self, grads:list, sources:tuple) -> list:
-        """The grads of the copies (None: unused) as the grads of their `sources`: in their dtypes, unscaled (or, with
-        the hooks, still scaled: `_unscale` divides them), one after the other in memory in the sources' own order in
-        memory (a fused step takes runs of both). Unscaled already (bf16), into sources that all hold a grad
-        (fastai's `zero_grad` zeroes them in place): as they are, autograd casting each to its source's dtype as it
-        adds it where that grad lies (no buffer of ours)."""
+        """The grads of the copies (None: unused) as the grads of their `sources`: in their dtypes, unscaled (a source
+        hooked for this backward: still scaled, its hook divides the sum), one after the other in memory in the
+        sources' own order in memory (a fused step takes runs of both). Unscaled already (bf16), into sources that all
+        hold a grad (fastai's `zero_grad` zeroes them in place): as they are, autograd casting each to its source's
+        dtype as it adds it where that grad lies (no buffer of ours)."""
+        inv, others = self.inv_scale, self.others
         if torch.is_grad_enabled():  # a backward that builds its own graph (`create_graph`): differentiable, no buffer
-            k = 1. if self.scaled else self.inv_scale
-            return [g if g is None else g.to(p.dtype) * k if k != 1. else g.to(p.dtype) for g, p in zip(grads, sources)]
-        if not self.scaled and self.inv_scale == 1. and all(
-                g is None or (not g.is_sparse and p.grad is not None) for g, p in zip(grads, sources)): return grads
-        res = [None] * len(grads)
-        idx = sorted((i for i, g in enumerate(grads) if g is not None), key=lambda i: sources[i].data_ptr())
+            return [g if g is None else g.to(p.dtype) * inv if inv != 1. and id(p) not in others else g.to(p.dtype)
+                    for g, p in zip(grads, sources)]
+        held = _held(grads, sources)
+        if inv == 1. and held: return grads
+        res, idx = [None] * len(grads), [i for i, g in enumerate(grads) if g is not None]
         if not idx: return res
+        if not held: idx.sort(key=lambda i: sources[i].data_ptr())  # (they become the grads: laid out as the params)
         srcs = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
         outs, flats = _consecutive(srcs, [sources[i].dtype for i in idx])
         torch._foreach_copy_(outs, srcs)
-        if self.scaled: self._mine.update((id(f), weakref.ref(f)) for f in flats)
-        elif self.inv_scale != 1.:
-            for ts in _by_device(outs).values(): torch._foreach_mul_(ts, self.inv_scale)
+        if others:  # (their hooks divide the sums: in place in our buffers)
+            self._mine.update((id(f), weakref.ref(f)) for f in flats)
+        if inv != 1. and not others:  # (the buffers hold the grads and nothing else: one pass each)
+            for f in flats: f.mul_(inv)
+        elif inv != 1.:
+            mine = [t for i, t in zip(idx, outs) if id(sources[i]) not in others]
+            for ts in _by_device(mine).values(): torch._foreach_mul_(ts, inv)
         for i, t in zip(idx, outs): res[i] = t
         return res
+
+_LEAF_NODE = torch._C._functions.AccumulateGrad  # (the node of a leaf's grad: a param's)
+_second, _sparse, _grad = operator.itemgetter(1), operator.attrgetter('is_sparse'), operator.attrgetter('grad')
+
+def _held(grads:list, sources:list) -> bool:
+    "Whether the grads that came (not None) are dense and their sources hold a grad (in C, not a loop per param)."
+    gs, ps = [g for g in grads if g is not None], [p for g, p in zip(grads, sources) if g is not None]
+    return not any(map(_sparse, gs)) and not any(map(operator.is_, map(_grad, ps), repeat(None)))
 
 def _consecutive(like:list, dtypes:list) -> list:
     """Empty tensors shaped and strided as `like`, in `dtypes`: views one after the other into one buffer per device
@@ -110,6 +150,8 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         return (None, None, *ctx.sink.arrive(list(gs), ctx.sources))
+
+_CAST_NODE = _Cast._backward_cls  # (a node of the copies' grads)
 
 def dtype_for(t:torch.Tensor, half:bool, dtype:torch.dtype):
     """The dtype of `t`'s copy in a forward (`half`: its module computes in 16-bit), None for no copy: FP32 floats
@@ -183,7 +225,7 @@ class ComputeCopies:
         target = hook_target(model)
         self.dtype, self.sink, self.kept = dtype, sink or GradSink(), kept
         self.depth, self._live, self._cache, self._subsets, self._again = 0, None, None, {}, []
-        self._plans = _Plans(dtype)
+        self._plans, self._watched = _Plans(dtype), None
         self.slots = self._slots(uncompiled(target))
         self._mods = {id(m) for m in uncompiled(target).modules()}
         # dynamo reads `.grad` of the tensors a compiled forward takes, which warns for copies (not leaves): quiet there
@@ -216,11 +258,13 @@ class ComputeCopies:
         elements in the modules' order, an autograd node each: the backward brings a bucket's grads to FP32 once it
         has passed the bucket's modules, and its 16-bit grads go, so that they never all live at once."""
         if torch.is_grad_enabled() and grad:
-            if self.sink.scaled: self.sink.hook([t for t, _ in grad])  # made trainable since: hooked too
+            if self.sink.scaled and grad is not self._watched:  # (a plan of params, new or made trainable since)
+                self.sink.hook([t for t, _ in grad])
+                self._watched = grad
             self._cache, copies = None, {}
             for b in _buckets(grad, BUCKET):
                 srcs = [t for t, _ in b]
-                copies.update(zip(map(id, srcs), _Cast.apply(self.sink, tuple(dt for _, dt in b), *srcs)))
+                copies.update(zip(map(id, srcs), _Cast.apply(self.sink, tuple(map(_second, b)), *srcs)))
             rest = nograd
         else: copies, rest = {}, grad + nograd
         if rest: copies.update(self._nograd(rest, cache=whole and not copies))

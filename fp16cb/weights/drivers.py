@@ -13,6 +13,7 @@ What steps on its own, as fastai would: a param whose scalar state differs from 
 a param whole (LAMB, LARC: not `elementwise`)."""
 from __future__ import annotations
 import operator, weakref
+from itertools import repeat
 import torch
 from torch import Tensor
 from fastai.optimizer import _update
@@ -53,7 +54,8 @@ class FusedRun:
         `_Stretch.step`): returns the params stepped so."""
         if len(self.params) < 2: return []
         state, done, i = core.state, [], 0
-        sigs = [_signature(state[p], p) for p in self.params]
+        sts = list(map(state.__getitem__, self.params))
+        sigs = _signatures(sts, self.params)
         n, off = len(self.params), self.offsets
         while i < n:
             j = i + 1
@@ -63,7 +65,7 @@ class FusedRun:
                 if part is None:  # new boundaries: the stretches they overlap go, with their buffers
                     self.parts = {k: v for k, v in self.parts.items() if k[1] <= i or k[0] >= j}
                     part = self.parts[(i, j)] = _Stretch(self, i, j)
-                part.step(core, hyper, [state[p] for p in self.params[i:j]], sigs[i], kernel)
+                part.step(core, hyper, sts[i:j], sigs[i], kernel)
                 done += self.params[i:j]
             i = j
         return done
@@ -77,6 +79,27 @@ def _signature(st:dict, p) -> tuple|None:
         elif isinstance(v, Tensor): return None
         else: scalars[k] = v
     return scalars, tuple(keys)
+
+_shape = operator.attrgetter('shape')
+
+def _signatures(sts:list, ps:list) -> list:
+    """`_signature` of each param's state (`sts`, of `ps`), read a key at a time over all of them where every state
+    holds the first one's keys in its order and each key is param-shaped tensors for all or a tensor for none (what an
+    optimizer's states are): a few passes over the params in C, not a loop in Python per param and key (1 ms a step
+    on the 300-param model); else param by param."""
+    shapes = list(map(_shape, ps))
+    order = list(sts[0]) if sts else []
+    if not all(shapes) or not all(map(operator.eq, map(list, sts), repeat(order))):
+        return list(map(_signature, sts, ps))
+    keys, names, vals = [], [], []
+    for k in order:
+        vs = list(map(operator.itemgetter(k), sts))
+        tensors = sum(map(isinstance, vs, repeat(Tensor)))
+        if tensors == len(vs) and list(map(_shape, vs)) == shapes: keys.append(k)
+        elif tensors: return list(map(_signature, sts, ps))
+        else: names.append(k); vals.append(vs)
+    scalars = map(dict, map(zip, repeat(names), zip(*vals) if vals else repeat((), len(ps))))
+    return list(zip(scalars, repeat(tuple(keys))))
 
 class _Stretch:
     "Params `first:end` of a `FusedRun`: its flat views, and one flat buffer per state key whose views the params hold."
