@@ -205,12 +205,22 @@ class _Plans:
             dicts, names, ts, flags, res = memo
             if all(map(operator.is_, map(dict.get, dicts, names), ts)) and _flags(ts) == flags: return res
         res = _plan(slots, self.dtype)
+        res += _layout(res)
         dicts, names = [getattr(m, kind) for m, kind, _, _ in slots], [n for _, _, n, _ in slots]  # (the modules' own)
         ts = list(map(dict.get, dicts, names))
         self.memo[key] = (dicts, names, ts, _flags(ts), res)
         return res
 
     def clear(self): self.memo = {}
+
+def _layout(plan:tuple) -> tuple:
+    """`(buckets, places)` of a `_plan`, what each forward of it does, worked out once: the trainable params' buckets
+    (`(sources, their copies' dtypes)`), and the places to swap, `(dicts, names, sources, indices of the buffers)`."""
+    grad, _, live = plan
+    buckets = [([t for t, _ in b], tuple(map(_second, b))) for b in _buckets(grad, BUCKET)]
+    places = ([getattr(m, kind) for m, kind, _, _ in live], [n for _, _, n, _ in live], [t for *_, t in live],
+              [i for i, (_, kind, _, _) in enumerate(live) if kind == '_buffers'])
+    return buckets, places
 
 _dtype, _requires = operator.attrgetter('dtype'), operator.attrgetter('requires_grad')
 
@@ -253,7 +263,7 @@ class ComputeCopies:
             self._subsets[key] = [s for s in self.slots if id(s[0]) in mods]
         return self._subsets[key]
 
-    def _make(self, grad:list, nograd:list, whole:bool) -> dict:
+    def _make(self, grad:list, nograd:list, buckets:list, whole:bool) -> dict:
         """`{id(source): copy}` (`whole`: of the whole model). The trainable params' copies in buckets of about `BUCKET`
         elements in the modules' order, an autograd node each: the backward brings a bucket's grads to FP32 once it
         has passed the bucket's modules, and its 16-bit grads go, so that they never all live at once."""
@@ -262,9 +272,7 @@ class ComputeCopies:
                 self.sink.hook([t for t, _ in grad])
                 self._watched = grad
             self._cache, copies = None, {}
-            for b in _buckets(grad, BUCKET):
-                srcs = [t for t, _ in b]
-                copies.update(zip(map(id, srcs), _Cast.apply(self.sink, tuple(map(_second, b)), *srcs)))
+            for srcs, dtypes in buckets: copies.update(zip(map(id, srcs), _Cast.apply(self.sink, dtypes, *srcs)))
             rest = nograd
         else: copies, rest = {}, grad + nograd
         if rest: copies.update(self._nograd(rest, cache=whole and not copies))
@@ -289,10 +297,12 @@ class ComputeCopies:
             self._quieted = warnings.catch_warnings()
             self._quieted.__enter__()
             warnings.filterwarnings('ignore', message='The .grad attribute of a Tensor that is not a leaf')
-        grad, nograd, live = self._plans(self.slots if module is None else self._subset(module))
-        copies = self._make(grad, nograd, module is None)
-        self._live = [(m, kind, n, t, copies[id(t)], copies[id(t)]._version) for m, kind, n, t in live]
-        for m, kind, n, _, c, _ in self._live: getattr(m, kind)[n] = c
+        grad, nograd, _, buckets, places = self._plans(self.slots if module is None else self._subset(module))
+        copies = self._make(grad, nograd, buckets, module is None)
+        dicts, names, srcs, bufs = places
+        cs = list(map(copies.__getitem__, map(id, srcs)))
+        self._live = (places, cs, [cs[i]._version for i in bufs])
+        list(map(operator.setitem, dicts, names, cs))
 
     def leave(self):
         "The forward returns: the sources back in place (a buffer the forward changed gets the change)."
@@ -301,15 +311,16 @@ class ComputeCopies:
         quieted, self._quieted = self._quieted, None
         if quieted is not None: quieted.__exit__(None, None, None)
         if self._live is None: return
-        live, self._live = self._live, None
-        for m, kind, n, t, c, v in live:
-            getattr(m, kind)[n] = t
-            if kind == '_buffers' and c._version != v:
-                with torch.no_grad(): t.copy_(c)
+        ((dicts, names, srcs, bufs), cs, versions), self._live = self._live, None
+        list(map(operator.setitem, dicts, names, srcs))
+        for i, v in zip(bufs, versions):
+            if cs[i]._version != v:
+                with torch.no_grad(): srcs[i].copy_(cs[i])
 
     def sources(self) -> dict:
         "`{copy: its source}` of the copies in place now (mid-forward), for code that wants the FP32 truth of a module."
-        return {c: t for _, _, _, t, c, _ in self._live or ()}
+        if self._live is None: return {}
+        return dict(zip(self._live[1], self._live[0][2]))
 
     def recompute(self, on:bool=True):
         """From the forward's end to the backward's (`on`): a module of the model that runs inside a backward

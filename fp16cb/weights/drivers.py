@@ -200,11 +200,13 @@ FUSED = weakref.WeakKeyDictionary()  # a fastai optimizer -> its `FusedLoop`, wh
 class FusedLoop:
     """The `FusedRun`s of a fastai optimizer's params, remade when a param's or a grad's memory changed. The runs hold
     views of the memory they step, so an address seen again is the same memory, never a new tensor put there."""
-    def __init__(self): self._key, self._runs = None, []
+    def __init__(self): self._key, self._runs, self.n_grads = None, [], 0
 
     def runs(self, core) -> list:
-        "The `FusedRun`s of `core`'s params with a grad (those of the last step, when nothing moved since)."
+        """The `FusedRun`s of `core`'s params with a grad (those of the last step, when nothing moved since); how many
+        params have a grad: `n_grads`."""
         items = [(p, gi) for gi, pg in enumerate(core.param_lists) for p in pg if p.grad is not None]
+        self.n_grads = len(items)
         key = [(p.data_ptr(), p.grad.data_ptr()) for p, _ in items]
         if key != self._key:  # runs in memory order (the step does not depend on the order of the params)
             pos = {id(p): i for i, (p, _) in enumerate(items)}

@@ -65,7 +65,9 @@ def fastai_step(self, closure=None):
                 if id(p) not in fused: fastai_update(self, p, self.hypers[run.gi])
         done.update(map(id, run.params))
         if storage is not None: run.parts.clear()  # their FP32 state buffers go: it is stored narrow between steps
-    rest = [(p, hyper) for p, _, _, hyper in self.all_params(with_grad=True) if id(p) not in done]
+    # (every param with a grad stepped in a run: none left, without reading them all again)
+    rest = [] if loop is not None and len(done) == loop.n_grads else [
+        (p, hyper) for p, _, _, hyper in self.all_params(with_grad=True) if id(p) not in done]
     if storage is None:
         for p, hyper in rest: fastai_update(self, p, hyper)
         return
