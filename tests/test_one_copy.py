@@ -260,6 +260,30 @@ def test_a_penalty_on_some_params_trains_as_in_fp32():
     quiet_fit(learn, 1, cbs=WeightPenalty(first=2)); learn.to_fp32()
     assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
 
+class DirectUse(nn.Module):
+    """A model whose forward also reads a param that it keeps outside its modules' slots (a plain list): the first
+    layer's bias, as a gain, FP32 (the slots hold the 16-bit copies then), the product cast back to the copies' dtype."""
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.gains = [self.body.bias]
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(torch.relu(h * (1 + self.gains[0]).to(h.dtype)))
+
+@pytest.mark.parametrize('meth', ['to_fp16', 'to_bf16'])
+def test_a_param_read_in_the_forward_outside_its_module_trains_as_in_fp32(meth):
+    """The bias reaches the loss through its copy and through the gain: both parts of its grad unscaled (a hook sums
+    then unscales them), the other params' copies unscaled as they arrive."""
+    def mk():
+        seed_all(0)  # (the model is made before `make_learner` seeds)
+        return make_learner(model=DirectUse(), opt_func=SGD, splitter=lambda m: [list(m.parameters())])
+    ref = mk(); w0 = weights(ref); quiet_fit(ref, 1)
+    learn = mk()
+    learn = learn.to_fp16(loss_scale=2.**8, dynamic=False) if meth == 'to_fp16' else learn.to_bf16()
+    quiet_fit(learn, 1); learn.to_fp32()
+    assert close([w - a for w, a in zip(weights(learn), w0)], [w - a for w, a in zip(weights(ref), w0)])
+
 # grads that other code computes outside fastai's backward: with `torch.autograd.grad`, or a backward of its own
 @pytest.mark.parametrize('mode', ['fp16', 'fp16-flat', 'bf16', 'fp16-half', 'bf16-sib'])
 def test_autograd_grad_of_the_loss_in_a_callback_is_fp32s(mode):
