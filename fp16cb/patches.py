@@ -49,6 +49,8 @@ CHANGES = (
     Change(Optimizer, 'step', weights.fastai_step,
            "fastai's loop over the params; a fit's laid-out params step a run at a time, as one flat tensor each, "
            "its state widened around each run when it is stored in 16 or 8 bits (`state_dtype`)"),
+    Change(Optimizer, 'zero_grad', weights.fastai_zero_grad,
+           "fastai's: the same in-place zeroing; a fit's laid-out params' grads a run at a time, one pass each"),
     Change(OptimWrapper, 'step', weights.wrapper_step,
            "new (fastai delegates it to the torch optimizer): the same call; while a fit stores the state in 16 or 8 "
            "bits, the torch optimizer steps a chunk of params at a time, their state widened around it"),

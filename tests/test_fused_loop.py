@@ -107,3 +107,58 @@ def test_the_states_signatures_read_together_are_each_ones_own(case):
     alone, together = [drivers._signature(s, p) for s, p in zip(sts, ps)], drivers._signatures(sts, ps)
     assert together == alone
     assert [[a == b for b in together] for a in together] == [[a == b for b in alone] for a in alone]
+
+class ZeroOps:
+    "Counts the aten ops of each `opt.zero_grad()` (fastai's own: a `zero_` per param; `detach_` is not one)."
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        self.calls, real = [], fastai.optimizer.Optimizer.zero_grad
+        counts = self.calls
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[-1] += 1
+                return func(*args, **(kwargs or {}))
+        def counted(opt):
+            counts.append(0)
+            with Count(): real(opt)
+        monkeypatch.setattr(fastai.optimizer.Optimizer, 'zero_grad', counted)
+
+@pytest.mark.parametrize('mode', ['bf16', 'fp16'])
+def test_zero_grad_clears_the_runs_grads_a_run_at_a_time(mode, monkeypatch):
+    """fastai's `zero_grad` zeroes each grad in place, an op a param (16 here); a fit's laid-out grads are zeroed a
+    run at a time (weights as one run, biases as another), with the very training of fastai's own loop."""
+    ops = ZeroOps(monkeypatch)
+    fused = weights(quiet_fit(learner(mode), 1, lr=1e-2))
+    assert ops.calls and max(ops.calls) <= 4, ops.calls
+    monkeypatch.setattr(drivers.FusedLoop, 'zero_grad', lambda self, core: False)  # fastai's loop, param by param
+    ops.calls.clear()
+    ref = weights(quiet_fit(learner(mode), 1, lr=1e-2))
+    assert min(ops.calls) >= 16
+    assert all(torch.equal(a, b) for a, b in zip(fused, ref))
+
+class Regrad(Callback):
+    """After each step, other code gives a param a grad of its own (`how`): a new tensor, one in a graph (as a backward
+    with `create_graph` leaves), or a view (which fastai's `zero_grad` refuses: `Can't detach views in-place`). Notes,
+    after fastai's `zero_grad`, whether every grad is zero, detached, and where it was."""
+    order = 60
+    def __init__(self, how): self.how, self.seen = how, []
+    def after_step(self):
+        p = self.learn.model[2].weight
+        if self.how == 'new': p.grad = p.grad.clone() + 1
+        elif self.how == 'graph': p.grad = torch.ones_like(p, requires_grad=True) * 2
+        else: p.grad = torch.ones(2 * p.numel())[:p.numel()].view_as(p)
+        self.ids = [id(q.grad) for q in self.learn.model.parameters()]
+    def after_batch(self):
+        gs = [q.grad for q in self.learn.model.parameters()]
+        self.seen.append((all(not g.any() for g in gs), any(g.requires_grad for g in gs),
+                          list(map(id, gs)) == self.ids))
+
+@pytest.mark.parametrize('how', ['new', 'graph', 'view'])
+@pytest.mark.parametrize('mode', ['fp32', 'bf16', 'fp16'])
+def test_zero_grad_clears_grads_other_code_gave_as_fastai_does(mode, how):
+    cb = Regrad(how)
+    if how == 'view':
+        with pytest.raises(RuntimeError, match="Can't detach views in-place"): quiet_fit(learner(mode), 1, cbs=cb)
+        return
+    quiet_fit(learner(mode), 1, lr=1e-2, cbs=cb)
+    assert cb.seen and all(s == (True, False, True) for s in cb.seen), cb.seen

@@ -12,14 +12,24 @@ from torch import Tensor
 
 from ..weights.loop import state_chunk, chunks
 from ..weights.drivers import FusedRun, flag_ranks
-from ..weights.optstate import fastai_update, opt_states, rekey, elementwise, steps_param_by_param, sliced_update
-from ..weights.layout import memory_order, flat_views, laid_out_as
+from ..weights.optstate import fastai_update, opt_states, elementwise, steps_param_by_param, sliced_update
+from ..weights.layout import memory_order, flat_views, with_layout_of
 from .state_storage import StateStorage, round_bf16_stochastic_, noise16
 from .fused16 import lifted_adam, lifted_param
 
 __all__ = ['LiftedSteps', 'Scratch', 'round_stochastic', 'round_fp16_stochastic_', 'round_to', 'HALF_DTYPES']
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+def laid_out_as(t:Tensor, like:Tensor) -> Tensor:
+    """`t` when its elements are in `like`'s memory order (the same strides), else a copy laid out as `like`: what a
+    step that reads both in memory order (a slice at a time) needs of a grad someone replaced with another layout."""
+    return t if tuple(t.stride()) == tuple(like.stride()) else with_layout_of(t, like)
+
+def rekey(states:list, a, b):
+    "`a`'s per-param state, in each of `states` that has some, keyed by `b` instead."
+    for st in states:
+        if a in st: st[b] = st.pop(a)
 
 def round_stochastic(x:Tensor, dtype:torch.dtype, generator=None) -> Tensor:
     """`x` (FP32) rounded to `dtype`, up or down at random with the probabilities that make the result exact on

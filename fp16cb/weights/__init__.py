@@ -8,8 +8,8 @@ on fastai's classes (`fp16cb.patches`) and reads the registries here (`loop`), w
   grads clipped by the norm over every rank's;
 - `params`: the model's own FP32 params as what the optimizer steps (`ModelParams`, the default: its forward computes
   with 16-bit copies), the `Stage` of a step, and fastai's `_step` counted (`counted_step`);
-- `loop`: fastai's optimizer steps during a fit (`fastai_step`, `wrapper_step`, `step_one`), and the registries where
-  storage precision joins them;
+- `loop`: fastai's optimizer steps during a fit (`fastai_step`, `wrapper_step`, `step_one`) and its `zero_grad`, and
+  the registries where storage precision joins them;
 - `drivers`: fastai's loop over a run of consecutive params as one flat tensor (`FusedRun`), the params laid out for it
   (`lay_out`), and the runs of a fit's optimizer (`FusedLoop`);
 - `functional`: fastai's original `get_master`, `to_master_grads`, `to_model_params`, `copy_clone`;
@@ -18,10 +18,11 @@ on fastai's classes (`fp16cb.patches`) and reads the registries here (`loop`), w
 - `layout`: flat buffers and their views, each keeping its tensor's strides."""
 from .layout import dense_strides, flat_views, flatten_like, owns_storage, with_layout_of, shared, own_storages
 from .functional import MASTERED, get_master, to_master_grads, to_model_params, copy_clone, check_unique_params
-from .loop import fastai_step, wrapper_step
+from .loop import fastai_step, fastai_zero_grad, wrapper_step
 from .params import ModelParams, Stage, counted_step
 from .sharded import ShardedParams
 
 __all__ = ['MASTERED', 'Stage', 'ShardedParams', 'check_unique_params', 'get_master', 'to_master_grads',
-           'to_model_params', 'copy_clone', 'ModelParams', 'counted_step', 'fastai_step', 'wrapper_step',
-           'dense_strides', 'flat_views', 'flatten_like', 'with_layout_of', 'owns_storage', 'shared', 'own_storages']
+           'to_model_params', 'copy_clone', 'ModelParams', 'counted_step', 'fastai_step', 'fastai_zero_grad',
+           'wrapper_step', 'dense_strides', 'flat_views', 'flatten_like', 'with_layout_of', 'owns_storage', 'shared',
+           'own_storages']

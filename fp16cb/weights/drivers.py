@@ -80,7 +80,7 @@ def _signature(st:dict, p) -> tuple|None:
         else: scalars[k] = v
     return scalars, tuple(keys)
 
-_shape = operator.attrgetter('shape')
+_shape, _grad, _requires = map(operator.attrgetter, ('shape', 'grad', 'requires_grad'))
 
 def _signatures(sts:list, ps:list) -> list:
     """`_signature` of each param's state (`sts`, of `ps`), read a key at a time over all of them where every state
@@ -168,9 +168,7 @@ def fused_runs(masters:list, views:list, groups:list) -> list:
     def close():
         if not cur: return
         ms, vs = [m for m, _, _ in cur], [v for _, v, _ in cur]
-        master = _span(ms)
-        grad = _span(vs)
-        runs.append(FusedRun([(m, gi) for m, _, gi in cur], master, grad))
+        runs.append(FusedRun([(m, gi) for m, _, gi in cur], _span(ms), _span(vs)))
     for m, v, gi in zip(masters, views, groups):
         if cur:
             pm, pv, pgi = cur[-1]
@@ -215,6 +213,18 @@ class FusedLoop:
             # stepped in the params' order, whatever their addresses: ranks draw their stochastic roundings alike
             self._runs, self._key = sorted(runs, key=lambda r: pos[id(r.params[0])]), key
         return self._runs
+
+    def zero_grad(self, core) -> bool:
+        """fastai's `zero_grad` of `core` as a pass over each run's grads, where the runs of the last step hold them all
+        and none is one that `detach_` changes or refuses (in a graph, a view); else False, nothing done."""
+        ps = [p for pg in core.param_lists for p in pg if p.grad is not None]
+        if self._key is None or [(p.data_ptr(), p.grad.data_ptr()) for p in ps] != self._key: return False
+        gs = list(map(_grad, ps))
+        if any(map(_requires, gs)) or any(map(Tensor._is_view, gs)): return False
+        for r in self._runs:
+            if len(r.params) > 1: r.grad.zero_()
+        if alone := [r.params[0].grad for r in self._runs if len(r.params) == 1]: torch._foreach_zero_(alone)
+        return True
 
     def forget(self):
         "Let the runs (and the grads' memory they view) go: the grads were dropped."

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 __all__ = ['dense_strides', 'memory_order', 'span_of', 'spans', 'flat_views', 'flatten_like', 'owns_storage',
-           'with_layout_of', 'shared', 'laid_out_as', 'split_like', 'own_storages']
+           'with_layout_of', 'shared', 'split_like', 'own_storages']
 
 def _contiguous_strides(shape) -> tuple:
     res, s = [], 1
@@ -92,11 +92,6 @@ def shared(t:Tensor, like:Tensor=None) -> Tensor:
     o = t.storage_offset()
     part = t.untyped_storage()[o * n:(o + t.numel()) * n]  # a storage over the buffer's memory
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(part, 0, t.shape, strides)
-
-def laid_out_as(t:Tensor, like:Tensor) -> Tensor:
-    """`t` when its elements are in `like`'s memory order (the same strides), else a copy laid out as `like`: what a
-    step that reads both in memory order (a slice at a time) needs of a grad someone replaced with another layout."""
-    return t if tuple(t.stride()) == tuple(like.stride()) else with_layout_of(t, like)
 
 def split_like(pg, flats):
     "Cut the params `pg` (in flat-master order) into the consecutive runs that each of `flats` holds."

@@ -1,11 +1,12 @@
-"""fastai's optimizer steps during a fit (the `Optimizer.step` and `OptimWrapper.step` rows of `fp16cb.patches`), and
-where the optimizer's storage precision (`fp16cb.storage`) joins them: registries keyed by the optimizer, which the
-storage's objects fill for a fit and empty after it. Without them, the steps are fastai's own:
+"""fastai's optimizer steps during a fit (the `Optimizer.step`, `Optimizer.zero_grad` and `OptimWrapper.step` rows of
+`fp16cb.patches`), and where the optimizer's storage precision (`fp16cb.storage`) joins them: registries keyed by the
+optimizer, which the storage's objects fill for a fit and empty after it. Without them, the steps are fastai's own:
 
 - fastai's loop (`fastai_step`): the runs of consecutive params first, each as one flat tensor (`drivers.FusedLoop`),
   then the other params one by one; with its state stored narrow (`STORED`), each run's and each chunk's state
   widened around its update (a chunk: `state_chunk` elements at most), a param bigger than a chunk a slice at a time
   (`optstate.sliced_update`) when the optimizer is elementwise; with 16-bit params (`HALF`), the storage's loop;
+- fastai's `zero_grad` (`fastai_zero_grad`): a pass over each run's grads (`drivers.FusedLoop.zero_grad`);
 - one param alone (`step_one`: the step in the backward);
 - a torch optimizer in fastai's `OptimWrapper` (`wrapper_step`): its own `step`, or the storage's (`TORCH`, `HALF`)."""
 from __future__ import annotations
@@ -19,8 +20,8 @@ from .drivers import FUSED, _same_order
 from .layout import memory_order
 from .optstate import elementwise, fastai_update, sliced_update
 
-__all__ = ['STORED', 'HALF', 'TORCH', 'STATE_CHUNK', 'state_chunk', 'chunks', 'fastai_step', 'step_one',
-           'slices_well', 'slices', 'wrapper_step']
+__all__ = ['STORED', 'HALF', 'TORCH', 'STATE_CHUNK', 'state_chunk', 'chunks', 'fastai_step', 'fastai_zero_grad',
+           'step_one', 'slices_well', 'slices', 'wrapper_step']
 
 STORED = weakref.WeakKeyDictionary()  # a fastai optimizer -> the `StateStorage` of its state, while a fit stores it
 # a fastai optimizer or `OptimWrapper` -> what steps its 16-bit params (`half_storage`: `storage.lifted.LiftedSteps`)
@@ -77,6 +78,12 @@ def fastai_step(self, closure=None):
             continue
         with lifted([p for p, _ in chunk]):
             for p, hyper in chunk: fastai_update(self, p, hyper)
+
+def fastai_zero_grad(self):
+    """fastai's `Optimizer.zero_grad`: every grad detached and zeroed in place; during a fit that laid its params out
+    (`FUSED`), a pass over each run's grads where the runs hold them all (`FusedLoop.zero_grad`)."""
+    if (loop := FUSED.get(self)) is not None and loop.zero_grad(self): return
+    for p, *_ in self.all_params(with_grad=True): p.grad.detach_().zero_()
 
 def step_one(core, p, hyper:dict, storage=None):
     """fastai's update of the one param `p` (the step in the backward), its state widened around it when it is stored

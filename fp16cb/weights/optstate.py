@@ -10,7 +10,7 @@ from fastai.optimizer import Optimizer, OptimWrapper, _BaseOptimizer, _update
 from ..compat import known_elementwise
 from .layout import memory_order, with_layout_of
 
-__all__ = ['copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'rekey', 'fastai_update',
+__all__ = ['copy_clone', 'innermost', 'wrapped', 'opt_state', 'opt_states', 'fastai_update',
            'steps_param_by_param', 'elementwise', 'PlainState', 'sliced_update', 'sliced', 'slice_state',
            'narrow_slice', 'narrow_new', 'keep_slice']
 
@@ -51,11 +51,6 @@ def opt_state(opt) -> dict:
     """The per-param state dict of `opt` that holds its moments: a fastai `OptimWrapper` keeps it in the wrapped torch
     optimizer, and a torch optimizer that wraps another (timm's `Lookahead`) in that one (`opt_states`)."""
     return opt_states(opt)[-1]
-
-def rekey(states:list, a, b):
-    "`a`'s per-param state, in each of `states` that has some, keyed by `b` instead."
-    for st in states:
-        if a in st: st[b] = st.pop(a)
 
 def copy_clone(d:dict) -> dict:
     "A detached FP32 clone of every tensor of the optimizer-state dict `d`, other values as they are."
