@@ -538,3 +538,11 @@ def test_the_state_step_benchmark_turns_the_compiled_adam_step_off_or_on_for_its
         learn = MODES[mode](make_learner(opt_func=Adam, cbs=[Look()]))
         quiet_fit(learn, 1)
     assert seen == [False] * 4 + [True] * 4 and fused16.COMPILE == before, (seen, fused16.COMPILE)
+
+def test_instruction_counts_read_callgrinds_totals_and_say_when_valgrind_is_missing(monkeypatch):
+    import shutil
+    from bench.instructions import totals, main
+    assert totals("events: Ir\nsummary: 0\ntotals: 2415852594\n") == 2415852594
+    with pytest.raises(ValueError, match='totals'): totals("events: Ir\n")
+    monkeypatch.setattr(shutil, 'which', lambda name: None)
+    with pytest.raises(SystemExit, match='valgrind'): main(['--workloads', 'book'])
