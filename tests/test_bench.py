@@ -546,3 +546,10 @@ def test_instruction_counts_read_callgrinds_totals_and_say_when_valgrind_is_miss
     with pytest.raises(ValueError, match='totals'): totals("events: Ir\n")
     monkeypatch.setattr(shutil, 'which', lambda name: None)
     with pytest.raises(SystemExit, match='valgrind'): main(['--workloads', 'book'])
+
+def test_phases_time_each_part_of_the_step_for_each_mode(capsys):
+    from bench.phases import main as phases_main, PHASES
+    phases_main(['--workload', 'book', '--modes', 'fp32,bf16', '--steps', '3', '--rounds', '1'])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(res) == {'fp32', 'bf16'}
+    assert all(len(v) == len(PHASES) and all(t > 0 for t in v) for v in res.values()), res
