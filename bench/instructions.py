@@ -19,7 +19,7 @@ def totals(text:str) -> int:
     return int(m.group(1))
 
 def count(workload:str, modes:list, steps:int, out:str):
-    "Inside callgrind: each mode's fit of `steps` batches counted on its own, dumped to `out`.<mode>."
+    "Inside callgrind: each mode's fit of `steps` batches counted on its own, dumped as `<out>-<mode>`."
     import torch
     torch.set_num_threads(1)
     from .run import _learner, _fit
@@ -34,14 +34,14 @@ def count(workload:str, modes:list, steps:int, out:str):
     for m in modes:
         ctl('-z'); ctl('-i', 'on')
         _fit(learners[m])
-        ctl('-i', 'off'); ctl('-d', f'{out}.{m}')
+        ctl('-i', 'off'); ctl('-d', f'{out}-{m}')  # (the dump's description: `Trigger: dump <out>-<mode>`)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--workloads', default='book', help="comma-separated `bench.workloads.WORKLOADS` keys")
     ap.add_argument('--modes', default='fp32,bf16,fp16', help="comma-separated `bench.modes.MODES` keys")
     ap.add_argument('--steps', type=int, default=10, help="training batches of the counted epoch (and one held out)")
-    ap.add_argument('--inside', help=argparse.SUPPRESS)  # (the run under valgrind: its dump files' prefix)
+    ap.add_argument('--inside', help=argparse.SUPPRESS)  # (the run under valgrind: its dumps' description)
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(',') if m]
     if a.inside: return count(a.workloads, modes, a.steps, a.inside)
@@ -50,15 +50,16 @@ def main(argv=None):
                          "(`apt install valgrind`)")
     for wl in [w for w in a.workloads.split(',') if w]:
         with tempfile.TemporaryDirectory() as d:
-            prefix = os.path.join(d, 'cg')
+            prefix = os.path.join(d, 'cg')  # (the dumps' files)
             cmd = ['valgrind', '--tool=callgrind', '--instr-atstart=no', f'--callgrind-out-file={prefix}.%p',
                    sys.executable, '-m', 'bench.instructions', '--workloads', wl, '--modes', ','.join(modes),
-                   '--steps', str(a.steps), '--inside', prefix]
+                   '--steps', str(a.steps), '--inside', 'fp16cb']
             subprocess.run(cmd, check=True, capture_output=True)
             per = {}
             for f in os.listdir(d):
-                m = re.search(r'^desc: Trigger: .*dump (\S+)$', open(os.path.join(d, f)).read(), re.M)
-                if m: per[m.group(1).rsplit('.', 1)[-1]] = totals(open(os.path.join(d, f)).read())
+                text = open(os.path.join(d, f)).read()
+                if m := re.search(r'^desc: Trigger: .*dump fp16cb-(\S+)$', text, re.M): per[m.group(1)] = totals(text)
+            if set(per) != set(modes): raise SystemExit(f"callgrind's dumps hold {sorted(per)}, not {modes}")
         base = per.get('fp32')
         for m in modes:  # (an epoch: `steps` training steps and the held-out batch's forward)
             print(f"{wl:6} {m:10} {per[m] / a.steps / 1e6:9.1f} M instructions a step"
